@@ -1,0 +1,78 @@
+"""The HAL core: contracts for adapters, devices, kernels and collectives.
+
+Plugins import the names re-exported here and nothing deeper. This package never imports
+torchhal's subsystems (kernels, distributed, evaluation, inference).
+"""
+
+from torchhal.hal_core.adapter import HAL_API_VERSION, DeviceTimer, HostTimer, VendorAdapter
+from torchhal.hal_core.capabilities import (
+    SCHEMA_VERSION,
+    CollectiveBandwidth,
+    DeclaredPeaks,
+    DeviceCapabilities,
+    DeviceRequirements,
+    DType,
+    Feature,
+    HealthReport,
+    HealthStatus,
+    Link,
+    LinkType,
+    MeasuredProfile,
+    MemoryInfo,
+    ProbeResult,
+    Topology,
+)
+from torchhal.hal_core.device import Device
+from torchhal.hal_core.errors import (
+    CollectiveError,
+    ConfigurationError,
+    DeviceNotFoundError,
+    DeviceOutOfMemoryError,
+    InvalidArgumentError,
+    KernelFailedError,
+    NoDeviceMatchesError,
+    PluginError,
+    TorchHALError,
+    UnknownOpError,
+    UnsupportedError,
+)
+from torchhal.hal_core.hookspecs import hookimpl
+from torchhal.hal_core.kernels import KernelRegistry, RejectionReason, Selection, Unsupported
+
+__all__ = [
+    "HAL_API_VERSION",
+    "SCHEMA_VERSION",
+    "CollectiveBandwidth",
+    "CollectiveError",
+    "ConfigurationError",
+    "DType",
+    "DeclaredPeaks",
+    "Device",
+    "DeviceCapabilities",
+    "DeviceNotFoundError",
+    "DeviceOutOfMemoryError",
+    "DeviceRequirements",
+    "DeviceTimer",
+    "Feature",
+    "HealthReport",
+    "HealthStatus",
+    "HostTimer",
+    "InvalidArgumentError",
+    "KernelFailedError",
+    "KernelRegistry",
+    "Link",
+    "LinkType",
+    "MeasuredProfile",
+    "MemoryInfo",
+    "NoDeviceMatchesError",
+    "PluginError",
+    "ProbeResult",
+    "RejectionReason",
+    "Selection",
+    "Topology",
+    "TorchHALError",
+    "Unsupported",
+    "UnsupportedError",
+    "VendorAdapter",
+    "hookimpl",
+]

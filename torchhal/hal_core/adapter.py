@@ -1,0 +1,118 @@
+"""VendorAdapter: the contract every vendor plugin implements.
+
+An adapter speaks for one vendor runtime. It reads that runtime only through its own probe
+object, so tests can hand it recorded facts, and it reports absent hardware as absent.
+"""
+
+from __future__ import annotations
+
+import abc
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, ClassVar, Protocol
+
+from torchhal.hal_core.capabilities import (
+    DeviceCapabilities,
+    HealthReport,
+    MemoryInfo,
+    ProbeResult,
+    Topology,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchhal.hal_core.kernels import KernelRegistry
+
+HAL_API_VERSION = 1
+"""Major version of the adapter contract. An adapter lists the majors it supports."""
+
+
+class DeviceTimer(Protocol):
+    """Marks points in a device's timeline; `elapsed_ms` waits for both marks to complete."""
+
+    def mark(self) -> object: ...
+
+    def elapsed_ms(self, start: object, end: object) -> float: ...
+
+
+class HostTimer:
+    """Synchronize the device, then read the host clock: for devices without timing events."""
+
+    def __init__(self, synchronize: Callable[[], None]) -> None:
+        self._synchronize = synchronize
+
+    def mark(self) -> object:
+        self._synchronize()
+        return time.perf_counter_ns()
+
+    def elapsed_ms(self, start: object, end: object) -> float:
+        assert isinstance(start, int) and isinstance(end, int)
+        return (end - start) / 1e6
+
+
+class VendorAdapter(abc.ABC):
+    """One vendor runtime. Subclasses set the class attributes and implement the methods.
+
+    `probe()` must be cheap and must not initialise the runtime beyond asking whether it is
+    there; everything else is called only after `probe()` said available.
+    """
+
+    name: ClassVar[str]  # unique adapter name, also the TORCHHAL_PLUGINS allowlist entry
+    vendor: ClassVar[str]
+    priority: ClassVar[int] = 0  # higher first when several adapters are present
+    api_versions: ClassVar[tuple[int, int]] = (1, 1)  # inclusive range of HAL_API_VERSION
+    namespace: ClassVar[str | None] = None  # device-id prefix; None means the torch device type
+
+    @abc.abstractmethod
+    def probe(self) -> ProbeResult:
+        """Is this vendor's runtime present? Cheap, side-effect free."""
+
+    @abc.abstractmethod
+    def discover(self) -> Sequence[DeviceCapabilities]:
+        """Every device this runtime sees, with its declared capabilities."""
+
+    @abc.abstractmethod
+    def synchronize(self, index: int) -> None:
+        """Wait for all work queued on the device."""
+
+    @abc.abstractmethod
+    def memory_info(self, index: int) -> MemoryInfo: ...
+
+    @abc.abstractmethod
+    def health(self, index: int) -> HealthReport: ...
+
+    @abc.abstractmethod
+    def topology(self) -> Topology:
+        """Links between this adapter's devices (ids as the HAL names them)."""
+
+    @abc.abstractmethod
+    def collective_backend(self) -> str:
+        """The torch.distributed backend for this runtime's devices (nccl, xccl, gloo)."""
+
+    def register_kernels(self, registry: KernelRegistry) -> None:  # noqa: B027
+        """Add vendor kernel candidates. Adapters without vendor kernels add none."""
+
+    def device_id(self, index: int, device_type: str) -> str:
+        """The HAL id of a device: `cuda:0`, `simasic:1`; the single CPU is plain `cpu`."""
+        return f"{self.namespace or device_type}:{index}"
+
+    def timer(self, index: int) -> DeviceTimer:
+        """Device-side timer. The default synchronizes and reads the host clock."""
+        return HostTimer(lambda: self.synchronize(index))
+
+    def allocate(
+        self, index: int, torch_device: torch.device, shape: Sequence[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Uninitialised memory on the device. Adapters that account memory override this."""
+        import torch
+
+        return torch.empty(tuple(shape), dtype=dtype, device=torch_device)
+
+    def copy_(self, index: int, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Copy `src` into `dst` on the device (used to measure copy bandwidth)."""
+        return dst.copy_(src)
+
+    def supports_api(self, version: int = HAL_API_VERSION) -> bool:
+        low, high = self.api_versions
+        return low <= version <= high

@@ -1,0 +1,289 @@
+"""What a device is (declared) and what it was measured to do (measured), as frozen pydantic models.
+
+Declared facts come from the vendor runtime or a datasheet; measured facts come from
+`profile.py`. The two are separate models so that no figure can pass for the other.
+"""
+
+from __future__ import annotations
+
+import enum
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    import torch
+
+SCHEMA_VERSION = 1
+
+
+class DType(str, enum.Enum):
+    """Numeric formats a device can compute in. `tf32` is a matmul mode, not a tensor dtype."""
+
+    FP64 = "fp64"
+    FP32 = "fp32"
+    TF32 = "tf32"
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+    FP8_E4M3_FNUZ = "fp8_e4m3fnuz"
+    FP8_E5M2_FNUZ = "fp8_e5m2fnuz"
+    INT8 = "int8"
+
+    def to_torch(self) -> torch.dtype | None:
+        """The torch dtype of this format; None for tf32, which torch has only as a mode."""
+        import torch
+
+        return None if self is DType.TF32 else getattr(torch, _TORCH_NAMES[self])
+
+    @classmethod
+    def from_torch(cls, dtype: torch.dtype) -> DType | None:
+        """The DType of a torch dtype, or None when torchhal does not track that format."""
+        name = str(dtype).removeprefix("torch.")
+        for member, torch_name in _TORCH_NAMES.items():
+            if torch_name == name:
+                return member
+        return None
+
+
+_TORCH_NAMES = {
+    DType.FP64: "float64",
+    DType.FP32: "float32",
+    DType.BF16: "bfloat16",
+    DType.FP16: "float16",
+    DType.FP8_E4M3: "float8_e4m3fn",
+    DType.FP8_E5M2: "float8_e5m2",
+    DType.FP8_E4M3_FNUZ: "float8_e4m3fnuz",
+    DType.FP8_E5M2_FNUZ: "float8_e5m2fnuz",
+    DType.INT8: "int8",
+}
+
+
+class Feature(str, enum.Enum):
+    """Capabilities that change which kernels, timers and collectives can be used."""
+
+    TENSOR_CORES = "tensor_cores"  # matrix units (NVIDIA tensor cores, AMD matrix cores, Intel XMX)
+    FP8 = "fp8"
+    GRAPHS = "graphs"  # capture and replay of launch sequences
+    P2P = "p2p"  # direct device-to-device access
+    TRITON = "triton"  # Triton can compile for this device
+    UNIFIED_MEMORY = "unified_memory"
+    DEVICE_EVENTS = "device_events"  # device-side timing events
+    ECC = "ecc"
+    SIMULATED = "simulated"  # time and memory are modelled, numerics are real
+
+
+class LinkType(str, enum.Enum):
+    NVLINK = "nvlink"
+    XGMI = "xgmi"
+    XE_LINK = "xe_link"
+    PCIE = "pcie"
+    HOST = "host"  # through host memory (CPU, or a device without a direct path)
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class DeclaredPeaks(_Frozen):
+    """Datasheet figures. Declared, never measured: `source` names the datasheet."""
+
+    source: str
+    tflops: dict[DType, float] = Field(default_factory=dict)
+    memory_bandwidth_gbps: float | None = None
+
+
+class DeviceCapabilities(_Frozen):
+    """One physical device as its adapter declares it."""
+
+    schema_version: int = SCHEMA_VERSION
+    vendor: str
+    adapter: str
+    device_type: str  # as torch knows it: cuda, xpu, cpu, or a PrivateUse1 name
+    index: int = Field(ge=0)
+    name: str
+    arch: str  # sm_90, gfx942, xe-hpc, x86_64, ...
+    compute_units: int = Field(ge=1)  # SMs, CUs, Xe cores, CPU cores, systolic arrays
+    simd_width: int = Field(ge=1)  # warp 32, wavefront 64 or 32, sub-group, vector lanes
+    memory_bytes: int = Field(ge=0)
+    dtypes: frozenset[DType]
+    features: frozenset[Feature] = frozenset()
+    collective_backends: tuple[str, ...] = ()
+    kernel_backends: tuple[str, ...] = ()
+    shared_memory_per_block_bytes: int | None = None
+    l2_cache_bytes: int | None = None
+    declared_peaks: DeclaredPeaks | None = None
+    uuid: str | None = None
+    pci_bus_id: str | None = None
+    driver_version: str | None = None
+
+    @model_validator(mode="after")
+    def _schema(self) -> DeviceCapabilities:
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"schema_version: this torchhal reads version {SCHEMA_VERSION}, "
+                f"got {self.schema_version}"
+            )
+        return self
+
+    @property
+    def simulated(self) -> bool:
+        return Feature.SIMULATED in self.features
+
+    def supports_dtype(self, dtype: DType | torch.dtype) -> bool:
+        if not isinstance(dtype, DType):
+            converted = DType.from_torch(dtype)
+            if converted is None:
+                return False
+            dtype = converted
+        return dtype in self.dtypes
+
+    def has(self, feature: Feature) -> bool:
+        return feature in self.features
+
+
+class CollectiveBandwidth(_Frozen):
+    backend: str
+    collective: str
+    world_size: int
+    message_bytes: int
+    bus_bandwidth_gbps: float
+
+
+class MeasuredProfile(_Frozen):
+    """What `profile.py` measured on one device. Simulated devices report simulated time."""
+
+    schema_version: int = SCHEMA_VERSION
+    fingerprint: str
+    device_name: str
+    simulated: bool
+    matmul_tflops: dict[DType, float]
+    copy_bandwidth_gbps: float
+    launch_latency_us: float
+    collective_bandwidth: tuple[CollectiveBandwidth, ...] = ()
+    measured_at: datetime
+    torch_version: str
+    notes: tuple[str, ...] = ()
+
+
+class MemoryInfo(_Frozen):
+    """Device memory as the runtime reports it. `used_bytes` is this process's allocations."""
+
+    total_bytes: int = Field(ge=0)
+    free_bytes: int = Field(ge=0)
+    used_bytes: int = Field(ge=0)
+    simulated: bool = False
+
+
+class HealthStatus(str, enum.Enum):
+    OK = "ok"
+    DEGRADED = "degraded"
+    FAILED = "failed"
+    UNKNOWN = "unknown"  # the runtime offers no health information
+
+
+class HealthReport(_Frozen):
+    status: HealthStatus
+    temperature_c: float | None = None
+    ecc_errors: int | None = None
+    utilization_pct: float | None = None
+    messages: tuple[str, ...] = ()
+
+
+FAST_LINKS = frozenset({LinkType.NVLINK, LinkType.XGMI, LinkType.XE_LINK})
+
+
+class Link(_Frozen):
+    """A direct connection between two devices of one adapter."""
+
+    a: str
+    b: str
+    type: LinkType
+    count: int | None = None  # bonded links (NV18 means 18)
+    bandwidth_gbps: float | None = None  # declared, per direction
+    source: str  # where the fact came from: nvml, nvidia-smi, amdsmi, declared
+
+    def connects(self, x: str, y: str) -> bool:
+        return {self.a, self.b} == {x, y}
+
+
+class Topology(_Frozen):
+    devices: tuple[str, ...] = ()
+    links: tuple[Link, ...] = ()
+
+    def link(self, x: str, y: str) -> Link | None:
+        return next((lk for lk in self.links if lk.connects(x, y)), None)
+
+    def peers(self, device: str) -> tuple[str, ...]:
+        return tuple(lk.b if lk.a == device else lk.a for lk in self.links if device in (lk.a, lk.b))
+
+    def islands(self, fast: frozenset[LinkType] = FAST_LINKS) -> list[tuple[str, ...]]:
+        """Groups of devices joined by fast links, in device order (connected components)."""
+        seen: set[str] = set()
+        groups: list[tuple[str, ...]] = []
+        for start in self.devices:
+            if start in seen:
+                continue
+            group, stack = [], [start]
+            while stack:
+                dev = stack.pop()
+                if dev in seen:
+                    continue
+                seen.add(dev)
+                group.append(dev)
+                stack.extend(
+                    lk.b if lk.a == dev else lk.a
+                    for lk in self.links
+                    if lk.type in fast and dev in (lk.a, lk.b)
+                )
+            groups.append(tuple(sorted(group, key=self.devices.index)))
+        return groups
+
+    def merged(self, other: Topology) -> Topology:
+        return Topology(devices=self.devices + other.devices, links=self.links + other.links)
+
+
+class ProbeResult(_Frozen):
+    """Whether an adapter's vendor runtime is present, and why not when it is absent."""
+
+    available: bool
+    reason: str
+    runtime_version: str | None = None
+
+
+class DeviceRequirements(_Frozen):
+    """What a caller needs from a device; `failures()` says which needs a device misses."""
+
+    device_type: str | None = None
+    vendor: str | None = None
+    adapter: str | None = None
+    dtypes: frozenset[DType] = frozenset()
+    features: frozenset[Feature] = frozenset()
+    min_memory_bytes: int = Field(default=0, ge=0)
+    min_compute_units: int = Field(default=0, ge=0)
+    collective_backend: str | None = None
+    allow_simulated: bool = True
+
+    def failures(self, caps: DeviceCapabilities) -> list[str]:
+        out = []
+        for attr in ("device_type", "vendor", "adapter"):
+            want = getattr(self, attr)
+            if want is not None and getattr(caps, attr) != want:
+                out.append(f"{attr} is {getattr(caps, attr)!r}, need {want!r}")
+        missing = sorted(d.value for d in self.dtypes - caps.dtypes)
+        if missing:
+            out.append(f"dtypes {missing} not supported")
+        absent = sorted(f.value for f in self.features - caps.features)
+        if absent:
+            out.append(f"features {absent} missing")
+        if caps.memory_bytes < self.min_memory_bytes:
+            out.append(f"memory {caps.memory_bytes} bytes < {self.min_memory_bytes} required")
+        if caps.compute_units < self.min_compute_units:
+            out.append(f"compute units {caps.compute_units} < {self.min_compute_units} required")
+        if self.collective_backend is not None and self.collective_backend not in caps.collective_backends:
+            out.append(f"collective backend {self.collective_backend!r} not in {list(caps.collective_backends)}")
+        if caps.simulated and not self.allow_simulated:
+            out.append("simulated device, and allow_simulated is False")
+        return out

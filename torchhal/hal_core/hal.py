@@ -1,0 +1,251 @@
+"""HardwareAbstractionLayer: the facade users hold.
+
+Construction is free; plugins are loaded and devices discovered on first use. A process may
+hold several HALs: each has its own plugin manager, adapters and kernel registry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torchhal.hal_core import telemetry
+from torchhal.hal_core.adapter import HAL_API_VERSION, VendorAdapter
+from torchhal.hal_core.adapters.cpu import CPUAdapter
+from torchhal.hal_core.capabilities import DeviceRequirements, DType, Topology
+from torchhal.hal_core.device import Device
+from torchhal.hal_core.errors import DeviceNotFoundError, NoDeviceMatchesError
+from torchhal.hal_core.kernels import KernelRegistry
+from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
+from torchhal.hal_core.settings import Settings
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchhal.hal_core.capabilities import MeasuredProfile
+    from torchhal.hal_core.collectives import Communicator
+
+log = telemetry.get_logger("torchhal.hal")
+_active_device: contextvars.ContextVar[Device | None] = contextvars.ContextVar("torchhal_device", default=None)
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    device: Device
+    eligible: bool
+    reasons: tuple[str, ...]  # why it failed, or what it was ranked on
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceChoice:
+    device: Device
+    ranking: tuple[Ranked, ...]  # eligible devices best first, then the rejected ones
+
+    def explain(self) -> str:
+        lines = []
+        for r in self.ranking:
+            verdict = "chosen" if r.device is self.device else ("eligible" if r.eligible else "rejected")
+            lines.append(f"{r.device.id}: {verdict}: {'; '.join(r.reasons)}")
+        return "\n".join(lines)
+
+
+class _Discovered:
+    def __init__(self, adapters: list[VendorAdapter], active: list[ActiveAdapter], loader: PluginLoader) -> None:
+        self.adapters = tuple(adapters)
+        self.diagnostics = tuple(loader.diagnostics)
+        self.devices = tuple(Device(a.adapter, caps) for a in active for caps in a.devices)
+        self.by_id = {d.id: d for d in self.devices}
+        self.by_torch: dict[tuple[str, int | None], Device] = {}
+        for dev in self.devices:  # first adapter in priority order owns a torch device
+            tdev = dev.torch_device
+            self.by_torch.setdefault((tdev.type, tdev.index), dev)
+
+
+class HardwareAbstractionLayer:
+    """Adapters, devices, kernels and collectives for this process, discovered on first use."""
+
+    def __init__(
+        self,
+        *,
+        plugins: Sequence[object] = (),
+        adapters: Sequence[VendorAdapter] = (),
+        settings: Settings | None = None,
+    ) -> None:
+        """`plugins`: extra hook-implementing objects; `adapters`: extra adapter instances."""
+        self.settings = settings if settings is not None else Settings.from_env()
+        self.kernels = KernelRegistry(disabled=frozenset(self.settings.disable_kernels))
+        self._extra_plugins = tuple(plugins)
+        self._extra_adapters = tuple(adapters)
+        self._state: _Discovered | None = None
+        self._lock = threading.Lock()
+        self._profiles: dict[str, MeasuredProfile] = {}
+
+    def _discovered(self) -> _Discovered:
+        state = self._state
+        if state is None:
+            with self._lock:
+                if self._state is None:
+                    self._state = self._discover()
+                state = self._state
+        return state
+
+    def _discover(self) -> _Discovered:
+        with telemetry.span("torchhal.discovery") as span:
+            loader = PluginLoader(self.settings)
+            loader.load_entry_points()
+            for plugin in self._extra_plugins:
+                loader.register(plugin, getattr(plugin, "__name__", type(plugin).__name__))
+            loader.register_kernels(self.kernels)
+            adapters = loader.adapters(builtin=(CPUAdapter(), *self._extra_adapters))
+            active = loader.activate(adapters, self.kernels)
+            state = _Discovered(adapters, active, loader)
+            span.set_attribute("torchhal.adapters", [a.name for a in adapters])
+            span.set_attribute("torchhal.devices", [d.id for d in state.devices])
+        log.info("discovery done", devices=[d.id for d in state.devices], adapters=[a.name for a in adapters])
+        return state
+
+    @property
+    def adapters(self) -> tuple[VendorAdapter, ...]:
+        """Every adapter that loaded (present or absent), in priority order."""
+        return self._discovered().adapters
+
+    @property
+    def diagnostics(self) -> tuple[Diagnostic, ...]:
+        return self._discovered().diagnostics
+
+    def devices(self) -> tuple[Device, ...]:
+        return self._discovered().devices
+
+    def device(self, device_id: str) -> Device:
+        """A device by HAL id (`cuda:0`, `simasic:1`, `cpu`); `cuda` means `cuda:0`."""
+        state = self._discovered()
+        key = device_id.strip()
+        dev = state.by_id.get(key) or state.by_id.get(key + ":0")
+        if dev is None and key == "cpu:0":
+            dev = state.by_id.get("cpu")
+        if dev is None:
+            raise DeviceNotFoundError(device_id, state.by_id)
+        return dev
+
+    def device_for_tensor(self, tensor: torch.Tensor) -> Device:
+        """The HAL device a tensor is on: the active `use()` device if it matches, else by torch device."""
+        tdev = tensor.device
+        active = _active_device.get()
+        if active is not None and active.torch_device.type == tdev.type:
+            return active
+        state = self._state or self._discovered()
+        dev = state.by_torch.get((tdev.type, tdev.index))
+        if dev is None:
+            raise DeviceNotFoundError(str(tdev), state.by_id)
+        return dev
+
+    @contextlib.contextmanager
+    def use(self, device: Device | str) -> Iterator[Device]:
+        """Route ops on tensors of this device's torch type to `device` (e.g. a simulated ASIC)."""
+        dev = self.device(device) if isinstance(device, str) else device
+        token = _active_device.set(dev)
+        try:
+            yield dev
+        finally:
+            _active_device.reset(token)
+
+    def choose_device(self, requirements: DeviceRequirements | None = None) -> DeviceChoice:
+        """Rank every device against `requirements`, with the reasons for each verdict."""
+        req = requirements or DeviceRequirements()
+        eligible: list[tuple[tuple[Any, ...], Ranked]] = []
+        rejected: list[Ranked] = []
+        for dev in self.devices():
+            failures = req.failures(dev.capabilities)
+            if failures:
+                rejected.append(Ranked(dev, False, tuple(failures)))
+                continue
+            key, reasons = _rank_key(dev)
+            eligible.append((key, Ranked(dev, True, reasons)))
+        if not eligible:
+            raise NoDeviceMatchesError(req, {r.device.id: r.reasons for r in rejected})
+        eligible.sort(key=lambda item: item[0])
+        ranking = tuple(r for _, r in eligible) + tuple(rejected)
+        choice = DeviceChoice(ranking[0].device, ranking)
+        log.info("device chosen", device=choice.device.id, explanation=choice.explain())
+        return choice
+
+    def best_device(self, requirements: DeviceRequirements | None = None) -> Device:
+        return self.choose_device(requirements).device
+
+    def topology(self) -> Topology:
+        topo = Topology()
+        state = self._discovered()
+        for adapter in state.adapters:
+            if any(d.adapter is adapter for d in state.devices):
+                topo = topo.merged(adapter.topology())
+        return topo
+
+    def communicator(self, **kwargs: Any) -> Communicator:
+        """A Communicator over torch.distributed for this process; see `collectives.Communicator`."""
+        from torchhal.hal_core.collectives import Communicator
+
+        return Communicator.create(self, **kwargs)
+
+    def profile(self, device: Device | str, *, refresh: bool = False) -> MeasuredProfile:
+        """Measured profile of a device, from the on-disk cache unless `refresh`."""
+        from torchhal.hal_core.profile import measure_or_load
+
+        dev = self.device(device) if isinstance(device, str) else device
+        if refresh or dev.id not in self._profiles:
+            self._profiles[dev.id] = measure_or_load(self, dev, refresh=refresh)
+        return self._profiles[dev.id]
+
+    def report(self) -> dict[str, Any]:
+        """Everything discovery found, as JSON-able data (`torchhal info --json`)."""
+        import torch
+
+        from torchhal import __version__
+
+        state = self._discovered()
+        return {
+            "torchhal_version": __version__,
+            "torch_version": torch.__version__,
+            "hal_api_version": HAL_API_VERSION,
+            "adapters": [
+                {"name": a.name, "vendor": a.vendor, "priority": a.priority, "api_versions": list(a.api_versions)}
+                for a in state.adapters
+            ],
+            "devices": [
+                {"id": d.id, **d.capabilities.model_dump(mode="json")} for d in state.devices
+            ],
+            "diagnostics": [d.as_dict() for d in state.diagnostics],
+            "topology": self.topology().model_dump(mode="json"),
+            "kernels": {
+                op: [
+                    {"name": c.name, "provider": c.provider, "priority": c.priority}
+                    for c in self.kernels.candidates(op)
+                ]
+                for op in self.kernels.ops()
+            },
+            "kernel_fallbacks": dict(self.kernels.fallback_counts),
+            "profiles": {k: p.model_dump(mode="json") for k, p in self._profiles.items()},
+        }
+
+
+def _rank_key(dev: Device) -> tuple[tuple[Any, ...], tuple[str, ...]]:
+    """Real before simulated, then adapter priority, declared peak, memory, id."""
+    caps = dev.capabilities
+    peak, basis = 0.0, "no declared peak"
+    if caps.declared_peaks is not None:
+        for dtype in (DType.BF16, DType.FP32):
+            if dtype in caps.declared_peaks.tflops:
+                peak = caps.declared_peaks.tflops[dtype]
+                basis = f"declared peak {dtype.value} {peak:g} TFLOP/s ({caps.declared_peaks.source})"
+                break
+    reasons = (
+        "simulated device" if caps.simulated else "real device",
+        f"adapter {caps.adapter!r} priority {dev.adapter.priority}",
+        basis,
+        f"memory {caps.memory_bytes / 2**30:.1f} GiB",
+    )
+    return (caps.simulated, -dev.adapter.priority, -peak, -caps.memory_bytes, dev.id), reasons
+

@@ -1,0 +1,262 @@
+"""KernelRegistry: ops, their candidate implementations, selection and fallback.
+
+An op has one reference implementation in plain PyTorch (the ground truth) and any number of
+candidates. Each op also has a *signature* function: it validates the arguments (bad input is
+refused here, before any kernel runs) and returns a small hashable summary (dtype, shape
+class, flags). Candidates judge only that summary, so a selection cached per (device,
+signature) is exactly as valid as a fresh one, and cached dispatch is two dict lookups.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from collections.abc import Callable, Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from torchhal.hal_core import telemetry
+from torchhal.hal_core.errors import KernelFailedError, TorchHALError, UnknownOpError, UnsupportedError
+
+if TYPE_CHECKING:
+    from torchhal.hal_core.capabilities import DeviceCapabilities
+    from torchhal.hal_core.device import Device
+
+log = telemetry.get_logger("torchhal.kernels")
+
+REFERENCE = "reference"
+
+
+class RejectionReason(str, enum.Enum):
+    DEVICE = "device"  # wrong device type, vendor or architecture
+    DTYPE = "dtype"
+    SHAPE = "shape"  # a size or head dim the kernel does not handle
+    LAYOUT = "layout"  # strides, contiguity, packing
+    FEATURE = "feature"  # a device feature the kernel needs is missing
+    DISABLED = "disabled"  # turned off by TORCHHAL_DISABLE_KERNELS
+    FAILED = "failed"  # raised when called; demoted for this signature
+    OUTRANKED = "outranked"  # valid, but a higher-priority candidate was chosen
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    candidate: str
+    reason: RejectionReason
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.candidate}: {self.reason.value} ({self.detail})"
+
+
+@dataclass(frozen=True, slots=True)
+class Unsupported:
+    """What a capability predicate returns to turn a candidate down."""
+
+    reason: RejectionReason
+    detail: str
+
+
+Predicate = Callable[["DeviceCapabilities", Any], "Unsupported | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    op: str
+    name: str
+    provider: str
+    fn: Callable[..., Any]
+    supports: Predicate | None = None
+    priority: float = 0.0
+
+    @property
+    def qualified_name(self) -> str:
+        return f"{self.provider}/{self.name}"
+
+
+@dataclass(frozen=True, slots=True)
+class OpDef:
+    name: str
+    reference: Callable[..., Any]
+    signature: Callable[..., Hashable]
+    doc: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The chosen candidate for one (op, device, signature) and why the others were not."""
+
+    op: str
+    device: str
+    signature: Hashable
+    candidate: Candidate
+    fallbacks: tuple[Candidate, ...]  # valid candidates tried next, in order, on failure
+    rejected: tuple[Rejection, ...]
+
+    def explain(self) -> str:
+        lines = [f"{self.op} on {self.device} for {self.signature}: {self.candidate.qualified_name}"]
+        lines += [f"  rejected {r}" for r in self.rejected]
+        return "\n".join(lines)
+
+
+@dataclass
+class KernelRegistry:
+    """Ops and candidates for one HAL. Selections are cached; fallbacks are counted."""
+
+    disabled: frozenset[str] = frozenset()
+    _ops: dict[str, OpDef] = field(default_factory=dict)
+    _candidates: dict[str, list[Candidate]] = field(default_factory=dict)
+    _cache: dict[str, dict[tuple[str, Hashable], Selection]] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    fallback_counts: dict[str, int] = field(default_factory=dict)
+
+    def define_op(
+        self,
+        name: str,
+        reference: Callable[..., Any],
+        *,
+        signature: Callable[..., Hashable],
+        doc: str = "",
+    ) -> None:
+        """Define an op with its reference implementation, which is also its last candidate."""
+        if name in self._ops:
+            raise TorchHALError(f"op {name!r} is already defined (by {self._ops[name].reference!r})")
+        self._ops[name] = OpDef(name, reference, signature, doc)
+        self._candidates[name] = [Candidate(name, REFERENCE, "torchhal", reference, None, -math.inf)]
+        self._cache[name] = {}
+
+    def register(
+        self,
+        op: str,
+        name: str,
+        fn: Callable[..., Any],
+        *,
+        provider: str,
+        supports: Predicate | None = None,
+        priority: float = 0.0,
+    ) -> Candidate:
+        """Add a candidate implementation of `op`. Higher priority is preferred."""
+        self._opdef(op)
+        if name == REFERENCE or any(c.name == name for c in self._candidates[op]):
+            raise TorchHALError(f"op {op!r} already has a candidate named {name!r}")
+        candidate = Candidate(op, name, provider, fn, supports, priority)
+        with self._lock:
+            self._candidates[op].append(candidate)
+            self._candidates[op].sort(key=lambda c: (-c.priority, c.name))
+            self._cache[op].clear()
+        return candidate
+
+    def ops(self) -> tuple[str, ...]:
+        return tuple(sorted(self._ops))
+
+    def op(self, name: str) -> OpDef:
+        return self._opdef(name)
+
+    def candidates(self, op: str) -> tuple[Candidate, ...]:
+        self._opdef(op)
+        return tuple(self._candidates[op])
+
+    def signature(self, op: str, *args: Any, **kwargs: Any) -> Hashable:
+        return self._opdef(op).signature(*args, **kwargs)
+
+    def select(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Selection:
+        """Validate the arguments and return the selection for them on `device`."""
+        sig = self._opdef(op).signature(*args, **kwargs)
+        return self._cache[op].get((device.id, sig)) or self._select(op, device, sig)
+
+    def call(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Any:
+        """Run `op` on `device` with the selected candidate, falling back if it raises."""
+        try:
+            opdef = self._ops[op]
+        except KeyError:
+            raise UnknownOpError(op, self._ops) from None
+        sig = opdef.signature(*args, **kwargs)
+        selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig)
+        try:
+            return selection.candidate.fn(*args, **kwargs)
+        except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
+            return self._fall_back(selection, device, exc, args, kwargs)
+
+    def clear_cache(self) -> None:
+        with self._lock:
+            for cache in self._cache.values():
+                cache.clear()
+
+    def _opdef(self, op: str) -> OpDef:
+        try:
+            return self._ops[op]
+        except KeyError:
+            raise UnknownOpError(op, self._ops) from None
+
+    def _select(self, op: str, device: Device, sig: Hashable, failed: Iterable[Rejection] = ()) -> Selection:
+        caps = device.capabilities
+        dtype = getattr(sig, "dtype", None)
+        if dtype is not None and not caps.supports_dtype(dtype):
+            declared = ", ".join(sorted(d.value for d in caps.dtypes))
+            raise UnsupportedError(
+                f"op {op!r} on {device.id}: dtype {dtype} is not supported by this device "
+                f"(declared dtypes: {declared})"
+            )
+        failed = tuple(failed)
+        failed_names = {r.candidate for r in failed}
+        valid: list[Candidate] = []
+        rejected: list[Rejection] = list(failed)
+        with telemetry.span("torchhal.kernel.select", op=op, device=device.id, signature=str(sig)) as span:
+            for cand in self._candidates[op]:
+                if cand.qualified_name in failed_names:
+                    continue
+                verdict = self._judge(cand, caps, sig)
+                if verdict is None:
+                    valid.append(cand)
+                else:
+                    rejected.append(Rejection(cand.qualified_name, verdict.reason, verdict.detail))
+            if not valid:
+                reasons = "; ".join(str(r) for r in rejected)
+                raise UnsupportedError(f"op {op!r} on {device.id}: no candidate supports {sig}: {reasons}")
+            chosen, rest = valid[0], tuple(valid[1:])
+            rejected += [
+                Rejection(c.qualified_name, RejectionReason.OUTRANKED, f"priority {c.priority} < {chosen.priority}")
+                for c in rest
+            ]
+            selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected))
+            span.set_attribute("torchhal.kernel.candidate", chosen.qualified_name)
+            span.set_attribute("torchhal.kernel.rejected", [str(r) for r in rejected])
+        log.debug("kernel selected", op=op, device=device.id, signature=str(sig), candidate=chosen.qualified_name)
+        with self._lock:
+            self._cache[op][(device.id, sig)] = selection
+        return selection
+
+    def _judge(self, cand: Candidate, caps: DeviceCapabilities, sig: Hashable) -> Unsupported | None:
+        if cand.name in self.disabled or cand.qualified_name in self.disabled:
+            return Unsupported(RejectionReason.DISABLED, "listed in TORCHHAL_DISABLE_KERNELS")
+        if cand.supports is None:
+            return None
+        return cand.supports(caps, sig)
+
+    def _fall_back(
+        self, selection: Selection, device: Device, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        op, failures = selection.op, [exc]
+        failed = [r for r in selection.rejected if r.reason is RejectionReason.FAILED]
+        current = selection
+        while True:
+            name = current.candidate.qualified_name
+            failed.append(Rejection(name, RejectionReason.FAILED, f"{type(exc).__name__}: {exc}"))
+            self.fallback_counts[name] = self.fallback_counts.get(name, 0) + 1
+            telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=name)
+            with telemetry.span(
+                "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
+            ):
+                log.warning("kernel failed, falling back", op=op, device=device.id, candidate=name, error=repr(exc))
+                try:
+                    current = self._select(op, device, selection.signature, failed)
+                except UnsupportedError:
+                    raise KernelFailedError(
+                        f"op {op!r} on {device.id}: every candidate failed: "
+                        + "; ".join(str(r) for r in failed)
+                    ) from failures[0]
+            try:
+                return current.candidate.fn(*args, **kwargs)
+            except Exception as next_exc:
+                exc = next_exc
+                failures.append(exc)

@@ -1,0 +1,244 @@
+"""structlog logging and OpenTelemetry tracing/metrics for torchhal.
+
+Off until configured: spans go to OpenTelemetry's global provider (a no-op unless the
+application set one) and logs below TORCHHAL_LOG_LEVEL (default WARNING) cost a level check.
+`configure(exporter=...)` gives torchhal its own provider: "console", "otlp" (extra `otlp`) or
+"memory" (an InMemorySpanExporter, which tests read). structlog is imported on the first line
+actually emitted, so importing torchhal stays cheap. Spans are coarse: discovery, plugin
+loading, kernel selection and fallback, collectives, training steps, inference requests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import metrics, trace
+
+from torchhal.hal_core.errors import ConfigurationError
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+EXPORTERS = ("none", "console", "otlp", "memory")
+LOG_FORMATS = ("console", "json")
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40, "critical": 50}
+_TRACER_NAME = "torchhal"
+
+
+class _State:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tracer: trace.Tracer | None = None  # None: use the global provider
+        self.meter: metrics.Meter | None = None
+        self.span_exporter: InMemorySpanExporter | None = None
+        self.metric_reader: InMemoryMetricReader | None = None
+        self.instruments: dict[str, metrics.Counter] = {}
+        self.counts: Counter[str] = Counter()
+        self.log_level = _LEVELS["warning"]
+        self.log_format = "console"
+        self.log_stream: Any = None  # None: sys.stderr at the time of writing
+        self.env_applied = False
+
+
+_state = _State()
+
+
+def configure(
+    exporter: str | None = None,
+    *,
+    log_format: str | None = None,
+    log_level: str | None = None,
+    log_stream: Any = None,
+) -> None:
+    """Set the span/metric exporter and the log format and level. Safe to call again."""
+    if exporter is not None and exporter not in EXPORTERS:
+        raise ConfigurationError(f"telemetry exporter must be one of {EXPORTERS}, got {exporter!r}")
+    if log_format is not None and log_format not in LOG_FORMATS:
+        raise ConfigurationError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
+    if log_level is not None and log_level.lower() not in _LEVELS:
+        raise ConfigurationError(f"log level must be one of {tuple(_LEVELS)}, got {log_level!r}")
+    with _state.lock:
+        _state.env_applied = True
+        if log_format is not None:
+            _state.log_format = log_format
+        if log_level is not None:
+            _state.log_level = _LEVELS[log_level.lower()]
+        if log_stream is not None:
+            _state.log_stream = log_stream
+        _Logger.reset_all()
+        if exporter is not None:
+            _install_exporter(exporter)
+
+
+def _install_exporter(exporter: str) -> None:
+    _state.span_exporter = _state.metric_reader = None
+    _state.instruments.clear()
+    if exporter == "none":
+        _state.tracer = _state.meter = None
+        return
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+        SpanExporter,
+    )
+
+    resource = Resource.create({"service.name": "torchhal"})
+    provider = TracerProvider(resource=resource)
+    span_exporter: SpanExporter
+    readers: list[Any] = []
+    if exporter == "memory":
+        from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        _state.span_exporter = span_exporter = InMemorySpanExporter()
+        _state.metric_reader = InMemoryMetricReader()
+        readers.append(_state.metric_reader)
+        provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+    elif exporter == "console":
+        provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+    else:
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError as exc:
+            raise ConfigurationError(
+                "telemetry exporter 'otlp' needs the optional extra: pip install 'torchhal[otlp]'"
+            ) from exc
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    _state.tracer = provider.get_tracer(_TRACER_NAME)
+    _state.meter = MeterProvider(resource=resource, metric_readers=readers).get_meter(_TRACER_NAME)
+
+
+def _apply_environment() -> None:
+    """Honour the TORCHHAL_OTEL_EXPORTER/LOG_* settings once, on first use rather than at import."""
+    if _state.env_applied:
+        return
+    from torchhal.hal_core.settings import Settings
+
+    settings = Settings.from_env()
+    configure(exporter=settings.otel_exporter, log_format=settings.log_format, log_level=settings.log_level)
+
+
+def memory_exporter() -> InMemorySpanExporter:
+    """The in-memory span exporter set up by `configure(exporter="memory")`."""
+    if _state.span_exporter is None:
+        raise ConfigurationError('no in-memory exporter: call configure(exporter="memory") first')
+    return _state.span_exporter
+
+
+def metric_reader() -> InMemoryMetricReader:
+    if _state.metric_reader is None:
+        raise ConfigurationError('no in-memory metric reader: call configure(exporter="memory") first')
+    return _state.metric_reader
+
+
+def _tracer() -> trace.Tracer:
+    _apply_environment()
+    return _state.tracer or trace.get_tracer(_TRACER_NAME)
+
+
+@contextlib.contextmanager
+def span(name: str, **attributes: Any) -> Iterator[trace.Span]:
+    """A span named `name`; None-valued attributes are dropped. Exceptions are recorded."""
+    attrs = {k: v for k, v in attributes.items() if v is not None}
+    with _tracer().start_as_current_span(name, attributes=attrs) as current:
+        yield current
+
+
+def count(name: str, value: int = 1, **attributes: str) -> None:
+    """Increment a counter, both in-process (see `counts()`) and as an OpenTelemetry metric."""
+    _apply_environment()
+    key = name + "".join(f",{k}={v}" for k, v in sorted(attributes.items()))
+    _state.counts[key] += value
+    if _state.meter is not None:
+        instrument = _state.instruments.get(name)
+        if instrument is None:
+            instrument = _state.instruments[name] = _state.meter.create_counter(name)
+        instrument.add(value, attributes)
+
+
+def counts() -> dict[str, int]:
+    return dict(_state.counts)
+
+
+def _otel_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    ctx = trace.get_current_span().get_span_context()
+    if ctx.is_valid:
+        event["trace_id"] = format(ctx.trace_id, "032x")
+        event["span_id"] = format(ctx.span_id, "016x")
+    return event
+
+
+class _Logger:
+    """A structlog logger made on the first line that passes the level check."""
+
+    _all: list[_Logger] = []
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._logger: Any = None
+        _Logger._all.append(self)
+
+    @classmethod
+    def reset_all(cls) -> None:
+        for logger in cls._all:
+            logger._logger = None
+
+    def _emit(self, level: str, event: str, kw: dict[str, Any]) -> None:
+        _apply_environment()
+        if _LEVELS[level] < _state.log_level:
+            return
+        if self._logger is None:
+            self._logger = _make_structlog(self.name)
+        getattr(self._logger, level)(event, **kw)
+
+    def debug(self, event: str, **kw: Any) -> None:
+        self._emit("debug", event, kw)
+
+    def info(self, event: str, **kw: Any) -> None:
+        self._emit("info", event, kw)
+
+    def warning(self, event: str, **kw: Any) -> None:
+        self._emit("warning", event, kw)
+
+    def error(self, event: str, **kw: Any) -> None:
+        self._emit("error", event, kw)
+
+    def is_enabled_for(self, level: str) -> bool:
+        return _LEVELS[level] >= _state.log_level
+
+
+def _make_structlog(name: str) -> Any:
+    import structlog
+
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if _state.log_format == "json"
+        else structlog.dev.ConsoleRenderer(colors=False)
+    )
+    return structlog.wrap_logger(
+        structlog.PrintLogger(_state.log_stream or sys.stderr),
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            _otel_ids,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+        logger_name=name,
+        context_class=dict,
+    ).bind(logger=name)
+
+
+def get_logger(name: str) -> _Logger:
+    return _Logger(name)

@@ -1,0 +1,25 @@
+"""Argument checks shared by the ops' signature functions. Messages name op, thing and value."""
+
+from __future__ import annotations
+
+import torch
+
+from torchhal.hal_core import InvalidArgumentError
+
+
+def require_tensor(op: str, name: str, value: object) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgumentError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def require_rank(op: str, name: str, t: torch.Tensor, rank: int) -> None:
+    if t.dim() != rank:
+        raise InvalidArgumentError(f"{op}: {name} must have {rank} dimensions, got shape {tuple(t.shape)}")
+
+
+def require_same(op: str, what: str, **values: object) -> None:
+    distinct = set(values.values())
+    if len(distinct) > 1:
+        seen = ", ".join(f"{k}={v}" for k, v in values.items())
+        raise InvalidArgumentError(f"{op}: {what} must agree, got {seen}")
