@@ -71,6 +71,7 @@ __all__ = [
     "Selection",
     "Topology",
     "TorchHALError",
+    "UnknownOpError",
     "Unsupported",
     "UnsupportedError",
     "VendorAdapter",

@@ -123,8 +123,7 @@ class DeviceCapabilities(_Frozen):
     def _schema(self) -> DeviceCapabilities:
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
-                f"schema_version: this torchhal reads version {SCHEMA_VERSION}, "
-                f"got {self.schema_version}"
+                f"schema_version: this torchhal reads version {SCHEMA_VERSION}, got {self.schema_version}"
             )
         return self
 
@@ -283,7 +282,9 @@ class DeviceRequirements(_Frozen):
         if caps.compute_units < self.min_compute_units:
             out.append(f"compute units {caps.compute_units} < {self.min_compute_units} required")
         if self.collective_backend is not None and self.collective_backend not in caps.collective_backends:
-            out.append(f"collective backend {self.collective_backend!r} not in {list(caps.collective_backends)}")
+            out.append(
+                f"collective backend {self.collective_backend!r} not in {list(caps.collective_backends)}"
+            )
         if caps.simulated and not self.allow_simulated:
             out.append("simulated device, and allow_simulated is False")
         return out

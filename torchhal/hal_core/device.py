@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class Device:
     """What subsystems hold instead of a vendor API: identity, capabilities and device services."""
 
-    __slots__ = ("adapter", "capabilities", "id", "_torch_device")
+    __slots__ = ("_torch_device", "adapter", "capabilities", "id")
 
     def __init__(self, adapter: VendorAdapter, capabilities: DeviceCapabilities) -> None:
         self.adapter = adapter
@@ -33,7 +33,9 @@ class Device:
 
             caps = self.capabilities
             self._torch_device = (
-                torch.device("cpu") if caps.device_type == "cpu" else torch.device(caps.device_type, caps.index)
+                torch.device("cpu")
+                if caps.device_type == "cpu"
+                else torch.device(caps.device_type, caps.index)
             )
         return self._torch_device
 

@@ -37,9 +37,7 @@ class NoDeviceMatchesError(TorchHALError, LookupError):
         self.requirements = requirements
         self.failures = {dev: tuple(reasons) for dev, reasons in failures.items()}
         lines = [f"  {dev}: {'; '.join(reasons)}" for dev, reasons in self.failures.items()]
-        super().__init__(
-            f"no device meets {requirements}:\n" + ("\n".join(lines) or "  (no devices found)")
-        )
+        super().__init__(f"no device meets {requirements}:\n" + ("\n".join(lines) or "  (no devices found)"))
 
 
 class InvalidArgumentError(TorchHALError, ValueError):

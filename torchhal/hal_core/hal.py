@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from torchhal.hal_core.collectives import Communicator
 
 log = telemetry.get_logger("torchhal.hal")
-_active_device: contextvars.ContextVar[Device | None] = contextvars.ContextVar("torchhal_device", default=None)
+_active_device: contextvars.ContextVar[Device | None] = contextvars.ContextVar(
+    "torchhal_device", default=None
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +56,9 @@ class DeviceChoice:
 
 
 class _Discovered:
-    def __init__(self, adapters: list[VendorAdapter], active: list[ActiveAdapter], loader: PluginLoader) -> None:
+    def __init__(
+        self, adapters: list[VendorAdapter], active: list[ActiveAdapter], loader: PluginLoader
+    ) -> None:
         self.adapters = tuple(adapters)
         self.diagnostics = tuple(loader.diagnostics)
         self.devices = tuple(Device(a.adapter, caps) for a in active for caps in a.devices)
@@ -211,12 +215,15 @@ class HardwareAbstractionLayer:
             "torch_version": torch.__version__,
             "hal_api_version": HAL_API_VERSION,
             "adapters": [
-                {"name": a.name, "vendor": a.vendor, "priority": a.priority, "api_versions": list(a.api_versions)}
+                {
+                    "name": a.name,
+                    "vendor": a.vendor,
+                    "priority": a.priority,
+                    "api_versions": list(a.api_versions),
+                }
                 for a in state.adapters
             ],
-            "devices": [
-                {"id": d.id, **d.capabilities.model_dump(mode="json")} for d in state.devices
-            ],
+            "devices": [{"id": d.id, **d.capabilities.model_dump(mode="json")} for d in state.devices],
             "diagnostics": [d.as_dict() for d in state.diagnostics],
             "topology": self.topology().model_dump(mode="json"),
             "kernels": {
@@ -248,4 +255,3 @@ def _rank_key(dev: Device) -> tuple[tuple[Any, ...], tuple[str, ...]]:
         f"memory {caps.memory_bytes / 2**30:.1f} GiB",
     )
     return (caps.simulated, -dev.adapter.priority, -peak, -caps.memory_bytes, dev.id), reasons
-

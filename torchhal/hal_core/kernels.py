@@ -62,12 +62,17 @@ Predicate = Callable[["DeviceCapabilities", Any], "Unsupported | None"]
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
+    """An implementation of an op. `bind`, when given, specialises `fn` for one device's
+    capabilities (launch configuration from SIMD width, shared memory, compute units; the
+    device a simulated kernel charges) once per selection, not per call."""
+
     op: str
     name: str
     provider: str
     fn: Callable[..., Any]
     supports: Predicate | None = None
     priority: float = 0.0
+    bind: Callable[[DeviceCapabilities], Callable[..., Any]] | None = None
 
     @property
     def qualified_name(self) -> str:
@@ -92,6 +97,7 @@ class Selection:
     candidate: Candidate
     fallbacks: tuple[Candidate, ...]  # valid candidates tried next, in order, on failure
     rejected: tuple[Rejection, ...]
+    fn: Callable[..., Any]  # the candidate's callable, bound to the device when it has `bind`
 
     def explain(self) -> str:
         lines = [f"{self.op} on {self.device} for {self.signature}: {self.candidate.qualified_name}"]
@@ -134,12 +140,13 @@ class KernelRegistry:
         provider: str,
         supports: Predicate | None = None,
         priority: float = 0.0,
+        bind: Callable[[DeviceCapabilities], Callable[..., Any]] | None = None,
     ) -> Candidate:
         """Add a candidate implementation of `op`. Higher priority is preferred."""
         self._opdef(op)
         if name == REFERENCE or any(c.name == name for c in self._candidates[op]):
             raise TorchHALError(f"op {op!r} already has a candidate named {name!r}")
-        candidate = Candidate(op, name, provider, fn, supports, priority)
+        candidate = Candidate(op, name, provider, fn, supports, priority, bind)
         with self._lock:
             self._candidates[op].append(candidate)
             self._candidates[op].sort(key=lambda c: (-c.priority, c.name))
@@ -173,7 +180,7 @@ class KernelRegistry:
         sig = opdef.signature(*args, **kwargs)
         selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig)
         try:
-            return selection.candidate.fn(*args, **kwargs)
+            return selection.fn(*args, **kwargs)
         except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
             return self._fall_back(selection, device, exc, args, kwargs)
 
@@ -215,13 +222,18 @@ class KernelRegistry:
                 raise UnsupportedError(f"op {op!r} on {device.id}: no candidate supports {sig}: {reasons}")
             chosen, rest = valid[0], tuple(valid[1:])
             rejected += [
-                Rejection(c.qualified_name, RejectionReason.OUTRANKED, f"priority {c.priority} < {chosen.priority}")
+                Rejection(
+                    c.qualified_name, RejectionReason.OUTRANKED, f"priority {c.priority} < {chosen.priority}"
+                )
                 for c in rest
             ]
-            selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected))
+            fn = chosen.bind(caps) if chosen.bind is not None else chosen.fn
+            selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected), fn)
             span.set_attribute("torchhal.kernel.candidate", chosen.qualified_name)
             span.set_attribute("torchhal.kernel.rejected", [str(r) for r in rejected])
-        log.debug("kernel selected", op=op, device=device.id, signature=str(sig), candidate=chosen.qualified_name)
+        log.debug(
+            "kernel selected", op=op, device=device.id, signature=str(sig), candidate=chosen.qualified_name
+        )
         with self._lock:
             self._cache[op][(device.id, sig)] = selection
         return selection
@@ -234,7 +246,12 @@ class KernelRegistry:
         return cand.supports(caps, sig)
 
     def _fall_back(
-        self, selection: Selection, device: Device, exc: Exception, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        selection: Selection,
+        device: Device,
+        exc: Exception,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         op, failures = selection.op, [exc]
         failed = [r for r in selection.rejected if r.reason is RejectionReason.FAILED]
@@ -247,7 +264,9 @@ class KernelRegistry:
             with telemetry.span(
                 "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
             ):
-                log.warning("kernel failed, falling back", op=op, device=device.id, candidate=name, error=repr(exc))
+                log.warning(
+                    "kernel failed, falling back", op=op, device=device.id, candidate=name, error=repr(exc)
+                )
                 try:
                     current = self._select(op, device, selection.signature, failed)
                 except UnsupportedError:
@@ -256,7 +275,7 @@ class KernelRegistry:
                         + "; ".join(str(r) for r in failed)
                     ) from failures[0]
             try:
-                return current.candidate.fn(*args, **kwargs)
+                return current.fn(*args, **kwargs)
             except Exception as next_exc:
                 exc = next_exc
                 failures.append(exc)

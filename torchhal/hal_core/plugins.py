@@ -86,19 +86,35 @@ class PluginLoader:
             dist = ep.dist.name if ep.dist is not None else None
             if dist != CORE_DISTRIBUTION:
                 if self.settings.disable_plugin_autoload:
-                    self.record(Diagnostic(ep.name, Status.SKIPPED, "autoload", "TORCHHAL_DISABLE_PLUGIN_AUTOLOAD is set", dist))
+                    self.record(
+                        Diagnostic(
+                            ep.name,
+                            Status.SKIPPED,
+                            "autoload",
+                            "TORCHHAL_DISABLE_PLUGIN_AUTOLOAD is set",
+                            dist,
+                        )
+                    )
                     continue
                 allow = self.settings.plugins
                 if allow is not None and ep.name not in allow:
                     self.record(
-                        Diagnostic(ep.name, Status.SKIPPED, "allowlist", f"not in TORCHHAL_PLUGINS={','.join(allow)}", dist)
+                        Diagnostic(
+                            ep.name,
+                            Status.SKIPPED,
+                            "allowlist",
+                            f"not in TORCHHAL_PLUGINS={','.join(allow)}",
+                            dist,
+                        )
                     )
                     continue
             with telemetry.span("torchhal.plugin.load", plugin=ep.name, distribution=dist):
                 try:
                     module = ep.load()
                 except Exception as exc:
-                    self.record(Diagnostic(ep.name, Status.FAILED, "import", f"{type(exc).__name__}: {exc}", dist))
+                    self.record(
+                        Diagnostic(ep.name, Status.FAILED, "import", f"{type(exc).__name__}: {exc}", dist)
+                    )
                     continue
                 self.register(module, ep.name, dist)
 
@@ -107,7 +123,9 @@ class PluginLoader:
         try:
             self.manager.register(plugin, name=name)
         except Exception as exc:  # pluggy rejects malformed hook implementations
-            self.record(Diagnostic(name, Status.FAILED, "hooks", f"{type(exc).__name__}: {exc}", distribution))
+            self.record(
+                Diagnostic(name, Status.FAILED, "hooks", f"{type(exc).__name__}: {exc}", distribution)
+            )
             return
         if not self.manager.get_hookcallers(plugin):
             self.manager.unregister(plugin)
@@ -134,14 +152,20 @@ class PluginLoader:
             try:
                 impl.function(registry=registry)
             except Exception as exc:
-                self.record(Diagnostic(impl.plugin_name, Status.FAILED, "kernels", f"{type(exc).__name__}: {exc}"))
+                self.record(
+                    Diagnostic(impl.plugin_name, Status.FAILED, "kernels", f"{type(exc).__name__}: {exc}")
+                )
 
     def adapters(self, builtin: Iterable[VendorAdapter] = ()) -> list[VendorAdapter]:
         found: list[VendorAdapter] = list(builtin)
         for plugin, result in self._each("torchhal_adapters", lambda fn: fn()):
             for adapter in result or ():
                 if not isinstance(adapter, VendorAdapter):
-                    self.record(Diagnostic(plugin, Status.FAILED, "adapters", f"returned {adapter!r}, not a VendorAdapter"))
+                    self.record(
+                        Diagnostic(
+                            plugin, Status.FAILED, "adapters", f"returned {adapter!r}, not a VendorAdapter"
+                        )
+                    )
                 elif not adapter.supports_api(HAL_API_VERSION):
                     low, high = adapter.api_versions
                     self.record(
@@ -153,7 +177,14 @@ class PluginLoader:
                         )
                     )
                 elif any(a.name == adapter.name for a in found):
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "adapters", "an adapter of this name is already loaded"))
+                    self.record(
+                        Diagnostic(
+                            adapter.name,
+                            Status.FAILED,
+                            "adapters",
+                            "an adapter of this name is already loaded",
+                        )
+                    )
                 else:
                     found.append(adapter)
         return sorted(found, key=lambda a: (-a.priority, a.name))
@@ -162,11 +193,15 @@ class PluginLoader:
         """Probe each adapter, discover its devices and let it register kernels, in isolation."""
         active = []
         for adapter in adapters:
-            with telemetry.span("torchhal.adapter.discover", adapter=adapter.name, vendor=adapter.vendor) as span:
+            with telemetry.span(
+                "torchhal.adapter.discover", adapter=adapter.name, vendor=adapter.vendor
+            ) as span:
                 try:
                     probe = adapter.probe()
                 except Exception as exc:
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "probe", f"{type(exc).__name__}: {exc}"))
+                    self.record(
+                        Diagnostic(adapter.name, Status.FAILED, "probe", f"{type(exc).__name__}: {exc}")
+                    )
                     continue
                 if not probe.available:
                     self.record(Diagnostic(adapter.name, Status.ABSENT, "probe", probe.reason))
@@ -174,16 +209,26 @@ class PluginLoader:
                 try:
                     devices = tuple(adapter.discover())
                 except Exception as exc:
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "discover", f"{type(exc).__name__}: {exc}"))
+                    self.record(
+                        Diagnostic(adapter.name, Status.FAILED, "discover", f"{type(exc).__name__}: {exc}")
+                    )
                     continue
                 span.set_attribute("torchhal.devices", len(devices))
                 if not devices:
-                    self.record(Diagnostic(adapter.name, Status.ABSENT, "discover", f"{probe.reason}; no devices"))
+                    self.record(
+                        Diagnostic(adapter.name, Status.ABSENT, "discover", f"{probe.reason}; no devices")
+                    )
                     continue
                 try:
                     adapter.register_kernels(registry)
                 except Exception as exc:
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "kernels", f"{type(exc).__name__}: {exc}"))
-                self.record(Diagnostic(adapter.name, Status.LOADED, "discover", f"{len(devices)} device(s); {probe.reason}"))
+                    self.record(
+                        Diagnostic(adapter.name, Status.FAILED, "kernels", f"{type(exc).__name__}: {exc}")
+                    )
+                self.record(
+                    Diagnostic(
+                        adapter.name, Status.LOADED, "discover", f"{len(devices)} device(s); {probe.reason}"
+                    )
+                )
                 active.append(ActiveAdapter(adapter, devices))
         return active

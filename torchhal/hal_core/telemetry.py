@@ -15,8 +15,8 @@ import logging
 import sys
 import threading
 from collections import Counter
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, MutableMapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from opentelemetry import metrics, trace
 
@@ -171,7 +171,7 @@ def counts() -> dict[str, int]:
     return dict(_state.counts)
 
 
-def _otel_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+def _otel_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     ctx = trace.get_current_span().get_span_context()
     if ctx.is_valid:
         event["trace_id"] = format(ctx.trace_id, "032x")
@@ -182,7 +182,7 @@ def _otel_ids(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
 class _Logger:
     """A structlog logger made on the first line that passes the level check."""
 
-    _all: list[_Logger] = []
+    _all: ClassVar[list[_Logger]] = []
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -6,6 +6,8 @@ import torch
 
 from torchhal.hal_core import InvalidArgumentError
 
+PROVIDER = "torchhal"  # provider name of the built-in candidates
+
 
 def require_tensor(op: str, name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):

@@ -13,8 +13,14 @@ from typing import NamedTuple
 
 import torch
 
-from torchhal.hal_core import DeviceCapabilities, InvalidArgumentError, RejectionReason, Unsupported
-from torchhal.kernels._checks import require_rank, require_same, require_tensor
+from torchhal.hal_core import (
+    DeviceCapabilities,
+    InvalidArgumentError,
+    KernelRegistry,
+    RejectionReason,
+    Unsupported,
+)
+from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
 
 
 class AttentionSignature(NamedTuple):
@@ -54,7 +60,12 @@ def signature(
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise InvalidArgumentError(f"attention: scale must be a finite number, got {scale!r}")
     return AttentionSignature(
-        q.dtype, q.shape[3], v.shape[3], q.shape[1] != k.shape[1], bool(causal), window is not None,
+        q.dtype,
+        q.shape[3],
+        v.shape[3],
+        q.shape[1] != k.shape[1],
+        bool(causal),
+        window is not None,
         q.shape[2] == k.shape[2],
     )
 
@@ -119,7 +130,16 @@ def sdpa_supports(caps: DeviceCapabilities, sig: AttentionSignature) -> Unsuppor
     if sig.windowed:
         return Unsupported(RejectionReason.SHAPE, "SDPA has no sliding window")
     if sig.causal and not sig.square:
-        return Unsupported(RejectionReason.SHAPE, "SDPA's causal mask is top-left aligned; needs seq_q == seq_k")
+        return Unsupported(
+            RejectionReason.SHAPE, "SDPA's causal mask is top-left aligned; needs seq_q == seq_k"
+        )
     if sig.head_dim != sig.v_head_dim:
         return Unsupported(RejectionReason.SHAPE, f"head dims differ: qk {sig.head_dim}, v {sig.v_head_dim}")
     return None
+
+
+def register(registry: KernelRegistry) -> None:
+    registry.define_op(
+        "attention", reference, signature=signature, doc="softmax(q k^T * scale) v, SDPA layout"
+    )
+    registry.register("attention", "sdpa", sdpa, provider=PROVIDER, supports=sdpa_supports, priority=10)

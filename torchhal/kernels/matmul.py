@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from torchhal.hal_core import KernelRegistry
 from torchhal.kernels._checks import require_same, require_tensor
 
 
@@ -31,3 +32,7 @@ def signature(a: torch.Tensor, b: torch.Tensor) -> MatmulSignature:
 
 def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)
+
+
+def register(registry: KernelRegistry) -> None:
+    registry.define_op("matmul", reference, signature=signature, doc="a @ b, as torch.matmul")

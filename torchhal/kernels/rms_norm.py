@@ -6,8 +6,14 @@ from typing import NamedTuple
 
 import torch
 
-from torchhal.hal_core import DeviceCapabilities, InvalidArgumentError, RejectionReason, Unsupported
-from torchhal.kernels._checks import require_rank, require_same, require_tensor
+from torchhal.hal_core import (
+    DeviceCapabilities,
+    InvalidArgumentError,
+    KernelRegistry,
+    RejectionReason,
+    Unsupported,
+)
+from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
 
 
 class RMSNormSignature(NamedTuple):
@@ -46,3 +52,8 @@ def aten_supports(caps: DeviceCapabilities, sig: RMSNormSignature) -> Unsupporte
     if not hasattr(torch.nn.functional, "rms_norm"):
         return Unsupported(RejectionReason.FEATURE, f"torch {torch.__version__} has no F.rms_norm")
     return None
+
+
+def register(registry: KernelRegistry) -> None:
+    registry.define_op("rms_norm", reference, signature=signature, doc="RMSNorm over the last dimension")
+    registry.register("rms_norm", "aten", aten, provider=PROVIDER, supports=aten_supports, priority=10)
