@@ -64,9 +64,12 @@ class _Discovered:
         self.devices = tuple(Device(a.adapter, caps) for a in active for caps in a.devices)
         self.by_id = {d.id: d for d in self.devices}
         self.by_torch: dict[tuple[str, int | None], Device] = {}
-        for dev in self.devices:  # first adapter in priority order owns a torch device
+        for dev in self.devices:
+            # Tensors route to the device that natively owns their torch device; devices under a
+            # namespace of their own (a simulated ASIC in host memory) are reached through `use()`.
             tdev = dev.torch_device
-            self.by_torch.setdefault((tdev.type, tdev.index), dev)
+            if dev.adapter.namespace is None:
+                self.by_torch.setdefault((tdev.type, tdev.index), dev)
 
 
 class HardwareAbstractionLayer:
@@ -81,7 +84,7 @@ class HardwareAbstractionLayer:
     ) -> None:
         """`plugins`: extra hook-implementing objects; `adapters`: extra adapter instances."""
         self.settings = settings if settings is not None else Settings.from_env()
-        self.kernels = KernelRegistry(disabled=frozenset(self.settings.disable_kernels))
+        self._kernels = KernelRegistry(disabled=frozenset(self.settings.disable_kernels))
         self._extra_plugins = tuple(plugins)
         self._extra_adapters = tuple(adapters)
         self._state: _Discovered | None = None
@@ -103,14 +106,21 @@ class HardwareAbstractionLayer:
             loader.load_entry_points()
             for plugin in self._extra_plugins:
                 loader.register(plugin, getattr(plugin, "__name__", type(plugin).__name__))
-            loader.register_kernels(self.kernels)
+            loader.register_kernels(self._kernels)
             adapters = loader.adapters(builtin=(CPUAdapter(), *self._extra_adapters))
-            active = loader.activate(adapters, self.kernels)
+            active = loader.activate(adapters, self._kernels)
             state = _Discovered(adapters, active, loader)
             span.set_attribute("torchhal.adapters", [a.name for a in adapters])
             span.set_attribute("torchhal.devices", [d.id for d in state.devices])
         log.info("discovery done", devices=[d.id for d in state.devices], adapters=[a.name for a in adapters])
         return state
+
+    @property
+    def kernels(self) -> KernelRegistry:
+        """The registry of ops and candidates, filled by discovery."""
+        if self._state is None:
+            self._discovered()
+        return self._kernels
 
     @property
     def adapters(self) -> tuple[VendorAdapter, ...]:

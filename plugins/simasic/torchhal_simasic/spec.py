@@ -1,0 +1,145 @@
+"""The simulated ASIC's spec: a validated description of one systolic-array accelerator.
+
+Specs are TOML files (read with the standard library's `tomllib`, which is why this plugin needs
+Python 3.11+) or JSON files. Three ship with the plugin; `TORCHHAL_SIMASIC_SPEC` picks one by
+name or points at a file, and `TORCHHAL_SIMASIC_DEVICES` overrides the device count. Every
+malformed value raises `ConfigurationError` naming the field, the constraint and the value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from torchhal.hal_core import ConfigurationError, DType
+
+SPEC_ENV = "TORCHHAL_SIMASIC_SPEC"
+DEVICES_ENV = "TORCHHAL_SIMASIC_DEVICES"
+BUNDLED = ("edge", "datacenter", "h100-like")
+DEFAULT_SPEC = "edge"
+
+PositiveInt = Annotated[int, Field(ge=1, strict=True)]
+NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class SimASICSpec(BaseModel):
+    """One accelerator: an R × C output-stationary systolic array, its SRAM and its memory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: Annotated[str, Field(min_length=1)]
+    rows: PositiveInt  # R: processing elements per column of the array
+    cols: PositiveInt  # C: processing elements per row of the array
+    clock_hz: PositiveFloat
+    macs_per_cell_per_cycle: dict[DType, PositiveInt]  # a dtype absent here has no matmul
+    sram_bytes: NonNegativeInt  # on-chip buffer that holds operand panels for reuse
+    memory_bytes: PositiveInt  # device memory capacity
+    memory_bandwidth_bytes_per_s: PositiveFloat
+    dtypes: Annotated[frozenset[DType], Field(min_length=1)]
+    launch_overhead_s: NonNegativeFloat
+    devices: PositiveInt = 1
+    host_link_bytes_per_s: PositiveFloat | None = None  # declared link between devices, via the host
+
+    @model_validator(mode="after")
+    def _matmul_dtypes_are_supported(self) -> SimASICSpec:
+        if not self.macs_per_cell_per_cycle:
+            raise ValueError("macs_per_cell_per_cycle: needs at least one dtype, got an empty table")
+        extra = sorted(d.value for d in self.macs_per_cell_per_cycle.keys() - self.dtypes)
+        if extra:
+            raise ValueError(
+                f"macs_per_cell_per_cycle: every dtype must also be listed in dtypes "
+                f"{sorted(d.value for d in self.dtypes)}, got {extra} that are not"
+            )
+        return self
+
+    def peak_flops_per_s(self, dtype: DType) -> float:
+        """The array's peak: 2 FLOPs per MAC × R × C cells × MACs per cell per cycle × clock."""
+        return 2.0 * self.rows * self.cols * self.macs_per_cell_per_cycle[dtype] * self.clock_hz
+
+    def fingerprint(self) -> str:
+        """A stable hash of the spec, so caches keyed by device change when the spec does."""
+        data = self.model_dump(mode="json")
+        data["dtypes"] = sorted(data["dtypes"])
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def parse_spec(data: Mapping[str, Any], source: str) -> SimASICSpec:
+    """Validate a spec's raw data; errors name the field, the constraint and the value."""
+    try:
+        return SimASICSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(err) for err in exc.errors())
+        raise ConfigurationError(f"simulated ASIC spec {source}: {problems}") from None
+
+
+def _describe(err: Any) -> str:
+    field = ".".join(str(part) for part in err["loc"])
+    if err["type"] == "missing":
+        return f"field {field!r}: required, but missing"
+    if not field:  # a model-level check, whose message names its field itself
+        return str(err["msg"]).removeprefix("Value error, ")
+    return f"field {field!r}: {err['msg']}, got {err['input']!r}"
+
+
+def load_spec(path: str | os.PathLike[str]) -> SimASICSpec:
+    """Read a spec from a `.toml` or `.json` file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigurationError(f"simulated ASIC spec {path}: cannot read it: {exc.strerror}") from None
+    return parse_spec(_decode(text, path.suffix, str(path)), str(path))
+
+
+def _decode(text: str, suffix: str, source: str) -> Any:
+    try:
+        if suffix == ".toml":
+            return tomllib.loads(text)
+        if suffix == ".json":
+            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise ConfigurationError(
+                    f"simulated ASIC spec {source}: must be a JSON object, got {type(data).__name__}"
+                )
+            return data
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigurationError(f"simulated ASIC spec {source}: not valid {suffix[1:].upper()}: {exc}") from None
+    raise ConfigurationError(f"simulated ASIC spec {source}: file name must end in .toml or .json, got {suffix!r}")
+
+
+def bundled_spec(name: str) -> SimASICSpec:
+    """One of the specs shipped with the plugin, by name (see BUNDLED)."""
+    if name not in BUNDLED:
+        raise ConfigurationError(f"simulated ASIC spec name must be one of {BUNDLED}, got {name!r}")
+    text = resources.files("torchhal_simasic").joinpath("specs", f"{name}.toml").read_text(encoding="utf-8")
+    return parse_spec(_decode(text, ".toml", f"bundled {name!r}"), f"bundled {name!r}")
+
+
+def spec_from_env(environ: Mapping[str, str] | None = None) -> SimASICSpec:
+    """The spec named by TORCHHAL_SIMASIC_SPEC (default: the edge spec), with the device override."""
+    env = os.environ if environ is None else environ
+    chosen = env.get(SPEC_ENV, "").strip() or DEFAULT_SPEC
+    if chosen in BUNDLED:
+        spec = bundled_spec(chosen)
+    elif Path(chosen).is_file():
+        spec = load_spec(chosen)
+    else:
+        raise ConfigurationError(
+            f"{SPEC_ENV} must name a bundled spec {BUNDLED} or an existing .toml/.json file, got {chosen!r}"
+        )
+    devices = env.get(DEVICES_ENV, "").strip()
+    if not devices:
+        return spec
+    if not devices.isdigit() or int(devices) < 1:
+        raise ConfigurationError(f"{DEVICES_ENV} must be an integer >= 1, got {devices!r}")
+    return spec.model_copy(update={"devices": int(devices)})

@@ -1,0 +1,170 @@
+"""Kernel registry: selection with typed rejections, caching, fallback, dispatch through ops."""
+
+from __future__ import annotations
+
+import torch
+
+import pytest
+
+import torchhal
+from torchhal import HardwareAbstractionLayer
+from torchhal.hal_core import (
+    DType,
+    InvalidArgumentError,
+    KernelFailedError,
+    RejectionReason,
+    UnknownOpError,
+    Unsupported,
+    UnsupportedError,
+    telemetry,
+)
+from torchhal.kernels import attention, rms_norm
+from tests.core.adapters import FakeAdapter, fake_caps
+
+
+@pytest.fixture
+def hal(settings):
+    return HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1"))
+
+
+def test_rms_norm_candidates_match_reference(hal):
+    x, w = torch.randn(13, 123), torch.randn(123)
+    sel = hal.kernels.select("rms_norm", hal.device("cpu"), x, w)
+    assert sel.candidate.name == "aten"
+    ref = rms_norm.reference(x.double(), w.double())
+    torch.testing.assert_close(hal.kernels.call("rms_norm", hal.device("cpu"), x, w).double(), ref)
+
+
+def test_attention_selection_explains_typed_rejections(hal):
+    cpu = hal.device("cpu")
+    q, k, v = torch.randn(2, 4, 7, 16), torch.randn(2, 2, 11, 16), torch.randn(2, 2, 11, 16)
+    sel = hal.kernels.select("attention", cpu, q, k, v, causal=True)
+    assert sel.candidate.name == "reference"
+    [rej] = sel.rejected
+    assert (rej.candidate, rej.reason) == ("torchhal/sdpa", RejectionReason.SHAPE)
+    assert "seq_q == seq_k" in sel.explain()
+    square = torch.randn(2, 4, 11, 16)
+    assert hal.kernels.select("attention", cpu, square, k, v, causal=True).candidate.name == "sdpa"
+
+
+@pytest.mark.parametrize("causal, window", [(False, None), (True, None), (True, (3, 0)), (False, (2, 4))])
+def test_attention_dispatch_matches_fp64_reference(hal, causal, window):
+    q, k, v = torch.randn(2, 4, 9, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    out = hal.kernels.call("attention", hal.device("cpu"), q, k, v, causal=causal, window=window)
+    ref = attention.reference(q.double(), k.double(), v.double(), causal=causal, window=window)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_selection_is_cached_per_device_and_signature(hal):
+    cpu = hal.device("cpu")
+    x, w = torch.randn(4, 32), torch.randn(32)
+    first = hal.kernels.select("rms_norm", cpu, x, w)
+    assert hal.kernels.select("rms_norm", cpu, torch.randn(9, 32), w) is first  # rows are not in the key
+    assert hal.kernels.select("rms_norm", cpu, torch.randn(4, 64), torch.randn(64)) is not first
+
+
+def test_failing_candidate_falls_back_logged_counted_traced(hal, capsys):
+    telemetry.configure(exporter="memory", log_level="warning")
+    calls = []
+
+    def broken(x, weight, eps=1e-6):
+        calls.append(1)
+        raise RuntimeError("kernel launch failed")
+
+    hal.kernels.register("rms_norm", "broken", broken, provider="test", priority=100)
+    cpu = hal.device("cpu")
+    x, w = torch.randn(5, 8), torch.randn(8)
+    out = hal.kernels.call("rms_norm", cpu, x, w)
+    torch.testing.assert_close(out, rms_norm.reference(x, w))
+    assert hal.kernels.fallback_counts == {"test/broken": 1}
+    assert telemetry.counts()["torchhal.kernel.fallbacks,candidate=test/broken,op=rms_norm"] == 1
+    spans = [s for s in telemetry.memory_exporter().get_finished_spans() if s.name == "torchhal.kernel.fallback"]
+    assert spans and spans[0].attributes["candidate"] == "test/broken"
+    assert "kernel failed, falling back" in capsys.readouterr().err
+    # demoted for this signature: the next call does not try the broken kernel again
+    hal.kernels.call("rms_norm", cpu, x, w)
+    assert len(calls) == 1
+    sel = hal.kernels.select("rms_norm", cpu, x, w)
+    assert any(r.reason is RejectionReason.FAILED and r.candidate == "test/broken" for r in sel.rejected)
+
+
+def test_every_candidate_failing_raises_with_all_reasons(hal):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    hal.kernels.define_op("double", broken, signature=lambda x: (x.dtype,))
+    with pytest.raises(KernelFailedError, match="every candidate failed.*reference"):
+        hal.kernels.call("double", hal.device("cpu"), torch.randn(3))
+
+
+def test_unknown_op_lists_defined_ops(hal):
+    with pytest.raises(UnknownOpError, match="unknown op 'nope'.*rms_norm"):
+        hal.kernels.call("nope", hal.device("cpu"), torch.randn(3))
+
+
+def test_bad_input_names_op_and_constraint(hal):
+    cpu = hal.device("cpu")
+    with pytest.raises(InvalidArgumentError, match="rms_norm: x's last dimension must equal weight's length 8"):
+        hal.kernels.call("rms_norm", cpu, torch.randn(4, 7), torch.randn(8))
+    with pytest.raises(InvalidArgumentError, match="attention: heads_q must be a multiple of heads_kv, got 3 and 2"):
+        hal.kernels.call("attention", cpu, torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+    with pytest.raises(InvalidArgumentError, match="q must have 4 dimensions"):
+        hal.kernels.call("attention", cpu, torch.randn(3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8))
+
+
+def test_dtype_the_device_does_not_declare_is_refused(settings):
+    hal = HardwareAbstractionLayer(
+        adapters=[FakeAdapter([fake_caps(dtypes=frozenset({DType.BF16}))])],
+        settings=settings(disable_plugin_autoload="1"),
+    )
+    with pytest.raises(UnsupportedError, match=r"op 'rms_norm' on acme:0: dtype torch.float32 is not supported.*bf16"):
+        hal.kernels.call("rms_norm", hal.device("acme:0"), torch.randn(2, 4), torch.randn(4))
+
+
+def test_predicate_rejection_and_disable_setting(settings):
+    hal = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1", disable_kernels="aten"))
+    hal.kernels.register(
+        "rms_norm",
+        "wide-only",
+        rms_norm.reference,
+        provider="test",
+        supports=lambda caps, sig: None if sig.hidden >= 1024 else Unsupported(RejectionReason.SHAPE, "hidden < 1024"),
+        priority=50,
+    )
+    sel = hal.kernels.select("rms_norm", hal.device("cpu"), torch.randn(2, 64), torch.randn(64))
+    reasons = {r.candidate: r.reason for r in sel.rejected}
+    assert reasons == {"test/wide-only": RejectionReason.SHAPE, "torchhal/aten": RejectionReason.DISABLED}
+    assert sel.candidate.name == "reference"
+
+
+def test_bind_specialises_per_device(settings):
+    seen = []
+
+    def bind(caps):
+        seen.append(caps.simd_width)
+        return lambda x, weight, eps=1e-6: rms_norm.reference(x, weight, eps) * 1.0
+
+    hal = HardwareAbstractionLayer(
+        adapters=[FakeAdapter([fake_caps(0, simd_width=16), fake_caps(1, simd_width=64)])],
+        settings=settings(disable_plugin_autoload="1"),
+    )
+    hal.kernels.register("rms_norm", "bound", rms_norm.reference, provider="test", priority=99, bind=bind)
+    x, w = torch.randn(3, 8), torch.randn(8)
+    for dev in ("acme:0", "acme:1", "acme:0"):
+        hal.kernels.call("rms_norm", hal.device(dev), x, w)
+    assert seen == [16, 64]
+
+
+def test_ops_dispatch_through_default_hal_and_use(settings):
+    hal = HardwareAbstractionLayer(
+        adapters=[FakeAdapter([fake_caps(dtypes=frozenset({DType.BF16}))])],
+        settings=settings(disable_plugin_autoload="1"),
+    )
+    torchhal.ops.set_default_hal(hal)
+    try:
+        x, w = torch.randn(3, 8), torch.randn(8)
+        torch.testing.assert_close(torchhal.ops.rms_norm(x, w), rms_norm.reference(x, w))
+        with hal.use("acme:0"), pytest.raises(UnsupportedError, match="acme:0"):
+            torchhal.ops.rms_norm(x, w)  # fp32 on a bf16-only device: refused, never converted
+    finally:
+        torchhal.ops.set_default_hal(None)

@@ -1,0 +1,74 @@
+"""Telemetry: spans for discovery, plugin loading and kernel selection; log lines with trace ids."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+
+import pytest
+import torch
+
+from torchhal import HardwareAbstractionLayer
+from torchhal.hal_core import ConfigurationError, telemetry
+
+
+def test_discovery_plugin_load_and_selection_spans(plugin_dist, settings):
+    plugin_dist("traced", "from torchhal.hal_core import hookimpl\n@hookimpl\ndef torchhal_adapters():\n    return []\n")
+    telemetry.configure(exporter="memory")
+    hal = HardwareAbstractionLayer(settings=settings())
+    hal.kernels.call("rms_norm", hal.device("cpu"), torch.randn(3, 5), torch.randn(5))
+    hal.kernels.call("rms_norm", hal.device("cpu"), torch.randn(4, 5), torch.randn(5))  # cached: no span
+    spans = telemetry.memory_exporter().get_finished_spans()
+    names = [s.name for s in spans]
+    assert names.count("torchhal.discovery") == 1
+    assert names.count("torchhal.kernel.select") == 1
+    loads = {s.attributes["plugin"] for s in spans if s.name == "torchhal.plugin.load"}
+    assert {"traced", "builtin-kernels"} <= loads
+    discovery = next(s for s in spans if s.name == "torchhal.discovery")
+    adapter_spans = [s for s in spans if s.name == "torchhal.adapter.discover"]
+    assert all(s.parent.span_id == discovery.context.span_id for s in adapter_spans)
+    select = next(s for s in spans if s.name == "torchhal.kernel.select")
+    assert select.attributes["torchhal.kernel.candidate"] == "torchhal/aten"
+
+
+def test_json_log_lines_carry_trace_and_span_ids():
+    stream = io.StringIO()
+    telemetry.configure(exporter="memory", log_format="json", log_level="info", log_stream=stream)
+    log = telemetry.get_logger("torchhal.test")
+    with telemetry.span("outer") as span:
+        log.info("inside", answer=42)
+    log.info("outside")
+    inside, outside = (json.loads(line) for line in stream.getvalue().splitlines())
+    ctx = span.get_span_context()
+    assert inside["trace_id"] == format(ctx.trace_id, "032x")
+    assert inside["span_id"] == format(ctx.span_id, "016x")
+    assert (inside["event"], inside["answer"], inside["level"], inside["logger"]) == ("inside", 42, "info", "torchhal.test")
+    assert "trace_id" not in outside
+
+
+def test_lines_below_the_level_are_not_written():
+    stream = io.StringIO()
+    telemetry.configure(log_level="warning", log_stream=stream)
+    telemetry.get_logger("torchhal.test").info("quiet")
+    assert stream.getvalue() == ""
+
+
+def test_unconfigured_spans_are_no_ops():
+    telemetry.configure(exporter="none")
+    with telemetry.span("nothing") as span:
+        assert not span.is_recording()
+
+
+def test_bad_exporter_is_refused():
+    with pytest.raises(ConfigurationError, match="exporter must be one of .* got 'zipkin'"):
+        telemetry.configure(exporter="zipkin")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("opentelemetry.exporter") is not None,
+    reason="the otlp extra is installed here, so the missing-extra error cannot occur",
+)
+def test_otlp_without_its_extra_names_the_extra():
+    with pytest.raises(ConfigurationError, match=r"torchhal\[otlp\]"):
+        telemetry.configure(exporter="otlp")
