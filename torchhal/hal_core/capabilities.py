@@ -152,15 +152,25 @@ class CollectiveBandwidth(_Frozen):
 
 
 class MeasuredProfile(_Frozen):
-    """What `profile.py` measured on one device. Simulated devices report simulated time."""
+    """What `profile.py` measured on one device. Simulated devices report simulated time.
+
+    `direct_*` are the same measurements made with plain torch calls that bypass the HAL, in
+    the same run, so the HAL's own figures always stand beside a peer (None when simulated).
+    Copy bandwidth counts bytes read plus bytes written.
+    """
 
     schema_version: int = SCHEMA_VERSION
     fingerprint: str
+    device_id: str
     device_name: str
     simulated: bool
     matmul_tflops: dict[DType, float]
+    matmul_sizes: dict[DType, int]  # n of the n×n×n products, grown until a call takes ~10 ms
     copy_bandwidth_gbps: float
+    copy_bytes: int
     launch_latency_us: float
+    direct_matmul_tflops: dict[DType, float] | None = None
+    direct_copy_bandwidth_gbps: float | None = None
     collective_bandwidth: tuple[CollectiveBandwidth, ...] = ()
     measured_at: datetime
     torch_version: str

@@ -1,0 +1,96 @@
+"""Dispatch overhead of `torchhal.ops.<op>` over calling the selected implementation directly.
+
+Both paths run the same candidate on the same tiny tensors (so the kernel itself is cheap and
+the difference is the dispatch: device lookup, argument validation, cached selection).
+Measured interleaved (A B A B ...) in batches; reports the median per-call difference, with
+telemetry unconfigured and with an in-memory exporter configured.
+Usage: python benchmarks/bench_dispatch.py [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import datetime, timezone
+
+import torch
+
+import torchhal
+from torchhal.hal_core import telemetry
+
+CALLS = 20_000
+ROUNDS = 15
+
+
+def per_call_us(fn: Callable[[], object]) -> float:
+    start = time.perf_counter_ns()
+    for _ in range(CALLS):
+        fn()
+    return (time.perf_counter_ns() - start) / CALLS / 1e3
+
+
+def overhead(op: Callable[[], object], direct: Callable[[], object]) -> dict[str, float]:
+    for _ in range(3):
+        op(), direct()
+    ops, directs, diffs = [], [], []
+    for _ in range(ROUNDS):
+        a, b = per_call_us(op), per_call_us(direct)
+        ops.append(a)
+        directs.append(b)
+        diffs.append(a - b)
+    return {
+        "ops_us": statistics.median(ops),
+        "direct_us": statistics.median(directs),
+        "overhead_us": statistics.median(diffs),
+        "overhead_spread_us": statistics.quantiles(diffs, n=4)[2] - statistics.quantiles(diffs, n=4)[0],
+    }
+
+
+def cases(hal: torchhal.HardwareAbstractionLayer) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+    cpu = hal.device("cpu")
+    x, w = torch.randn(4, 64), torch.randn(64)
+    q = k = v = torch.randn(1, 2, 8, 16)
+    norm = hal.kernels.select("rms_norm", cpu, x, w).fn
+    attn = hal.kernels.select("attention", cpu, q, k, v, causal=True).fn
+    return {
+        "rms_norm": (lambda: torchhal.ops.rms_norm(x, w), lambda: norm(x, w)),
+        "attention": (
+            lambda: torchhal.ops.attention(q, k, v, causal=True),
+            lambda: attn(q, k, v, causal=True, scale=None, window=None),
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    hal = torchhal.HardwareAbstractionLayer()
+    torchhal.ops.set_default_hal(hal)
+    results: dict[str, object] = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+    for mode in ("unconfigured", "memory-exporter"):
+        telemetry.configure(exporter="none" if mode == "unconfigured" else "memory")
+        for name, (op, direct) in cases(hal).items():
+            results[f"{name}/{mode}"] = overhead(op, direct)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+    print(f"{'case':<32}{'ops µs':>10}{'direct µs':>11}{'overhead µs':>13}{'IQR':>8}")
+    for key, row in results.items():
+        if isinstance(row, dict):
+            print(f"{key:<32}{row['ops_us']:>10.2f}{row['direct_us']:>11.2f}{row['overhead_us']:>13.2f}"
+                  f"{row['overhead_spread_us']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) and installs torchhal, the four vendor plugins and, with
+# `dev`, the test tools. Needs only Python >= 3.10 and pip. Idempotent.
+# torch: an importable torch in the venv is kept; otherwise torch==2.13.0 is installed (a CPU
+# build where the machine has one on local disk; install a CUDA/ROCm/XPU build first to use a GPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+"$python" -c 'import sys; assert sys.version_info >= (3, 10), f"torchhal needs Python >= 3.10, found {sys.version}"'
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+.venv/bin/python -c 'import torch' 2>/dev/null || "${pip[@]}" torch==2.13.0
+extras=""
+[ "${1:-}" = "dev" ] && extras="[dev]"
+"${pip[@]}" -e ".${extras}" plugins/nvidia plugins/amd plugins/intel plugins/simasic

@@ -1,0 +1,111 @@
+"""The `torchhal` command: info, profile, conformance, demo."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+app = typer.Typer(help="torchhal: one PyTorch code path across NVIDIA, AMD, Intel, ASICs and the CPU.")
+console = Console()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+@app.command()
+def info(as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False) -> None:
+    """Adapters, devices, capabilities, topology and plugin diagnostics."""
+    hal = HardwareAbstractionLayer()
+    report = hal.report()
+    if as_json:
+        typer.echo(json.dumps(report, indent=2))
+        return
+    console.print(f"[bold]torchhal {report['torchhal_version']}[/] on torch {report['torch_version']}")
+    devices = Table(title="Devices")
+    for col in ("id", "name", "arch", "units", "simd", "memory", "dtypes", "collectives", "notes"):
+        devices.add_column(col)
+    for dev in hal.devices():
+        caps = dev.capabilities
+        notes = "simulated" if caps.simulated else ""
+        if caps.declared_peaks and caps.declared_peaks.tflops:
+            best = max(caps.declared_peaks.tflops.items(), key=lambda kv: kv[1])
+            notes = (notes + " " if notes else "") + f"declared peak {best[0].value} {best[1]:g} TFLOP/s"
+        devices.add_row(
+            dev.id,
+            caps.name,
+            caps.arch,
+            str(caps.compute_units),
+            str(caps.simd_width),
+            _gib(caps.memory_bytes),
+            ",".join(sorted(d.value for d in caps.dtypes)),
+            ",".join(caps.collective_backends),
+            notes,
+        )
+    console.print(devices)
+    links = hal.topology().links
+    if links:
+        topo = Table(title="Topology")
+        for col in ("a", "b", "type", "count", "GB/s (declared)", "source"):
+            topo.add_column(col)
+        for lk in links:
+            bandwidth = f"{lk.bandwidth_gbps:g}" if lk.bandwidth_gbps else "-"
+            topo.add_row(lk.a, lk.b, lk.type.value, str(lk.count or "-"), bandwidth, lk.source)
+        console.print(topo)
+    diags = Table(title="Plugins and adapters")
+    for col in ("name", "status", "stage", "reason"):
+        diags.add_column(col)
+    for d in hal.diagnostics:
+        diags.add_row(d.name, d.status.value, d.stage, d.reason)
+    console.print(diags)
+
+
+@app.command()
+def profile(
+    device: Annotated[str | None, typer.Argument(help="Device id; default: the best device.")] = None,
+    refresh: Annotated[bool, typer.Option(help="Measure again instead of reading the cache.")] = False,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Measure matmul TFLOP/s per dtype, copy bandwidth and launch latency (cached on disk)."""
+    hal = HardwareAbstractionLayer()
+    dev = hal.device(device) if device else hal.best_device()
+    prof = hal.profile(dev, refresh=refresh)
+    if as_json:
+        typer.echo(prof.model_dump_json(indent=2))
+        return
+    kind = "simulated time" if prof.simulated else "measured"
+    table = Table(title=f"{dev.id}: {prof.device_name} ({kind}, fingerprint {prof.fingerprint})")
+    for col in ("measure", "through torchhal", "plain torch, same run"):
+        table.add_column(col)
+    direct = prof.direct_matmul_tflops or {}
+    for dtype, tflops in prof.matmul_tflops.items():
+        peer = f"{direct[dtype]:.3g}" if dtype in direct else "-"
+        table.add_row(f"matmul {dtype.value} TFLOP/s (n={prof.matmul_sizes[dtype]})", f"{tflops:.3g}", peer)
+    peer_copy = prof.direct_copy_bandwidth_gbps
+    table.add_row(
+        f"copy GB/s (read+write, {prof.copy_bytes >> 20} MiB)",
+        f"{prof.copy_bandwidth_gbps:.4g}",
+        f"{peer_copy:.4g}" if peer_copy else "-",
+    )
+    table.add_row("launch latency µs", f"{prof.launch_latency_us:.3g}", "-")
+    console.print(table)
+    for note in prof.notes:
+        console.print(f"note: {note}")
+
+
+@app.command()
+def demo() -> None:
+    """Discovery, capabilities, device choice and kernel selection on the hardware present."""
+    from torchhal.demo import run
+
+    run(console)
+
+
+def main() -> None:
+    app()

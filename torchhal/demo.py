@@ -1,0 +1,75 @@
+"""`torchhal demo`: discovery, capabilities, device choice and kernel selection, on whatever is here.
+
+Uses only the HAL's public interfaces, so the same walk-through runs on a GPU host, a
+CPU-only laptop or a simulated ASIC.
+"""
+
+from __future__ import annotations
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from torchhal.hal_core import Device, DeviceRequirements, DType, NoDeviceMatchesError
+from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+
+def _demo_dtype(dev: Device) -> torch.dtype:
+    return torch.bfloat16 if dev.capabilities.supports_dtype(DType.BF16) else torch.float32
+
+
+def run(console: Console) -> None:
+    hal = HardwareAbstractionLayer()
+    console.rule("1. Discovery")
+    for d in hal.diagnostics:
+        console.print(f"  {d.name:<16} {d.status.value:<8} {d.reason}")
+
+    console.rule("2. Capabilities")
+    for dev in hal.devices():
+        caps = dev.capabilities
+        kind = "simulated" if caps.simulated else "real"
+        console.print(
+            f"  [bold]{dev.id}[/] {caps.name} ({kind}): {caps.arch}, {caps.compute_units} units × "
+            f"simd {caps.simd_width}, {caps.memory_bytes / 2**30:.1f} GiB, "
+            f"dtypes {','.join(sorted(d.value for d in caps.dtypes))}, "
+            f"features {','.join(sorted(f.value for f in caps.features)) or '-'}, "
+            f"collectives {','.join(caps.collective_backends)}"
+        )
+
+    console.rule("3. Best device for bf16 training")
+    try:
+        choice = hal.choose_device(DeviceRequirements(dtypes=frozenset({DType.BF16})))
+        for line in choice.explain().splitlines():
+            console.print(f"  {line}")
+    except NoDeviceMatchesError as exc:
+        console.print(f"  {exc}")
+
+    console.rule("4. Kernel selection and one call per device")
+    table = Table()
+    for col in ("device", "op", "dtype", "chosen", "rejected", "time (ms)"):
+        table.add_column(col)
+    for dev in hal.devices():
+        dtype = _demo_dtype(dev)
+        x = dev.to_device(torch.randn(512, 1024, dtype=dtype))
+        w = dev.to_device(torch.randn(1024, dtype=dtype))
+        q = dev.to_device(torch.randn(1, 8, 256, 64, dtype=dtype))
+        kv = dev.to_device(torch.randn(1, 2, 256, 64, dtype=dtype))
+        calls = {
+            "rms_norm": ((x, w), {}),
+            "attention": ((q, kv, kv), {"causal": True}),
+        }
+        for op, (args, kwargs) in calls.items():
+            sel = hal.kernels.select(op, dev, *args, **kwargs)
+            timer = dev.timer()
+            with hal.use(dev):
+                hal.kernels.call(op, dev, *args, **kwargs)  # warm-up
+                start = timer.mark()
+                hal.kernels.call(op, dev, *args, **kwargs)
+                elapsed = timer.elapsed_ms(start, timer.mark())
+            rejected = "; ".join(f"{r.candidate}: {r.reason.value}" for r in sel.rejected) or "-"
+            suffix = " (simulated)" if dev.simulated else ""
+            table.add_row(
+                dev.id, op, str(dtype).removeprefix("torch."), sel.candidate.qualified_name, rejected,
+                f"{elapsed:.3f}{suffix}",
+            )
+    console.print(table)

@@ -1,0 +1,781 @@
+"""Communicator: collectives over torch.distributed process groups, backend chosen from capabilities.
+
+Thin on purpose, as torchtitan builds it: every byte moves through torch.distributed's own
+process groups and collectives. torchhal adds what the HAL knows: the backend string from the
+devices' adapters (`cuda:nccl,cpu:gloo`, `xpu:xccl,cpu:gloo`, `gloo` for host tensors), input
+checks that name the collective, a span per collective, timeouts surfaced as `CollectiveError`,
+and, for mixed-vendor jobs, single-vendor islands joined by a host (gloo) bridge.
+
+Where a backend refuses a fused form (`all_gather_single`, `reduce_scatter_single`,
+`all_to_all_single`, `ReduceOp.AVG`; gloo did before torch 2.8), the collective is composed from
+simpler ones (all_gather + cat, all_reduce + slice, paired isend/irecv, sum + divide). The
+choice is logged at debug level and counted as `torchhal.collective.composed`. A refusal is
+raised when the collective is issued, before any byte moves, and is the same on every rank of a
+job that runs one torch build, so all ranks take the same path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from torchhal.hal_core import telemetry
+from torchhal.hal_core.capabilities import DeviceCapabilities, DType
+from torchhal.hal_core.device import Device
+from torchhal.hal_core.errors import CollectiveError, ConfigurationError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+    from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+log = telemetry.get_logger("torchhal.collectives")
+
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+"""torchtitan's default for process-group creation and collectives; torch's own is 10-30 minutes."""
+
+HOST_BACKEND = "gloo"
+"""The backend for host tensors: the one torch backend that every build ships."""
+
+_TORCH_BACKEND_NAMES = {"rccl": "nccl"}
+"""Collective libraries that torch serves under another backend name (ROCm builds run RCCL as nccl)."""
+
+_REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "avg": dist.ReduceOp.AVG,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+_ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
+
+
+def backend_for(devices: Iterable[Device | DeviceCapabilities]) -> str:
+    """The torch.distributed backend string for a process whose tensors live on `devices`.
+
+    Host devices (the CPU, simulated devices whose tensors are host tensors) use gloo, so a
+    host-only process gets `"gloo"`. Each accelerator device type gets its adapter's backend
+    (for a `Device`) or the first collective backend its capabilities declare, with gloo for
+    host tensors beside it: `"cuda:nccl,cpu:gloo"`. One device type can have one backend only.
+    """
+    chosen: dict[str, tuple[str, str]] = {}  # device type -> (backend, who asked for it)
+    for item in devices:
+        caps = item.capabilities if isinstance(item, Device) else item
+        if caps.device_type == "cpu" or caps.simulated:
+            continue
+        backend = _declared_backend(item)
+        who = f"{caps.adapter}:{caps.index} ({caps.name})"
+        earlier = chosen.setdefault(caps.device_type, (backend, who))
+        if earlier[0] != backend:
+            raise ConfigurationError(
+                f"backend for {caps.device_type} tensors: {earlier[1]} needs {earlier[0]!r} but {who} "
+                f"needs {backend!r}; one process group has one backend per device type "
+                "(put such devices in separate processes and join them with islands())"
+            )
+    if not chosen:
+        return HOST_BACKEND
+    return ",".join(
+        [f"{dtype}:{backend}" for dtype, (backend, _) in chosen.items()] + [f"cpu:{HOST_BACKEND}"]
+    )
+
+
+def _declared_backend(item: Device | DeviceCapabilities) -> str:
+    if isinstance(item, Device):
+        name = item.adapter.collective_backend()
+    elif item.collective_backends:
+        name = item.collective_backends[0]
+    else:
+        raise ConfigurationError(
+            f"device {item.adapter}:{item.index} ({item.name}) declares no collective backend "
+            "(capabilities.collective_backends is empty)"
+        )
+    return _TORCH_BACKEND_NAMES.get(name, name)
+
+
+def _backend_map(config: str) -> dict[str, str]:
+    """`"cpu:gloo,cuda:nccl"` -> {"cpu": "gloo", "cuda": "nccl"}; a bare name serves every type ("*")."""
+    if ":" not in config:
+        return {"*": config.strip()}
+    pairs = (part.split(":", 1) for part in config.split(",") if part.strip())
+    return {dtype.strip(): backend.strip() for dtype, backend in pairs}
+
+
+def _served_by(config: str, device_type: str) -> str | None:
+    backends = _backend_map(config)
+    return backends.get(device_type, backends.get("*"))
+
+
+@dataclass(frozen=True)
+class Island:
+    """Ranks (global numbering) whose devices share one vendor and backend; the first one leads."""
+
+    vendor: str
+    backend: str
+    ranks: tuple[int, ...]
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+class Communicator:
+    """Collectives over one torch.distributed process group, on one HAL device.
+
+    Make one with `Communicator.create(hal, ...)` (or `hal.communicator(...)`). Ranks passed to
+    methods (`src`, `dst`, `new_group(ranks)`) are ranks of this communicator's group.
+    """
+
+    def __init__(
+        self,
+        hal: HardwareAbstractionLayer,
+        group: dist.ProcessGroup,
+        device: Device,
+        *,
+        backend: str,
+        timeout: timedelta | None,
+        owns_default_group: bool,
+        owns_group: bool,
+        fused: bool,
+    ) -> None:
+        """Use `create()`; this wraps a group the caller already made."""
+        self.hal = hal
+        self.group = group
+        self.device = device
+        self.backend = backend
+        self.timeout = timeout
+        self.fused = fused
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self._owns_default_group = owns_default_group
+        self._owns_group = owns_group
+        self._children: list[Communicator] = []
+        self._refused: dict[str, str] = {}  # fused collectives the backend refused, with its reason
+        self._destroyed = False
+
+    @classmethod
+    def create(
+        cls,
+        hal: HardwareAbstractionLayer,
+        *,
+        device: Device | str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        init_method: str | None = None,
+        store: Store | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        group: dist.ProcessGroup | None = None,
+        fused: bool = True,
+    ) -> Communicator:
+        """A communicator for this process, initialising the default process group if needed.
+
+        Without a default group, one is created with `backend_for([device])` from the
+        arguments, or from torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT when neither
+        `init_method` nor `store` is given; `init_method="file://..."` and a `store` work too.
+        With one (or with `group`), that group is wrapped after checking that its backend
+        serves the device. `device` defaults to `hal.best_device()` (the device of index
+        LOCAL_RANK among that adapter's devices when LOCAL_RANK is set). `fused=False`
+        composes all_gather, reduce_scatter, all_to_all and avg from simpler collectives.
+        """
+        dev = _resolve_device(hal, device)
+        backend = backend_for([dev])
+        if group is None and not dist.is_initialized():
+            _init_default_group(dev, backend, rank, world_size, init_method, store, timeout)
+            return cls(
+                hal,
+                _world(),
+                dev,
+                backend=backend,
+                timeout=timeout,
+                owns_default_group=True,
+                owns_group=False,
+                fused=fused,
+            )
+        if not dist.is_initialized():
+            raise ConfigurationError("group: given, but torch.distributed has no default process group")
+        _check_wrap_arguments(rank, world_size, init_method, store, group)
+        pg = group if group is not None else _world()
+        _check_group_serves(pg, dev, backend)
+        comm = cls(
+            hal,
+            pg,
+            dev,
+            backend=backend,
+            timeout=_group_timeout(pg, dev),
+            owns_default_group=False,
+            owns_group=False,
+            fused=fused,
+        )
+        log.info(
+            "wrapped an existing process group", rank=comm.rank, world_size=comm.world_size, backend=backend
+        )
+        return comm
+
+    # -- collectives -------------------------------------------------------------------------
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` across ranks in place; returns it."""
+        self._check_tensor("all_reduce", tensor, in_place=True)
+        _check_op("all_reduce", op, tensor)
+        with self._span("all_reduce", tensor, op=op):
+            self._all_reduce(tensor, op)
+        return tensor
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` into rank `dst`'s copy (in place there; others' copies are unspecified)."""
+        self._check_tensor("reduce", tensor, in_place=True)
+        _check_op("reduce", op, tensor)
+        self._check_rank("reduce", "dst", dst)
+        with self._span("reduce", tensor, op=op):
+            root = self._global(dst)
+            work = self._issue(
+                "reduce",
+                lambda: dist.reduce(tensor, root, _REDUCE_OPS[op], group=self.group, async_op=True),
+                composable="reduce:avg" if op == "avg" else None,
+            )
+            if work is not None:
+                self._wait("reduce", work)
+            else:
+                self._wait(
+                    "reduce", dist.reduce(tensor, root, dist.ReduceOp.SUM, group=self.group, async_op=True)
+                )
+                if self.rank == dst:
+                    tensor.div_(self.world_size)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, concatenated along dim 0 in rank order."""
+        self._check_tensor("all_gather", tensor)
+        _require_dim0("all_gather", tensor)
+        src = tensor.contiguous()
+        out = src.new_empty((self.world_size * src.shape[0], *src.shape[1:]))
+        with self._span("all_gather", src):
+            fused_op = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            work = self._issue(
+                "all_gather",
+                lambda: fused_op(out, src, group=self.group, async_op=True),
+                composable="all_gather",
+            )
+            if work is not None:
+                self._wait("all_gather", work)
+                return out
+            parts = list(out.chunk(self.world_size))
+            self._wait("all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
+        return out
+
+    def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` across ranks and return this rank's equal dim-0 slice of the result."""
+        self._check_tensor("reduce_scatter", tensor)
+        _check_op("reduce_scatter", op, tensor)
+        self._require_divisible("reduce_scatter", tensor)
+        src = tensor.contiguous()
+        out = src.new_empty((src.shape[0] // self.world_size, *src.shape[1:]))
+        with self._span("reduce_scatter", src, op=op):
+            fused_op = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            work = self._issue(
+                "reduce_scatter",
+                lambda: fused_op(out, src, op=_REDUCE_OPS[op], group=self.group, async_op=True),
+                composable="reduce_scatter",
+            )
+            if work is not None:
+                self._wait("reduce_scatter", work)
+                return out
+            # Composed: the full reduction on every rank, then this rank's slice (2x the traffic).
+            full = src.clone()
+            self._all_reduce(full, op)
+            out.copy_(full.narrow(0, self.rank * out.shape[0], out.shape[0]))
+        return out
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite `tensor` on every rank with rank `src`'s; returns it."""
+        self._check_tensor("broadcast", tensor, in_place=True)
+        self._check_rank("broadcast", "src", src)
+        with self._span("broadcast", tensor, src=src):
+            self._wait(
+                "broadcast", dist.broadcast(tensor, self._global(src), group=self.group, async_op=True)
+            )
+        return tensor
+
+    def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Send dim-0 chunk j of `tensor` to rank j; returns the chunks received, in rank order."""
+        self._check_tensor("all_to_all", tensor)
+        self._require_divisible("all_to_all", tensor)
+        src = tensor.contiguous()
+        out = torch.empty_like(src)
+        with self._span("all_to_all", src):
+            work = self._issue(
+                "all_to_all",
+                lambda: dist.all_to_all_single(out, src, group=self.group, async_op=True),
+                composable="all_to_all",
+            )
+            if work is not None:
+                self._wait("all_to_all", work)
+                return out
+            # Composed: one isend/irecv pair per peer, issued together so no pair waits on another.
+            sends, recvs = src.chunk(self.world_size), out.chunk(self.world_size)
+            recvs[self.rank].copy_(sends[(self.rank + 1) % self.world_size])
+            ops = [
+                dist.P2POp(fn, buf[peer], self._global(peer), self.group)
+                for peer in range(self.world_size)
+                if peer != self.rank
+                for fn, buf in ((dist.isend, sends), (dist.irecv, recvs))
+            ]
+            for work in dist.batch_isend_irecv(ops) if ops else []:
+                self._wait("all_to_all", work)
+        return out
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send `tensor` to rank `dst`; returns once it has been handed to the backend and sent."""
+        self._check_tensor("send", tensor)
+        self._check_rank("send", "dst", dst, peer=True)
+        with self._span("send", tensor, dst=dst):
+            self._wait("send", dist.isend(tensor.contiguous(), self._global(dst), group=self.group))
+
+    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Receive into `tensor` from rank `src`; returns it."""
+        self._check_tensor("recv", tensor, in_place=True)
+        self._check_rank("recv", "src", src, peer=True)
+        with self._span("recv", tensor, src=src):
+            self._wait("recv", dist.irecv(tensor, self._global(src), group=self.group))
+        return tensor
+
+    def barrier(self) -> None:
+        """Return once every rank of the group has entered the barrier."""
+        self._check_live("barrier")
+        with telemetry.span(
+            "torchhal.collective.barrier", backend=self.backend, bytes=0, world_size=self.world_size
+        ):
+            self._wait("barrier", dist.barrier(group=self.group, async_op=True))
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def new_group(self, ranks: Sequence[int]) -> Communicator | None:
+        """A communicator over `ranks` (ranks of this group), or None on ranks outside it.
+
+        Collective: every rank of this communicator calls it, with the same ranks, in the same
+        order as its other group creations (torch.distributed's rule for new_group).
+        """
+        self._check_live("new_group")
+        members = sorted(set(ranks))
+        if not members or len(members) != len(ranks):
+            raise InvalidArgumentError(f"new_group: ranks must be distinct and non-empty, got {list(ranks)}")
+        for r in members:
+            self._check_rank("new_group", "ranks", r)
+        sub = self._subgroup([self._global(r) for r in members], self.backend, self.device)
+        return sub
+
+    def islands(self, *, vendor: str | None = None) -> Islands:
+        """Group the ranks by (vendor, backend) into islands joined by a gloo bridge of their leaders.
+
+        Collective over this communicator. `vendor` overrides this rank's device vendor (to
+        split a host-only job into islands in tests, or to keep two runtimes of one vendor apart).
+        """
+        self._check_live("islands")
+        mine = (vendor or self.device.capabilities.vendor, self.backend)
+        with telemetry.span("torchhal.collective.islands", backend=self.backend, world_size=self.world_size):
+            everyone = self._exchange(mine)
+            layout: dict[tuple[str, str], list[int]] = {}
+            for r, key in enumerate(everyone):
+                layout.setdefault(key, []).append(self._global(r))
+            islands = tuple(Island(v, b, tuple(rs)) for (v, b), rs in layout.items())
+            own: Communicator | None = None
+            for island in islands:  # every rank creates every group, in the same order
+                sub = self._subgroup(list(island.ranks), island.backend, self.device)
+                own = sub if sub is not None else own
+            host = self.hal.device("cpu")
+            bridge = self._subgroup([i.leader for i in islands], HOST_BACKEND, host)
+        assert own is not None, "every rank belongs to its own island"
+        me = dist.get_rank()
+        result = Islands(self, next(i for i in islands if me in i.ranks), islands, own, bridge)
+        log.info(
+            "islands formed", islands=[list(i.ranks) for i in islands], leaders=[i.leader for i in islands]
+        )
+        return result
+
+    def _subgroup(self, global_ranks: list[int], backend: str, device: Device) -> Communicator | None:
+        spans_world = self.world_size == dist.get_world_size()
+        pg = dist.new_group(
+            global_ranks,
+            timeout=self.timeout,
+            backend=backend,
+            use_local_synchronization=not spans_world,  # outsiders of this group cannot take part
+        )
+        if dist.get_rank() not in global_ranks:
+            return None
+        sub = Communicator(
+            self.hal,
+            pg,
+            device,
+            backend=backend_for([device]),
+            timeout=self.timeout,
+            owns_default_group=False,
+            owns_group=True,
+            fused=self.fused,
+        )
+        self._children.append(sub)
+        return sub
+
+    def _exchange(self, value: tuple[str, str]) -> list[tuple[str, str]]:
+        """Every rank's `value`, over host tensors (a gloo group when this group has no cpu backend)."""
+        if _served_by(dist.get_backend_config(self.group), "cpu") is not None:
+            gathered: list[Any] = [None] * self.world_size
+            dist.all_gather_object(gathered, value, group=self.group)
+            return [tuple(v) for v in gathered]
+        host = self._subgroup(
+            [self._global(r) for r in range(self.world_size)], HOST_BACKEND, self.hal.device("cpu")
+        )
+        assert host is not None, "every rank is a member of a group of all ranks"
+        try:
+            return host._exchange(value)
+        finally:
+            self._children.remove(host)
+            host.destroy()
+
+    # -- lifetime ----------------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """Destroy the groups this communicator made (the default group too, if it initialised it)."""
+        if self._destroyed:
+            return
+        for child in reversed(self._children):
+            child.destroy()
+        self._children.clear()
+        if self._owns_group:
+            dist.destroy_process_group(self.group)
+        if self._owns_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+            log.info("default process group destroyed", backend=self.backend)
+        self._destroyed = True
+
+    def __enter__(self) -> Communicator:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.destroy()
+
+    def __repr__(self) -> str:
+        return (
+            f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, "
+            f"device={self.device.id!r})"
+        )
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        work = self._issue(
+            "all_reduce",
+            lambda: dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group, async_op=True),
+            composable="all_reduce:avg" if op == "avg" else None,
+        )
+        if work is not None:
+            self._wait("all_reduce", work)
+            return
+        self._wait("all_reduce", dist.all_reduce(tensor, dist.ReduceOp.SUM, group=self.group, async_op=True))
+        tensor.div_(self.world_size)
+
+    def _issue(
+        self, name: str, issue: Callable[[], dist.Work | None], *, composable: str | None
+    ) -> dist.Work | None:
+        """Issue a collective. With `composable` (the key of a fused form that has a composed
+        equivalent), None means: compose it instead (fused=False, or the backend refused it)."""
+        if composable is None:
+            try:
+                return issue()
+            except (RuntimeError, ValueError) as exc:
+                raise self._failure(name, exc) from exc
+        reason = self._refused.get(composable) if self.fused else "fused=False"
+        if reason is None:
+            try:
+                return issue()
+            except (RuntimeError, ValueError) as exc:  # raised at issue time, before any byte moves
+                reason = self._refused[composable] = f"backend {self.backend!r} refused it: {exc}"
+        telemetry.count("torchhal.collective.composed", collective=composable, backend=self.backend)
+        log.debug(
+            "collective composed from simpler ones",
+            collective=composable,
+            backend=self.backend,
+            reason=reason,
+        )
+        return None
+
+    def _wait(self, name: str, work: dist.Work | None) -> None:
+        if work is None:
+            raise CollectiveError(
+                f"{name}: rank {dist.get_rank()} is not a member of this communicator's group"
+            )
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            raise self._failure(name, exc) from exc
+
+    def _failure(self, name: str, exc: Exception) -> CollectiveError:
+        limit = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "unknown"
+        what = "timed out" if "timed out" in str(exc).lower() else "failed"
+        return CollectiveError(
+            f"{name} {what} on rank {self.rank} of {self.world_size} (backend {self.backend!r}, "
+            f"process-group timeout {limit}): {exc}"
+        )
+
+    def _span(self, name: str, tensor: torch.Tensor, **attributes: Any) -> Any:
+        return telemetry.span(
+            f"torchhal.collective.{name}",
+            backend=self.backend,
+            bytes=tensor.numel() * tensor.element_size(),
+            world_size=self.world_size,
+            dtype=str(tensor.dtype).removeprefix("torch."),
+            **attributes,
+        )
+
+    def _global(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def _check_live(self, name: str) -> None:
+        if self._destroyed:
+            raise CollectiveError(f"{name}: this communicator was destroyed")
+
+    def _check_tensor(self, name: str, tensor: object, *, in_place: bool = False) -> None:
+        self._check_live(name)
+        if not isinstance(tensor, torch.Tensor):
+            raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+        want = self.device.torch_device
+        if tensor.device.type != want.type or (want.index is not None and tensor.device.index != want.index):
+            raise InvalidArgumentError(
+                f"{name}: tensor is on {tensor.device}, but this communicator's device is "
+                f"{self.device.id} ({want}); copy it there explicitly"
+            )
+        if DType.from_torch(tensor.dtype) is not None:  # formats torchhal does not track go to the backend
+            self.device.require_dtype(tensor.dtype, what=name)
+        if in_place and not tensor.is_contiguous():
+            raise InvalidArgumentError(
+                f"{name}: writes the tensor in place, so it must be contiguous; got shape "
+                f"{tuple(tensor.shape)} with strides {tensor.stride()}"
+            )
+
+    def _require_divisible(self, name: str, tensor: torch.Tensor) -> None:
+        _require_dim0(name, tensor)
+        if tensor.shape[0] % self.world_size:
+            raise InvalidArgumentError(
+                f"{name}: dim 0 must be divisible by the world size {self.world_size}; "
+                f"got shape {tuple(tensor.shape)}"
+            )
+
+    def _check_rank(self, name: str, what: str, rank: int, *, peer: bool = False) -> None:
+        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise InvalidArgumentError(
+                f"{name}: {what} must be a rank in [0, {self.world_size}), got {rank!r}"
+            )
+        if peer and rank == self.rank:
+            raise InvalidArgumentError(f"{name}: {what} must be another rank, got this rank ({rank})")
+
+
+class Islands:
+    """This rank's view of a job split into single-vendor islands joined by a host bridge."""
+
+    def __init__(
+        self,
+        parent: Communicator,
+        mine: Island,
+        layout: tuple[Island, ...],
+        island: Communicator,
+        bridge: Communicator | None,
+    ) -> None:
+        self.parent = parent
+        self.mine = mine  # this rank's island
+        self.layout = layout  # every island, ordered by its first rank
+        self.island = island  # collectives inside this rank's island, on its own backend
+        self.bridge = bridge  # leaders only: gloo across islands, on host tensors
+
+    @property
+    def is_leader(self) -> bool:
+        return self.bridge is not None
+
+    def hierarchical_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """All-reduce in place: reduce to the island leader, all-reduce leaders over gloo, broadcast back.
+
+        The leader copies to host memory for the bridge and back, explicitly. Equals
+        `parent.all_reduce(tensor, op)` up to the order of floating-point operations.
+        """
+        parent = self.parent
+        parent._check_tensor("hierarchical_all_reduce", tensor, in_place=True)
+        _check_op("hierarchical_all_reduce", op, tensor)
+        step = "sum" if op == "avg" else op
+        with parent._span("hierarchical_all_reduce", tensor, op=op, islands=len(self.layout)):
+            self.island.reduce(tensor, dst=0, op=step)
+            if self.bridge is not None:
+                on_host = tensor.device.type == "cpu"
+                staged = tensor if on_host else tensor.to("cpu")
+                if not on_host:
+                    log.debug(
+                        "bridge host copy",
+                        bytes=tensor.numel() * tensor.element_size(),
+                        device=str(tensor.device),
+                    )
+                self.bridge.all_reduce(staged, step)
+                if not on_host:
+                    tensor.copy_(staged)
+            self.island.broadcast(tensor, src=0)
+            if op == "avg":
+                tensor.div_(parent.world_size)
+        return tensor
+
+
+def _check_op(name: str, op: str, tensor: torch.Tensor) -> None:
+    if op not in _REDUCE_OPS:
+        raise InvalidArgumentError(f"{name}: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
+    if op == "avg" and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
+        raise InvalidArgumentError(
+            f"{name}: op 'avg' needs a floating-point tensor (an integer mean would be truncated), "
+            f"got {tensor.dtype}"
+        )
+
+
+def _require_dim0(name: str, tensor: torch.Tensor) -> None:
+    if tensor.dim() == 0:
+        raise InvalidArgumentError(f"{name}: needs a tensor with at least one dimension, got a 0-d tensor")
+
+
+def _world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None, "called only once the default process group exists"
+    return group
+
+
+def _resolve_device(hal: HardwareAbstractionLayer, device: Device | str | None) -> Device:
+    if isinstance(device, Device):
+        return device
+    if device is not None:
+        return hal.device(device)
+    best = hal.best_device()
+    local = _env_int("LOCAL_RANK")
+    siblings = [d for d in hal.devices() if d.adapter is best.adapter and d.capabilities.device_type != "cpu"]
+    if local is None or len(siblings) < 2:
+        return best
+    chosen = next((d for d in siblings if d.index == local), None)
+    if chosen is None:
+        raise ConfigurationError(
+            f"LOCAL_RANK={local}: adapter {best.adapter.name!r} has devices "
+            f"{[d.id for d in siblings]}, none with index {local}"
+        )
+    log.info("device chosen by LOCAL_RANK", device=chosen.id, local_rank=local)
+    return chosen
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _init_default_group(
+    device: Device,
+    backend: str,
+    rank: int | None,
+    world_size: int | None,
+    init_method: str | None,
+    store: Store | None,
+    timeout: timedelta,
+) -> None:
+    """`init_process_group` with arguments checked first, so mistakes name the missing piece."""
+    if store is not None and init_method is not None:
+        raise ConfigurationError("init_method and store: give one, not both")
+    rank = rank if rank is not None else _env_int("RANK")
+    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+    via = "store" if store is not None else (init_method or "env://")
+    missing = [name for name, value in (("rank", rank), ("world_size", world_size)) if value is None]
+    if via == "env://":
+        missing += [name for name in _ENV_RENDEZVOUS if not os.environ.get(name)]
+    if missing:
+        raise ConfigurationError(
+            f"cannot initialise the default process group through {via}: {', '.join(missing)} "
+            "not given (as arguments, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun sets them)"
+        )
+    assert rank is not None and world_size is not None
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigurationError(
+            f"rank must be in [0, world_size) with world_size >= 1, got rank {rank}, world_size {world_size}"
+        )
+    _bind_device(device)
+    try:
+        dist.init_process_group(
+            backend=backend,
+            init_method=init_method,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise CollectiveError(
+            f"initialising the default process group (backend {backend!r}, rank {rank} of {world_size}, "
+            f"through {via}, timeout {timeout.total_seconds():g} s) failed: {exc}"
+        ) from exc
+    log.info("default process group initialised", backend=backend, rank=rank, world_size=world_size, via=via)
+
+
+def _bind_device(device: Device) -> None:
+    """Make `device` this process's current accelerator, as device backends (nccl, xccl) expect."""
+    if device.capabilities.device_type == "cpu" or device.simulated:
+        return
+    accelerator = torch.accelerator.current_accelerator()
+    if accelerator is None or accelerator.type != device.torch_device.type:
+        raise ConfigurationError(
+            f"device {device.id}: torch's accelerator is {accelerator}, not {device.torch_device.type}; "
+            "cannot make it the current device for its collective backend"
+        )
+    torch.accelerator.set_device_index(device.index)
+    log.info("current accelerator set for collectives", device=device.id)
+
+
+def _check_wrap_arguments(
+    rank: int | None,
+    world_size: int | None,
+    init_method: str | None,
+    store: Store | None,
+    group: dist.ProcessGroup | None,
+) -> None:
+    if init_method is not None or store is not None:
+        raise ConfigurationError(
+            "init_method/store: the default process group already exists; they apply only when "
+            "torchhal initialises it"
+        )
+    for what, given, actual in (
+        ("rank", rank, dist.get_rank(group)),
+        ("world_size", world_size, dist.get_world_size(group)),
+    ):
+        if given is not None and given != actual:
+            raise ConfigurationError(f"{what}: given {given}, but the existing process group has {actual}")
+
+
+def _check_group_serves(group: dist.ProcessGroup, device: Device, backend: str) -> None:
+    """The wrapped group must run the backend this device needs for its tensors."""
+    config = dist.get_backend_config(group)
+    tensor_type = device.torch_device.type
+    have, want = _served_by(config, tensor_type), _served_by(backend, tensor_type)
+    if have != want:
+        raise ConfigurationError(
+            f"process group backend {config!r} serves {tensor_type} tensors with {have!r}, but device "
+            f"{device.id} needs {want!r} (backend_for gives {backend!r})"
+        )
+
+
+def _group_timeout(group: dist.ProcessGroup, device: Device) -> timedelta | None:
+    """The timeout an existing group was made with, where the backend exposes it."""
+    try:
+        value = group._get_backend(device.torch_device).options._timeout
+    except (AttributeError, RuntimeError):
+        log.debug("process-group timeout not readable", backend=dist.get_backend_config(group))
+        return None
+    return value if isinstance(value, timedelta) else None

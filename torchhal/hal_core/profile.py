@@ -1,0 +1,178 @@
+"""Micro-benchmarks that measure a device, cached on disk by device fingerprint.
+
+Work runs through the HAL (the registry's `matmul` op, the adapter's copy) and is timed with
+the device's own timer, so a simulated ASIC reports its simulated time and a GPU its event
+time. The same work through plain torch calls is measured beside it in the same run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import statistics
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from torchhal.hal_core import telemetry
+from torchhal.hal_core.capabilities import DType, MeasuredProfile
+from torchhal.hal_core.device import Device
+from torchhal.hal_core.errors import TorchHALError
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+log = telemetry.get_logger("torchhal.profile")
+MATMUL_DTYPES = (DType.FP64, DType.FP32, DType.TF32, DType.BF16, DType.FP16, DType.FP8_E4M3, DType.INT8)
+
+
+def fingerprint(device: Device) -> str:
+    """Stable id of (device identity, driver, torch version): a new driver or torch re-measures."""
+    import torch
+
+    caps = device.capabilities
+    ident = {
+        "adapter": caps.adapter,
+        "name": caps.name,
+        "arch": caps.arch,
+        "id": caps.uuid or caps.pci_bus_id or device.id,
+        "driver": caps.driver_version,
+        "memory": caps.memory_bytes,
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def cache_path(cache_dir: Path, device: Device) -> Path:
+    return cache_dir / "profiles" / f"{fingerprint(device)}.json"
+
+
+def measure_or_load(hal: HardwareAbstractionLayer, device: Device, *, refresh: bool = False) -> MeasuredProfile:
+    path = cache_path(hal.settings.cache_dir, device)
+    if path.exists() and not refresh:
+        return MeasuredProfile.model_validate_json(path.read_text())
+    profile = measure(hal, device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(profile.model_dump_json(indent=2))
+    tmp.replace(path)  # atomic: a crash never leaves half a profile
+    return profile
+
+
+def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
+    """Measure matmul TFLOP/s per declared dtype, copy bandwidth and launch latency."""
+    import torch
+
+    small = device.capabilities.device_type == "cpu"  # host memory: keep sizes for a laptop
+    copy_bytes = (64 if small else 1024) * 2**20
+    notes: list[str] = []
+    if device.simulated:
+        notes.append("times are simulated by the device's cost model; numerics are real")
+    matmul: dict[DType, float] = {}
+    direct: dict[DType, float] = {}
+    sizes: dict[DType, int] = {}
+    with telemetry.span("torchhal.profile", device=device.id):
+        for dtype in MATMUL_DTYPES:
+            if dtype not in device.capabilities.dtypes:
+                continue
+            try:
+                with _tf32(dtype is DType.TF32):
+                    a, b = _sized_operands(hal, device, dtype, max_n=1024 if small else 8192)
+                    n = sizes[dtype] = a.shape[0]
+                    matmul[dtype] = _tflops(device, n, lambda: hal.kernels.call("matmul", device, a, b))
+                    if not device.simulated:
+                        direct[dtype] = _tflops(device, n, lambda: torch.matmul(a, b))
+            except Exception as exc:  # a declared dtype without a matmul path is reported, not hidden
+                notes.append(f"matmul {dtype.value} not measured: {type(exc).__name__}: {exc}")
+                log.warning("profile: matmul not measured", device=device.id, dtype=dtype.value, error=str(exc))
+        src = _random(device, (copy_bytes // 4,), torch.float32)
+        dst = device.empty(src.shape, torch.float32)
+        copy_s = _seconds(device, lambda: device.copy_(dst, src))
+        direct_copy_s = None if device.simulated else _seconds(device, lambda: dst.copy_(src))
+        one_src, one_dst = _random(device, (1,), torch.float32), device.empty((1,), torch.float32)
+        launch_s = _seconds(device, lambda: device.copy_(one_dst, one_src), reps=200)
+    return MeasuredProfile(
+        fingerprint=fingerprint(device),
+        device_id=device.id,
+        device_name=device.capabilities.name,
+        simulated=device.simulated,
+        matmul_tflops=matmul,
+        matmul_sizes=sizes,
+        copy_bandwidth_gbps=2 * copy_bytes / copy_s / 1e9,
+        copy_bytes=copy_bytes,
+        launch_latency_us=launch_s * 1e6,
+        direct_matmul_tflops=None if device.simulated else direct,
+        direct_copy_bandwidth_gbps=None if direct_copy_s is None else 2 * copy_bytes / direct_copy_s / 1e9,
+        measured_at=datetime.now(timezone.utc),
+        torch_version=torch.__version__,
+        notes=tuple(notes),
+    )
+
+
+def _sized_operands(
+    hal: HardwareAbstractionLayer, device: Device, dtype: DType, max_n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Square operands, doubled from 256 until one product takes about 10 ms (or max_n)."""
+    import torch
+
+    tdtype = dtype.to_torch() or torch.float32  # tf32 is fp32 storage in a faster matmul mode
+    if dtype in (DType.FP8_E4M3, DType.FP8_E5M2, DType.FP8_E4M3_FNUZ, DType.FP8_E5M2_FNUZ):
+        raise TorchHALError("fp8 matmul needs scaling factors; no vendor-neutral op measures it yet")
+    n = 256
+    while True:
+        a, b = _random(device, (n, n), tdtype), _random(device, (n, n), tdtype)
+        hal.kernels.call("matmul", device, a, b)  # warm-up: compilation and handles stay out
+        timer = device.timer()
+        start = timer.mark()
+        hal.kernels.call("matmul", device, a, b)
+        if n >= max_n or timer.elapsed_ms(start, timer.mark()) >= 10.0:
+            return a, b
+        n *= 2
+
+
+def _random(device: Device, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random (never zero) data on the device: zeros can run faster than real data."""
+    t = device.empty(shape, dtype)
+    if dtype.is_floating_point:
+        t.normal_()
+    else:
+        t.random_(-8, 8)
+    return t
+
+
+@contextlib.contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    """TF32 is fp32 matmul at 'high' precision: torch's vendor-neutral switch for it."""
+    import torch
+
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def _tflops(device: Device, n: int, fn: Callable[[], object]) -> float:
+    return 2 * n**3 / _seconds(device, fn) / 1e12
+
+
+def _seconds(device: Device, fn: Callable[[], object], reps: int = 0) -> float:
+    """Median seconds per call over 5 timed batches, after a warm-up call."""
+    fn()
+    timer = device.timer()
+    start = timer.mark()
+    fn()
+    first_ms = max(timer.elapsed_ms(start, timer.mark()), 1e-6)
+    reps = reps or max(1, min(50, int(50.0 / first_ms)))  # about 50 ms per batch
+    samples = []
+    for _ in range(5):
+        start = timer.mark()
+        for _ in range(reps):
+            fn()
+        samples.append(timer.elapsed_ms(start, timer.mark()) / reps / 1e3)
+    return statistics.median(samples)
