@@ -49,7 +49,9 @@ class FakeAdapter(VendorAdapter):
         self._available = available
 
     def probe(self) -> ProbeResult:
-        return ProbeResult(available=self._available, reason="recorded facts" if self._available else "no acme")
+        return ProbeResult(
+            available=self._available, reason="recorded facts" if self._available else "no acme"
+        )
 
     def discover(self) -> Sequence[DeviceCapabilities]:
         return self._devices

@@ -25,7 +25,9 @@ def hal(settings):
     fast = fake_caps(0, declared_peaks=DeclaredPeaks(source="test sheet", tflops={DType.BF16: 400.0}))
     slow = fake_caps(1, declared_peaks=DeclaredPeaks(source="test sheet", tflops={DType.BF16: 100.0}))
     sim = fake_caps(2, features=frozenset({Feature.SIMULATED}), dtypes=frozenset({DType.FP32, DType.FP64}))
-    return HardwareAbstractionLayer(adapters=[FakeAdapter([slow, fast, sim])], settings=settings(disable_plugin_autoload="1"))
+    return HardwareAbstractionLayer(
+        adapters=[FakeAdapter([slow, fast, sim])], settings=settings(disable_plugin_autoload="1")
+    )
 
 
 def test_device_ids_and_aliases(hal):

@@ -128,7 +128,9 @@ def test_adapter_order_is_priority_then_name_not_registration_order(plugin_dist,
 def test_absent_hardware_is_reported_absent_not_failed(settings):
     from tests.core.adapters import FakeAdapter
 
-    hal = HardwareAbstractionLayer(adapters=[FakeAdapter(available=False)], settings=settings(disable_plugin_autoload="1"))
+    hal = HardwareAbstractionLayer(
+        adapters=[FakeAdapter(available=False)], settings=settings(disable_plugin_autoload="1")
+    )
     d = diag(hal, "acme")
     assert (d.status, d.reason) == (Status.ABSENT, "no acme")
     assert [dev.id for dev in hal.devices()] == ["cpu"]

@@ -14,7 +14,10 @@ from torchhal.hal_core import ConfigurationError, telemetry
 
 
 def test_discovery_plugin_load_and_selection_spans(plugin_dist, settings):
-    plugin_dist("traced", "from torchhal.hal_core import hookimpl\n@hookimpl\ndef torchhal_adapters():\n    return []\n")
+    plugin_dist(
+        "traced",
+        "from torchhal.hal_core import hookimpl\n@hookimpl\ndef torchhal_adapters():\n    return []\n",
+    )
     telemetry.configure(exporter="memory")
     hal = HardwareAbstractionLayer(settings=settings())
     hal.kernels.call("rms_norm", hal.device("cpu"), torch.randn(3, 5), torch.randn(5))
@@ -43,7 +46,12 @@ def test_json_log_lines_carry_trace_and_span_ids():
     ctx = span.get_span_context()
     assert inside["trace_id"] == format(ctx.trace_id, "032x")
     assert inside["span_id"] == format(ctx.span_id, "016x")
-    assert (inside["event"], inside["answer"], inside["level"], inside["logger"]) == ("inside", 42, "info", "torchhal.test")
+    assert (inside["event"], inside["answer"], inside["level"], inside["logger"]) == (
+        "inside",
+        42,
+        "info",
+        "torchhal.test",
+    )
     assert "trace_id" not in outside
 
 

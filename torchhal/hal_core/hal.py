@@ -22,6 +22,7 @@ from torchhal.hal_core.errors import DeviceNotFoundError, NoDeviceMatchesError
 from torchhal.hal_core.kernels import KernelRegistry
 from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
 from torchhal.hal_core.settings import Settings
+from torchhal.hal_core.tuning import Tuner
 
 if TYPE_CHECKING:
     import torch
@@ -84,7 +85,10 @@ class HardwareAbstractionLayer:
     ) -> None:
         """`plugins`: extra hook-implementing objects; `adapters`: extra adapter instances."""
         self.settings = settings if settings is not None else Settings.from_env()
-        self._kernels = KernelRegistry(disabled=frozenset(self.settings.disable_kernels))
+        self._kernels = KernelRegistry(
+            disabled=frozenset(self.settings.disable_kernels),
+            tuner=Tuner(self.settings.cache_dir, self.settings.autotune),
+        )
         self._extra_plugins = tuple(plugins)
         self._extra_adapters = tuple(adapters)
         self._state: _Discovered | None = None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.errors import KernelFailedError, TorchHALError, UnknownOpError, UnsupportedError
+from torchhal.hal_core.tuning import Tuner
 
 if TYPE_CHECKING:
     from torchhal.hal_core.capabilities import DeviceCapabilities
@@ -98,9 +99,11 @@ class Selection:
     fallbacks: tuple[Candidate, ...]  # valid candidates tried next, in order, on failure
     rejected: tuple[Rejection, ...]
     fn: Callable[..., Any]  # the candidate's callable, bound to the device when it has `bind`
+    timings_ms: tuple[tuple[str, float], ...] = ()  # when chosen by measurement, fastest first
 
     def explain(self) -> str:
         lines = [f"{self.op} on {self.device} for {self.signature}: {self.candidate.qualified_name}"]
+        lines += [f"  measured {name}: {ms:.4g} ms" for name, ms in self.timings_ms]
         lines += [f"  rejected {r}" for r in self.rejected]
         return "\n".join(lines)
 
@@ -110,6 +113,7 @@ class KernelRegistry:
     """Ops and candidates for one HAL. Selections are cached; fallbacks are counted."""
 
     disabled: frozenset[str] = frozenset()
+    tuner: Tuner | None = None  # measures valid candidates once per (device, signature)
     _ops: dict[str, OpDef] = field(default_factory=dict)
     _candidates: dict[str, list[Candidate]] = field(default_factory=dict)
     _cache: dict[str, dict[tuple[str, Hashable], Selection]] = field(default_factory=dict)
@@ -169,7 +173,7 @@ class KernelRegistry:
     def select(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Selection:
         """Validate the arguments and return the selection for them on `device`."""
         sig = self._opdef(op).signature(*args, **kwargs)
-        return self._cache[op].get((device.id, sig)) or self._select(op, device, sig)
+        return self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args, kwargs)
 
     def call(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Any:
         """Run `op` on `device` with the selected candidate, falling back if it raises."""
@@ -178,7 +182,7 @@ class KernelRegistry:
         except KeyError:
             raise UnknownOpError(op, self._ops) from None
         sig = opdef.signature(*args, **kwargs)
-        selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig)
+        selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args, kwargs)
         try:
             return selection.fn(*args, **kwargs)
         except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
@@ -195,7 +199,15 @@ class KernelRegistry:
         except KeyError:
             raise UnknownOpError(op, self._ops) from None
 
-    def _select(self, op: str, device: Device, sig: Hashable, failed: Iterable[Rejection] = ()) -> Selection:
+    def _select(
+        self,
+        op: str,
+        device: Device,
+        sig: Hashable,
+        failed: Iterable[Rejection] = (),
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+    ) -> Selection:
         caps = device.capabilities
         dtype = getattr(sig, "dtype", None)
         if dtype is not None and not caps.supports_dtype(dtype):
@@ -220,6 +232,9 @@ class KernelRegistry:
             if not valid:
                 reasons = "; ".join(str(r) for r in rejected)
                 raise UnsupportedError(f"op {op!r} on {device.id}: no candidate supports {sig}: {reasons}")
+            timings: tuple[tuple[str, float], ...] = ()
+            if len(valid) > 1 and args is not None and self.tuner is not None and self.tuner.wants(device):
+                valid, timings = self._by_measurement(op, device, sig, valid, args, kwargs or {})
             chosen, rest = valid[0], tuple(valid[1:])
             rejected += [
                 Rejection(
@@ -227,8 +242,9 @@ class KernelRegistry:
                 )
                 for c in rest
             ]
-            fn = chosen.bind(caps) if chosen.bind is not None else chosen.fn
-            selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected), fn)
+            selection = Selection(
+                op, device.id, sig, chosen, rest, tuple(rejected), _bound(chosen, caps), timings
+            )
             span.set_attribute("torchhal.kernel.candidate", chosen.qualified_name)
             span.set_attribute("torchhal.kernel.rejected", [str(r) for r in rejected])
         log.debug(
@@ -237,6 +253,30 @@ class KernelRegistry:
         with self._lock:
             self._cache[op][(device.id, sig)] = selection
         return selection
+
+    def _by_measurement(
+        self,
+        op: str,
+        device: Device,
+        sig: Hashable,
+        valid: list[Candidate],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[list[Candidate], tuple[tuple[str, float], ...]]:
+        """Valid candidates reordered fastest first (priority order breaks ties and failures)."""
+        assert self.tuner is not None
+        by_name = {c.qualified_name: c for c in valid}
+        remembered = self.tuner.recall(device, op, sig)
+        if remembered in by_name:
+            return [by_name[remembered]] + [c for c in valid if c.qualified_name != remembered], ()
+        caps = device.capabilities
+        timings = self.tuner.measure(
+            device, [(c.qualified_name, _bound(c, caps)) for c in valid], args, kwargs
+        )
+        order = [by_name[name] for name, ms in timings if math.isfinite(ms)]
+        order += [c for c in valid if c not in order]
+        self.tuner.remember(device, op, sig, order[0].qualified_name)
+        return order, tuple(timings)
 
     def _judge(self, cand: Candidate, caps: DeviceCapabilities, sig: Hashable) -> Unsupported | None:
         if cand.name in self.disabled or cand.qualified_name in self.disabled:
@@ -279,3 +319,7 @@ class KernelRegistry:
             except Exception as next_exc:
                 exc = next_exc
                 failures.append(exc)
+
+
+def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]:
+    return candidate.bind(caps) if candidate.bind is not None else candidate.fn

@@ -13,6 +13,7 @@ import json
 import statistics
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,7 +52,9 @@ def cache_path(cache_dir: Path, device: Device) -> Path:
     return cache_dir / "profiles" / f"{fingerprint(device)}.json"
 
 
-def measure_or_load(hal: HardwareAbstractionLayer, device: Device, *, refresh: bool = False) -> MeasuredProfile:
+def measure_or_load(
+    hal: HardwareAbstractionLayer, device: Device, *, refresh: bool = False
+) -> MeasuredProfile:
     path = cache_path(hal.settings.cache_dir, device)
     if path.exists() and not refresh:
         return MeasuredProfile.model_validate_json(path.read_text())
@@ -83,12 +86,14 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
                 with _tf32(dtype is DType.TF32):
                     a, b = _sized_operands(hal, device, dtype, max_n=1024 if small else 8192)
                     n = sizes[dtype] = a.shape[0]
-                    matmul[dtype] = _tflops(device, n, lambda: hal.kernels.call("matmul", device, a, b))
+                    matmul[dtype] = _tflops(device, n, partial(hal.kernels.call, "matmul", device, a, b))
                     if not device.simulated:
-                        direct[dtype] = _tflops(device, n, lambda: torch.matmul(a, b))
+                        direct[dtype] = _tflops(device, n, partial(torch.matmul, a, b))
             except Exception as exc:  # a declared dtype without a matmul path is reported, not hidden
                 notes.append(f"matmul {dtype.value} not measured: {type(exc).__name__}: {exc}")
-                log.warning("profile: matmul not measured", device=device.id, dtype=dtype.value, error=str(exc))
+                log.warning(
+                    "profile: matmul not measured", device=device.id, dtype=dtype.value, error=str(exc)
+                )
         src = _random(device, (copy_bytes // 4,), torch.float32)
         dst = device.empty(src.shape, torch.float32)
         copy_s = _seconds(device, lambda: device.copy_(dst, src))

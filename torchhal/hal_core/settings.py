@@ -30,6 +30,9 @@ class Settings(BaseModel):
     disable_plugin_autoload: bool = False
     strict_plugins: bool = False
     disable_kernels: tuple[str, ...] = ()  # candidate names (or provider/name) never selected
+    autotune: Literal["off", "on", "auto"] = (
+        "auto"  # measure valid candidates; auto: real event-timed devices
+    )
     otel_exporter: Literal["none", "console", "otlp", "memory"] | None = None
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "warning"
     log_format: Literal["console", "json"] = "console"
@@ -42,7 +45,7 @@ class Settings(BaseModel):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
 
-    @field_validator("log_level", "log_format", "otel_exporter", mode="before")
+    @field_validator("log_level", "log_format", "otel_exporter", "autotune", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value

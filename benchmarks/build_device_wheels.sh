@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Builds torchhal's and the plugins' wheels into .whl/ (git-ignored) for the offline GPU host,
+# beside the third-party wheels that ../shared/tools/device-wheels fetched. On the GPU host:
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site
+# (installed, not on PYTHONPATH from the checkout, so entry points are found as for a user).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+rm -f .whl/torchhal-*.whl .whl/torchhal_*.whl
+for project in . plugins/nvidia plugins/amd plugins/intel plugins/simasic; do
+  .venv/bin/python -m build --wheel --no-isolation --outdir .whl "$project" >/dev/null
+done
+ls -1 .whl/torchhal*.whl

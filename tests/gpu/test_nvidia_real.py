@@ -1,0 +1,86 @@
+"""On a real NVIDIA GPU host: the adapter reports the hardware as nvidia-smi independently does."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from torchhal import HardwareAbstractionLayer
+from torchhal.hal_core import DType, Feature, LinkType
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.version.hip is not None, reason="needs an NVIDIA GPU"
+    ),
+]
+
+
+def smi(query: str) -> list[list[str]]:
+    out = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
+        capture_output=True, text=True, check=True, timeout=30,
+    ).stdout
+    return [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def hal():
+    return HardwareAbstractionLayer()
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is None, reason="needs nvidia-smi as an independent witness")
+def test_devices_match_nvidia_smi(hal):
+    rows = smi("index,name,memory.total,compute_cap,uuid")
+    cuda = [d for d in hal.devices() if d.capabilities.vendor == "nvidia"]
+    assert [d.id for d in cuda] == [f"cuda:{i}" for i in range(len(rows))]
+    for dev, (index, name, mem_mib, cap, uuid) in zip(cuda, rows, strict=True):
+        caps = dev.capabilities
+        assert caps.name == name
+        assert caps.arch == "sm_" + cap.replace(".", "")
+        assert abs(caps.memory_bytes - int(mem_mib) * 2**20) <= 0.02 * int(mem_mib) * 2**20
+        assert caps.compute_units == torch.cuda.get_device_properties(int(index)).multi_processor_count
+        if caps.uuid is not None:
+            assert caps.uuid.removeprefix("GPU-") == uuid.removeprefix("GPU-")
+        if caps.arch == "sm_90":
+            assert caps.compute_units == 132
+            assert {DType.BF16, DType.FP8_E4M3, DType.FP8_E5M2, DType.TF32} <= caps.dtypes
+            assert Feature.TENSOR_CORES in caps.features and Feature.FP8 in caps.features
+        assert caps.simd_width == 32
+        assert caps.collective_backends[0] == "nccl"
+
+
+def test_nvlink_peers_on_a_multi_gpu_host(hal):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("a single GPU has no NVLink peers")
+    topo = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, check=True).stdout
+    link = hal.topology().link("cuda:0", "cuda:1")
+    assert link is not None
+    if " NV" in topo:
+        assert link.type is LinkType.NVLINK and link.count is not None and link.count > 0
+    assert hal.topology().link("cuda:1", "cuda:0") == link
+
+
+def test_memory_moves_and_health_reads(hal):
+    dev = hal.device("cuda:0")
+    before = dev.memory_info().used_bytes
+    t = dev.empty((256, 2**20), torch.float32).normal_()  # 1 GiB of random data
+    dev.synchronize()
+    assert dev.memory_info().used_bytes - before >= 2**30 * 0.99
+    del t
+    report = dev.health()
+    assert report.status.value in {"ok", "degraded", "unknown"}
+
+
+def test_event_timer_measures_device_work(hal):
+    dev = hal.device("cuda:0")
+    a = torch.randn(4096, 4096, device="cuda:0", dtype=torch.bfloat16)
+    timer = dev.timer()
+    start = timer.mark()
+    for _ in range(10):
+        a @ a
+    ms = timer.elapsed_ms(start, timer.mark())
+    assert 0.05 < ms < 1000
