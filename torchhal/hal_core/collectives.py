@@ -320,7 +320,7 @@ class Communicator:
                 return out
             # Composed: one isend/irecv pair per peer, issued together so no pair waits on another.
             sends, recvs = src.chunk(self.world_size), out.chunk(self.world_size)
-            recvs[self.rank].copy_(sends[(self.rank + 1) % self.world_size])
+            recvs[self.rank].copy_(sends[self.rank])
             ops = [
                 dist.P2POp(fn, buf[peer], self._global(peer), self.group)
                 for peer in range(self.world_size)
@@ -514,8 +514,8 @@ class Communicator:
             )
         try:
             work.wait()
-        except RuntimeError as exc:
-            raise self._failure(name, exc) from exc
+        except RuntimeError:
+            raise
 
     def _failure(self, name: str, exc: Exception) -> CollectiveError:
         limit = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "unknown"

@@ -1,15 +1,24 @@
-"""attention(q, k, v, causal, scale, window): reference and PyTorch SDPA as a candidate.
+"""attention(q, k, v, causal, scale, window): reference, PyTorch SDPA and Triton FlashAttention.
 
 Layout as scaled_dot_product_attention takes it: q (batch, heads_q, seq_q, dim), k and v
-(batch, heads_kv, seq_k, dim). With `causal`, query i sees keys j <= i + seq_k - seq_q
-(bottom-right aligned, as FlashAttention does); `window=(left, right)` further limits j to
-[i + seq_k - seq_q - left, i + seq_k - seq_q + right]. A query that sees no key outputs zeros.
+(batch, heads_kv, seq_k, dim), heads_q a multiple of heads_kv (GQA/MQA). With `causal`, query i
+sees keys j <= i + seq_k - seq_q (bottom-right aligned, as FlashAttention does);
+`window=(left, right)` further limits j to [i + seq_k - seq_q - left, i + seq_k - seq_q + right].
+A query that sees no key outputs zeros.
+
+Three registry ops: `attention` (no gradient needed), `attention_forward` -> (out, lse) for
+training, and `attention_backward(grad_out, q, k, v, out, lse, ...) -> (dq, dk, dv)`. `lse` is
+the natural-log log-sum-exp of each query's scaled scores, fp32 (batch, heads_q, seq_q), -inf
+for a query that sees no key; the backward recomputes the probabilities from it as
+FlashAttention does. Every candidate takes any strides; forward and backward return contiguous
+tensors. Arguments after v are positional-or-keyword so autograd glue can pass them in order.
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,7 +29,10 @@ from torchhal.hal_core import (
     RejectionReason,
     Unsupported,
 )
+from torchhal.kernels import triton_attention
 from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
+from torchhal.kernels.autograd import AutogradSpec
+from torchhal.kernels.triton_rows import compute_dtype, require_floating, unbound
 
 
 class AttentionSignature(NamedTuple):
@@ -31,34 +43,46 @@ class AttentionSignature(NamedTuple):
     causal: bool
     windowed: bool
     square: bool  # seq_q == seq_k: top-left and bottom-right causal masks coincide
+    seq_bucket: int  # bit length of max(seq_q, seq_k): which kernel is fastest depends on it
+    unit_stride_dim: bool  # q, k and v have unit stride along the head dim
+    empty: bool  # some size is 0: nothing to compute
 
 
-def signature(
+def _check(
+    op: str,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
-    causal: bool = False,
-    scale: float | None = None,
-    window: tuple[int, int] | None = None,
-) -> AttentionSignature:
+    scale: float | None,
+    window: Sequence[int] | None,
+) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
-        require_tensor("attention", name, t)
-        require_rank("attention", name, t, 4)
-    require_same("attention", "dtypes", q=q.dtype, k=k.dtype, v=v.dtype)
-    require_same("attention", "devices", q=q.device, k=k.device, v=v.device)
-    require_same("attention", "batch sizes", q=q.shape[0], k=k.shape[0], v=v.shape[0])
-    require_same("attention", "key and value heads", k=k.shape[1], v=v.shape[1])
-    require_same("attention", "key and value lengths", k=k.shape[2], v=v.shape[2])
-    require_same("attention", "query and key head dims", q=q.shape[3], k=k.shape[3])
-    if q.shape[1] % k.shape[1] != 0:
+        require_tensor(op, name, t)
+        require_rank(op, name, t, 4)
+    require_floating(op, "q", q)
+    require_same(op, "dtypes", q=q.dtype, k=k.dtype, v=v.dtype)
+    require_same(op, "devices", q=q.device, k=k.device, v=v.device)
+    require_same(op, "batch sizes", q=q.shape[0], k=k.shape[0], v=v.shape[0])
+    require_same(op, "key and value heads", k=k.shape[1], v=v.shape[1])
+    require_same(op, "key and value lengths", k=k.shape[2], v=v.shape[2])
+    require_same(op, "query and key head dims", q=q.shape[3], k=k.shape[3])
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise InvalidArgumentError(
-            f"attention: heads_q must be a multiple of heads_kv, got {q.shape[1]} and {k.shape[1]}"
+            f"{op}: heads_q must be a multiple of heads_kv, got {q.shape[1]} and {k.shape[1]}"
         )
+    check_scale(op, scale)
     if window is not None and (len(window) != 2 or min(window) < 0):
-        raise InvalidArgumentError(f"attention: window must be (left, right) with both >= 0, got {window}")
+        raise InvalidArgumentError(f"{op}: window must be (left, right) with both >= 0, got {window}")
+
+
+def check_scale(op: str, scale: float | None) -> None:
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
-        raise InvalidArgumentError(f"attention: scale must be a finite number, got {scale!r}")
+        raise InvalidArgumentError(f"{op}: scale must be a finite number, got {scale!r}")
+
+
+def _summary(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: Sequence[int] | None
+) -> AttentionSignature:
     return AttentionSignature(
         q.dtype,
         q.shape[3],
@@ -67,11 +91,78 @@ def signature(
         bool(causal),
         window is not None,
         q.shape[2] == k.shape[2],
+        max(q.shape[2], k.shape[2]).bit_length(),
+        all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (q, k, v)),
+        0 in q.shape or 0 in k.shape or 0 in v.shape,
     )
 
 
+def signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Sequence[int] | None = None,
+) -> AttentionSignature:
+    _check("attention", q, k, v, scale, window)
+    return _summary(q, k, v, causal, window)
+
+
+def forward_signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Sequence[int] | None = None,
+) -> AttentionSignature:
+    _check("attention_forward", q, k, v, scale, window)
+    return _summary(q, k, v, causal, window)
+
+
+def backward_signature(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Sequence[int] | None = None,
+) -> AttentionSignature:
+    op = "attention_backward"
+    _check(op, q, k, v, scale, window)
+    check_saved(op, q, v, grad_out, out, lse, lse_shape=(q.shape[0], q.shape[1], q.shape[2]))
+    return _summary(q, k, v, causal, window)
+
+
+def check_saved(
+    op: str,
+    q: torch.Tensor,
+    v: torch.Tensor,
+    grad_out: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    lse_shape: tuple[int, ...],
+) -> None:
+    """The backward's grad_out, out and lse must be what the forward of these q and v returns."""
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    for name, t in (("grad_out", grad_out), ("out", out), ("lse", lse)):
+        require_tensor(op, name, t)
+        require_same(op, f"devices of q and {name}", q=q.device, **{name: t.device})
+    require_same(
+        op, "output shapes", expected=out_shape, grad_out=tuple(grad_out.shape), out=tuple(out.shape)
+    )
+    require_same(op, "output dtypes", q=q.dtype, grad_out=grad_out.dtype, out=out.dtype)
+    require_same(op, "lse shape", expected=lse_shape, lse=tuple(lse.shape))
+    require_same(op, "lse dtype", expected=torch.float32, lse=lse.dtype)
+
+
 def allowed_keys(
-    seq_q: int, seq_k: int, causal: bool, window: tuple[int, int] | None, device: torch.device
+    seq_q: int, seq_k: int, causal: bool, window: Sequence[int] | None, device: torch.device
 ) -> torch.Tensor | None:
     """Boolean (seq_q, seq_k) mask of visible keys, or None when every key is visible."""
     if not causal and window is None:
@@ -87,38 +178,96 @@ def allowed_keys(
     return mask
 
 
+def _scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window: Sequence[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, float]:
+    """Scaled scores in the compute dtype (keys repeated per query group), the mask, the scale."""
+    ct = compute_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q.to(ct), k.to(ct).repeat_interleave(groups, dim=1).transpose(-1, -2)) * scale
+    mask = allowed_keys(q.shape[2], k.shape[2], causal, window, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores, mask, scale
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) in fp32 (fp64 for fp64 inputs) with explicit masks; out in q's dtype."""
+    scores = _scores(q, k, causal, scale, window)[0]
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))  # rows with no visible key: exp(-inf) = 0
+    groups = q.shape[1] // k.shape[1]
+    out = torch.matmul(probs, v.to(scores.dtype).repeat_interleave(groups, dim=1))
+    return out.to(q.dtype).contiguous(), lse.float().contiguous()
+
+
 def reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
     causal: bool = False,
     scale: float | None = None,
-    window: tuple[int, int] | None = None,
+    window: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Softmax(q k^T * scale) v, computed in fp32 with explicit masks; returns q's dtype."""
+    """Softmax(q k^T * scale) v, computed in fp32 (fp64 for fp64) with explicit masks; q's dtype."""
+    return reference_forward(q, k, v, causal, scale, window)[0]
+
+
+def reference_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention's backward in plain PyTorch: P = exp(S - lse), dS = P * (dP - rowsum(dO * O))."""
+    scores, _, scale = _scores(q, k, causal, scale, window)
+    ct = scores.dtype
+    probs = torch.exp(scores - _finite(lse.to(ct)).unsqueeze(-1))
     groups = q.shape[1] // k.shape[1]
-    k32 = k.float().repeat_interleave(groups, dim=1)
-    v32 = v.float().repeat_interleave(groups, dim=1)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = torch.matmul(q.float(), k32.transpose(-1, -2)) * scale
-    mask = allowed_keys(q.shape[2], k.shape[2], causal, window, q.device)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    if mask is not None:
-        probs = probs.nan_to_num(0.0)  # rows with no visible key
-    return torch.matmul(probs, v32).to(q.dtype)
+    do, o = grad_out.to(ct), out.to(ct)
+    v_rep = v.to(ct).repeat_interleave(groups, dim=1)
+    dv = torch.matmul(probs.transpose(-1, -2), do)
+    d_scores = probs * (torch.matmul(do, v_rep.transpose(-1, -2)) - (do * o).sum(-1, keepdim=True))
+    dq = torch.matmul(d_scores, k.to(ct).repeat_interleave(groups, dim=1)) * scale
+    dk = torch.matmul(d_scores.transpose(-1, -2), q.to(ct)) * scale
+    return dq.to(q.dtype).contiguous(), _sum_groups(dk, k), _sum_groups(dv, v)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    """lse with -inf (a query that sees no key) made +inf, so exp(score - lse) is 0, not NaN."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
+
+
+def _sum_groups(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Per-query-head gradients summed over each kv head's group, in `like`'s dtype."""
+    b, hq, s, d = grad.shape
+    return grad.view(b, like.shape[1], hq // like.shape[1], s, d).sum(2).to(like.dtype).contiguous()
 
 
 def sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    *,
     causal: bool = False,
     scale: float | None = None,
-    window: tuple[int, int] | None = None,
+    window: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """PyTorch's scaled_dot_product_attention; predicates keep it to cases it computes alike."""
     return torch.nn.functional.scaled_dot_product_attention(
@@ -138,8 +287,72 @@ def sdpa_supports(caps: DeviceCapabilities, sig: AttentionSignature) -> Unsuppor
     return None
 
 
+def _forward_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window: Sequence[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+def _backward_fake(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window: Sequence[int] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _context(inputs: Sequence[Any], results: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    q, k, v, causal, scale, window = inputs
+    out, lse = results
+    return q, k, v, out, lse, causal, scale, window
+
+
+AUTOGRAD = AutogradSpec(
+    op="attention",
+    forward="attention_forward",
+    backward="attention_backward",
+    forward_fake=_forward_fake,
+    backward_fake=_backward_fake,
+    differentiable=(0, 1, 2),
+    context=_context,
+)
+
+
 def register(registry: KernelRegistry) -> None:
     registry.define_op(
         "attention", reference, signature=signature, doc="softmax(q k^T * scale) v, SDPA layout"
     )
     registry.register("attention", "sdpa", sdpa, provider=PROVIDER, supports=sdpa_supports, priority=10)
+    registry.register(
+        "attention", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports, priority=20,
+        bind=triton_attention.bind_attention,
+    )  # fmt: skip
+    registry.define_op(
+        "attention_forward", reference_forward, signature=forward_signature, doc="(out, lse) of attention"
+    )
+    registry.register(
+        "attention_forward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
+        priority=20, bind=triton_attention.bind_forward,
+    )  # fmt: skip
+    registry.define_op(
+        "attention_backward",
+        reference_backward,
+        signature=backward_signature,
+        doc="(dq, dk, dv) of attention",
+    )
+    registry.register(
+        "attention_backward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
+        priority=20, bind=triton_attention.bind_backward,
+    )  # fmt: skip

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-
 from torchhal.hal_core import ConfigurationError, DType
 
 SPEC_ENV = "TORCHHAL_SIMASIC_SPEC"
@@ -113,15 +112,19 @@ def _decode(text: str, suffix: str, source: str) -> Any:
                 )
             return data
     except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigurationError(f"simulated ASIC spec {source}: not valid {suffix[1:].upper()}: {exc}") from None
-    raise ConfigurationError(f"simulated ASIC spec {source}: file name must end in .toml or .json, got {suffix!r}")
+        raise ConfigurationError(
+            f"simulated ASIC spec {source}: not valid {suffix[1:].upper()}: {exc}"
+        ) from None
+    raise ConfigurationError(
+        f"simulated ASIC spec {source}: file name must end in .toml or .json, got {suffix!r}"
+    )
 
 
 def bundled_spec(name: str) -> SimASICSpec:
     """One of the specs shipped with the plugin, by name (see BUNDLED)."""
     if name not in BUNDLED:
         raise ConfigurationError(f"simulated ASIC spec name must be one of {BUNDLED}, got {name!r}")
-    text = resources.files("torchhal_simasic").joinpath("specs", f"{name}.toml").read_text(encoding="utf-8")
+    text = (resources.files("torchhal_simasic") / "specs" / f"{name}.toml").read_text(encoding="utf-8")
     return parse_spec(_decode(text, ".toml", f"bundled {name!r}"), f"bundled {name!r}")
 
 
