@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torchhal.hal_core.hal import active_hal
+
 if TYPE_CHECKING:
     import torch
 
@@ -33,7 +35,7 @@ def set_default_hal(hal: HardwareAbstractionLayer | None) -> None:
 
 
 def _dispatch(op: str, first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    hal = _default or default_hal()
+    hal = active_hal() or _default or default_hal()
     return hal.kernels.call(op, hal.device_for_tensor(first), first, *args, **kwargs)
 
 

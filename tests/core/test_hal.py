@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.core.adapters import FakeAdapter, fake_caps
 from torchhal import DeviceRequirements, HardwareAbstractionLayer
 from torchhal.hal_core import (
     ConfigurationError,
@@ -17,7 +18,6 @@ from torchhal.hal_core import (
     Feature,
     NoDeviceMatchesError,
 )
-from tests.core.adapters import FakeAdapter, fake_caps
 
 
 @pytest.fixture

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-import pytest
-
 import torchhal
+from tests.core.adapters import FakeAdapter, fake_caps
 from torchhal import HardwareAbstractionLayer
 from torchhal.hal_core import (
     DType,
@@ -19,7 +19,6 @@ from torchhal.hal_core import (
     telemetry,
 )
 from torchhal.kernels import attention, rms_norm
-from tests.core.adapters import FakeAdapter, fake_caps
 
 
 @pytest.fixture
@@ -97,12 +96,12 @@ def test_every_candidate_failing_raises_with_all_reasons(hal):
         raise RuntimeError("boom")
 
     hal.kernels.define_op("double", broken, signature=lambda x: (x.dtype,))
-    with pytest.raises(KernelFailedError, match="every candidate failed.*reference"):
+    with pytest.raises(KernelFailedError, match=r"every candidate failed.*reference"):
         hal.kernels.call("double", hal.device("cpu"), torch.randn(3))
 
 
 def test_unknown_op_lists_defined_ops(hal):
-    with pytest.raises(UnknownOpError, match="unknown op 'nope'.*rms_norm"):
+    with pytest.raises(UnknownOpError, match=r"unknown op 'nope'.*rms_norm"):
         hal.kernels.call("nope", hal.device("cpu"), torch.randn(3))
 
 
@@ -215,3 +214,39 @@ def test_measured_selection_picks_the_fastest_and_persists(settings, tmp_path):
 def test_auto_tuning_leaves_the_cpu_to_priority(hal):
     x, w = torch.randn(8, 64), torch.randn(64)
     assert hal.kernels.select("rms_norm", hal.device("cpu"), x, w).timings_ms == ()
+
+
+def test_use_routes_ops_through_the_hal_that_owns_the_device(settings):
+    other = HardwareAbstractionLayer(
+        adapters=[FakeAdapter([fake_caps(dtypes=frozenset({DType.FP32}))])],
+        settings=settings(disable_plugin_autoload="1"),
+    )
+    seen = []
+    other.kernels.register(
+        "rms_norm",
+        "acme",
+        lambda x, w, eps=1e-6: seen.append(1) or rms_norm.reference(x, w, eps),
+        provider="acme",
+        supports=lambda caps, sig: (
+            None if caps.adapter == "acme" else Unsupported(RejectionReason.DEVICE, "acme only")
+        ),
+        priority=100,
+    )
+    x, w = torch.randn(3, 8), torch.randn(8)
+    torchhal.ops.rms_norm(x, w)  # the default HAL: no acme device there
+    assert seen == []
+    with other.use("acme:0"):
+        torchhal.ops.rms_norm(x, w)
+    assert seen == [1]
+
+
+def test_out_of_memory_in_a_kernel_is_raised_not_fallen_back(hal):
+    from torchhal.hal_core import DeviceOutOfMemoryError
+
+    def oom(x, weight, eps=1e-6):
+        raise DeviceOutOfMemoryError("acme:0", requested=2**30, used=2**32, capacity=2**32)
+
+    hal.kernels.register("rms_norm", "oom", oom, provider="test", priority=100)
+    with pytest.raises(DeviceOutOfMemoryError, match="requested 1073741824 bytes"):
+        hal.kernels.call("rms_norm", hal.device("cpu"), torch.randn(2, 4), torch.randn(4))
+    assert hal.kernels.fallback_counts == {}

@@ -69,7 +69,7 @@ def test_unconfigured_spans_are_no_ops():
 
 
 def test_bad_exporter_is_refused():
-    with pytest.raises(ConfigurationError, match="exporter must be one of .* got 'zipkin'"):
+    with pytest.raises(ConfigurationError, match=r"exporter must be one of .* got 'zipkin'"):
         telemetry.configure(exporter="zipkin")
 
 

@@ -4,6 +4,7 @@ Plugins import the names re-exported here and nothing deeper. This package never
 torchhal's subsystems (kernels, distributed, evaluation, inference).
 """
 
+from torchhal.hal_core import telemetry
 from torchhal.hal_core.adapter import HAL_API_VERSION, DeviceTimer, HostTimer, VendorAdapter
 from torchhal.hal_core.capabilities import (
     SCHEMA_VERSION,
@@ -76,4 +77,5 @@ __all__ = [
     "UnsupportedError",
     "VendorAdapter",
     "hookimpl",
+    "telemetry",
 ]

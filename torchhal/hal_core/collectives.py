@@ -514,8 +514,8 @@ class Communicator:
             )
         try:
             work.wait()
-        except RuntimeError:
-            raise
+        except RuntimeError as exc:
+            raise self._failure(name, exc) from exc
 
     def _failure(self, name: str, exc: Exception) -> CollectiveError:
         limit = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "unknown"

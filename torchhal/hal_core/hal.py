@@ -31,9 +31,15 @@ if TYPE_CHECKING:
     from torchhal.hal_core.collectives import Communicator
 
 log = telemetry.get_logger("torchhal.hal")
-_active_device: contextvars.ContextVar[Device | None] = contextvars.ContextVar(
-    "torchhal_device", default=None
+_active: contextvars.ContextVar[tuple[HardwareAbstractionLayer, Device] | None] = contextvars.ContextVar(
+    "torchhal_active_device", default=None
 )
+
+
+def active_hal() -> HardwareAbstractionLayer | None:
+    """The HAL of the innermost `hal.use(device)` block, if any: ops dispatch through it."""
+    active = _active.get()
+    return None if active is None else active[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,9 +158,9 @@ class HardwareAbstractionLayer:
     def device_for_tensor(self, tensor: torch.Tensor) -> Device:
         """The HAL device a tensor is on: the active `use()` device if it matches, else by torch device."""
         tdev = tensor.device
-        active = _active_device.get()
-        if active is not None and active.torch_device.type == tdev.type:
-            return active
+        active = _active.get()
+        if active is not None and active[0] is self and active[1].torch_device.type == tdev.type:
+            return active[1]
         state = self._state or self._discovered()
         dev = state.by_torch.get((tdev.type, tdev.index))
         if dev is None:
@@ -165,11 +171,11 @@ class HardwareAbstractionLayer:
     def use(self, device: Device | str) -> Iterator[Device]:
         """Route ops on tensors of this device's torch type to `device` (e.g. a simulated ASIC)."""
         dev = self.device(device) if isinstance(device, str) else device
-        token = _active_device.set(dev)
+        token = _active.set((self, dev))
         try:
             yield dev
         finally:
-            _active_device.reset(token)
+            _active.reset(token)
 
     def choose_device(self, requirements: DeviceRequirements | None = None) -> DeviceChoice:
         """Rank every device against `requirements`, with the reasons for each verdict."""

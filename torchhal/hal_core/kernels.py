@@ -17,7 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torchhal.hal_core import telemetry
-from torchhal.hal_core.errors import KernelFailedError, TorchHALError, UnknownOpError, UnsupportedError
+from torchhal.hal_core.errors import (
+    InvalidArgumentError,
+    KernelFailedError,
+    TorchHALError,
+    UnknownOpError,
+    UnsupportedError,
+)
 from torchhal.hal_core.tuning import Tuner
 
 if TYPE_CHECKING:
@@ -186,6 +192,8 @@ class KernelRegistry:
         try:
             return selection.fn(*args, **kwargs)
         except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
+            if _not_a_kernel_fault(exc):
+                raise
             return self._fall_back(selection, device, exc, args, kwargs)
 
     def clear_cache(self) -> None:
@@ -317,9 +325,19 @@ class KernelRegistry:
             try:
                 return current.fn(*args, **kwargs)
             except Exception as next_exc:
+                if _not_a_kernel_fault(next_exc):
+                    raise
                 exc = next_exc
                 failures.append(exc)
 
 
 def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]:
     return candidate.bind(caps) if candidate.bind is not None else candidate.fn
+
+
+def _not_a_kernel_fault(exc: Exception) -> bool:
+    """Bad arguments and exhausted memory are the caller's to see: another kernel would not help,
+    and on a device that accounts memory a host fallback would hide the out-of-memory."""
+    import torch
+
+    return isinstance(exc, (InvalidArgumentError, MemoryError, torch.OutOfMemoryError))
