@@ -1,0 +1,260 @@
+"""AmdAdapter: translates what ROCm (through torch.cuda) and amdsmi report into torchhal's terms.
+
+All reading goes through one probe object (`RocmProbe` live, `RecordedRocmProbe` in tests);
+this module holds only the translation: the gfx target to dtypes, wavefront and features,
+HIP's WGP counting to compute units, amdsmi readings to health and xGMI links.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from torchhal.hal_core import (
+    DeviceCapabilities,
+    DeviceTimer,
+    DType,
+    Feature,
+    HealthReport,
+    HealthStatus,
+    Link,
+    LinkType,
+    MemoryInfo,
+    ProbeResult,
+    Topology,
+    UnsupportedError,
+    VendorAdapter,
+    telemetry,
+)
+
+from torchhal_amd.datasheets import peaks_for
+from torchhal_amd.probe import WGP_MODE_ENV, RocmProbe, pci_address
+
+log = telemetry.get_logger("torchhal.amd")
+
+_GFX = re.compile(r"gfx(\d{1,2})([0-9a-f])([0-9a-f])$")
+HOST_HOPS = 3  # amdsmi hop count 3: the path crosses both CPU sockets
+MILLI = 1000  # amdsmi temperatures at or above this are millidegrees (no GPU runs at 1000 C)
+
+
+class GfxTarget:
+    """A gfx target such as gfx942 or gfx1100, and what that generation computes with."""
+
+    def __init__(self, gcn_arch_name: str) -> None:
+        self.name = gcn_arch_name.split(":")[0]  # gfx942:sramecc+:xnack- -> gfx942
+        match = _GFX.match(self.name)
+        if match is None:
+            raise UnsupportedError(f"amd adapter: gcnArchName {gcn_arch_name!r} is not a gfx target it knows")
+        self.major, self.minor = int(match.group(1)), int(match.group(2), 16)
+
+    @property
+    def rdna(self) -> bool:
+        """gfx10, gfx11 and gfx12 are RDNA: wave32, and HIP counts work-group processors."""
+        return self.major >= 10
+
+    @property
+    def matrix_cores(self) -> bool:
+        """MFMA on CDNA (gfx908, gfx90a, gfx94x, gfx950); WMMA on RDNA3 and RDNA4."""
+        return self.name in ("gfx908", "gfx90a") or (self.major == 9 and self.minor >= 4) or self.major >= 11
+
+    def dtypes(self) -> frozenset[DType]:
+        dtypes = {DType.FP64, DType.FP32, DType.FP16, DType.INT8}
+        if self.name == "gfx90a" or (self.major == 9 and self.minor >= 4) or self.major >= 11:
+            dtypes.add(DType.BF16)
+        if self.major == 9 and self.minor == 4:  # CDNA3: xf32 matrix ops, fp8 in the fnuz encoding
+            dtypes |= {DType.TF32, DType.FP8_E4M3_FNUZ, DType.FP8_E5M2_FNUZ}
+        if (self.major == 9 and self.minor == 5) or self.major == 12:  # CDNA4 and RDNA4: OCP fp8
+            dtypes |= {DType.FP8_E4M3, DType.FP8_E5M2}
+        return frozenset(dtypes)
+
+
+class AmdAdapter(VendorAdapter):
+    name = "amd"
+    vendor = "amd"
+    priority = 100
+
+    def __init__(self, probe: Any = None) -> None:
+        """`probe`: anything with RocmProbe's methods; the live runtime by default. No device work."""
+        self.runtime_probe = probe if probe is not None else RocmProbe()
+
+    def probe(self) -> ProbeResult:
+        build = self.runtime_probe.runtime()
+        if not build["hip"]:
+            built = f"a CUDA build (CUDA {build['cuda']})" if build["cuda"] else "built without ROCm"
+            return ProbeResult(
+                available=False,
+                reason=f"torch {build['torch']} is {built}: AMD GPUs need a ROCm build of torch "
+                "(NVIDIA GPUs are the nvidia adapter's)",
+            )
+        if not self.runtime_probe.available():
+            return ProbeResult(
+                available=False,
+                reason=f"torch {build['torch']} (HIP {build['hip']}) sees no GPU: torch.cuda.is_available() "
+                "is False (check amd-smi and HIP_VISIBLE_DEVICES)",
+                runtime_version=build["hip"],
+            )
+        return ProbeResult(
+            available=True, reason=f"ROCm/HIP {build['hip']} runtime", runtime_version=build["hip"]
+        )
+
+    def discover(self) -> Sequence[DeviceCapabilities]:
+        count = self.runtime_probe.device_count()
+        smi = self.runtime_probe.amdsmi()
+        if not smi["available"]:
+            log.info("amdsmi unavailable: no uuid, health or xGMI readings", reason=smi["reason"])
+        return [self._capabilities(i, count) for i in range(count)]
+
+    def _capabilities(self, index: int, count: int) -> DeviceCapabilities:
+        props = self.runtime_probe.properties(index)
+        target = GfxTarget(props["gcnArchName"])
+        libraries = self.runtime_probe.libraries()
+        management = self.runtime_probe.amdsmi_device(index) or {}
+        dtypes = target.dtypes()
+        peers = any(self.runtime_probe.can_access_peer(index, j) for j in range(count) if j != index)
+        features = {Feature.GRAPHS, Feature.DEVICE_EVENTS}
+        features |= {Feature.TENSOR_CORES} if target.matrix_cores else set()
+        features |= {Feature.FP8} if any("fp8" in d.value for d in dtypes) else set()
+        features |= {Feature.P2P} if peers else set()
+        features |= {Feature.TRITON} if libraries["triton"] else set()
+        kernels = (
+            ("rocblas",)
+            + (("miopen",) if libraries["miopen"] else ())
+            + (("triton",) if libraries["triton"] else ())
+        )
+        return DeviceCapabilities(
+            vendor=self.vendor,
+            adapter=self.name,
+            device_type="cuda",  # ROCm builds of torch expose HIP devices as "cuda"
+            index=index,
+            name=props["name"],
+            arch=target.name,
+            compute_units=self._compute_units(props, target),
+            simd_width=props.get("warp_size", 32 if target.rdna else 64),
+            memory_bytes=props["total_memory"],
+            dtypes=dtypes,
+            features=frozenset(features),
+            collective_backends=("nccl", "gloo"),  # torch's backend name "nccl" is RCCL on ROCm
+            kernel_backends=kernels,
+            shared_memory_per_block_bytes=props.get("shared_memory_per_block"),
+            l2_cache_bytes=props.get("L2_cache_size") or None,
+            declared_peaks=peaks_for(props["name"]),
+            uuid=management.get("uuid") or props.get("uuid"),
+            pci_bus_id=management.get("bdf") or pci_address(props),
+            driver_version=management.get("driver_version"),
+        )
+
+    def _compute_units(self, props: dict[str, Any], target: GfxTarget) -> int:
+        """HIP counts work-group processors (2 CUs each) on RDNA unless WGP mode is switched off."""
+        count = int(props["multi_processor_count"])
+        if target.rdna and self.runtime_probe.runtime()[WGP_MODE_ENV] != "0":
+            return 2 * count
+        return count
+
+    def synchronize(self, index: int) -> None:
+        self.runtime_probe.synchronize(index)
+
+    def memory_info(self, index: int) -> MemoryInfo:
+        memory = self.runtime_probe.memory(index)
+        return MemoryInfo(
+            total_bytes=memory["total"], free_bytes=memory["free"], used_bytes=memory["reserved"]
+        )
+
+    def health(self, index: int) -> HealthReport:
+        readings = self.runtime_probe.amdsmi_health(index)
+        if readings is None:
+            smi = self.runtime_probe.amdsmi()
+            reason = (
+                "amdsmi has no device at this device's PCI address" if smi["available"] else smi["reason"]
+            )
+            return HealthReport(status=HealthStatus.UNKNOWN, messages=(f"no health readings: {reason}",))
+        static = self.runtime_probe.amdsmi_device(index) or {}
+        temperature = _celsius(readings["temperature_hotspot"])
+        critical = _celsius(static.get("temperature_hotspot_critical"))
+        problems = []
+        ecc = readings["ecc_uncorrectable"]
+        if ecc:
+            problems.append(f"{ecc} uncorrectable ECC error(s)")
+        if temperature is not None and critical is not None and temperature >= critical:
+            problems.append(
+                f"hotspot temperature {temperature:g} C is at or above the critical {critical:g} C"
+            )
+        return HealthReport(
+            status=HealthStatus.DEGRADED if problems else HealthStatus.OK,
+            temperature_c=temperature,
+            ecc_errors=ecc,
+            utilization_pct=readings["gfx_activity_pct"],
+            messages=tuple(problems) or ("no uncorrectable ECC errors; hotspot below critical",),
+        )
+
+    def topology(self) -> Topology:
+        count = self.runtime_probe.device_count()
+        devices = tuple(self._id(i) for i in range(count))
+        facts = [self.runtime_probe.amdsmi_links(i) for i in range(count)]
+        if any(f is None for f in facts):
+            log.warning("no links: amdsmi is unavailable", reason=self.runtime_probe.amdsmi()["reason"])
+            telemetry.count("torchhal.topology.fallbacks", adapter=self.name, source="none")
+            return Topology(devices=devices)
+        links = []
+        for a in range(count):
+            for b in range(a + 1, count):
+                link = self._link(a, b, facts[a][str(b)], facts[b][str(a)])
+                if link is not None:
+                    links.append(link)
+        return Topology(devices=devices, links=tuple(links))
+
+    def _link(self, a: int, b: int, there: dict[str, Any], back: dict[str, Any]) -> Link | None:
+        kind, reverse = _link_type(there), _link_type(back)
+        if kind != reverse:
+            log.warning(
+                "amdsmi link types differ by direction, keeping the slower", a=a, b=b, types=(kind, reverse)
+            )
+            kind = LinkType.PCIE if LinkType.PCIE in (kind, reverse) else kind or reverse
+        if kind is None:
+            log.warning("amdsmi link type not understood, pair left unlinked", a=a, b=b, facts=there)
+            telemetry.count(
+                "torchhal.topology.unknown_codes", adapter=self.name, code=str(there.get("type_name"))
+            )
+            return None
+        mb_s = there.get("max_bandwidth_mb_s")
+        bandwidth = mb_s / 1000 if kind is LinkType.XGMI and mb_s else None
+        return Link(a=self._id(a), b=self._id(b), type=kind, bandwidth_gbps=bandwidth, source="amdsmi")
+
+    def _id(self, index: int) -> str:
+        return self.device_id(index, "cuda")
+
+    def collective_backend(self) -> str:
+        return "nccl"
+
+    def timer(self, index: int) -> DeviceTimer:
+        return EventTimer(self.runtime_probe, index)
+
+
+class EventTimer:
+    """HIP events on the device's current stream: device time, no host synchronisation between marks."""
+
+    def __init__(self, probe: Any, index: int) -> None:
+        self._probe, self._index = probe, index
+
+    def mark(self) -> object:
+        return self._probe.record_event(self._index)
+
+    def elapsed_ms(self, start: object, end: object) -> float:
+        end.synchronize()  # type: ignore[attr-defined]
+        return float(start.elapsed_time(end))  # type: ignore[attr-defined]
+
+
+def _link_type(facts: dict[str, Any]) -> LinkType | None:
+    name = (facts.get("type_name") or "").upper()
+    if "XGMI" in name:
+        return LinkType.XGMI
+    if "PCI" in name:
+        hops = facts.get("hops") or 0
+        return LinkType.HOST if hops >= HOST_HOPS else LinkType.PCIE
+    return None
+
+
+def _celsius(raw: float | None) -> float | None:
+    if raw is None:
+        return None
+    return raw / 1000 if raw >= MILLI else float(raw)

@@ -1,0 +1,250 @@
+"""RocmProbe: the only code that reads the ROCm runtime (through torch.cuda) and amdsmi.
+
+Every method returns plain data named and measured as the source reports it (torch's
+`get_device_properties` field names, amdsmi's dictionaries and units), so the adapter's
+translation can be tested on recorded facts. This module imports neither torchhal nor (at
+import time) torch or amdsmi: `python -m torchhal_amd.probe` records a machine's facts as
+a JSON fixture on a host that has nothing but torch installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+AMDSMI_EXTRA = "pip install 'torchhal-amd[amdsmi]' (amdsmi must match the installed ROCm)"
+WGP_MODE_ENV = "GPU_ENABLE_WGP_MODE"  # HIP's switch between WGP and CU mode on RDNA
+
+
+def torch_properties(props: object) -> dict[str, Any]:
+    """A torch device-properties object as a JSON-able dict, under torch's own field names."""
+    out: dict[str, Any] = {}
+    for key in dir(props):
+        if key.startswith("_"):
+            continue
+        value = getattr(props, key)
+        if isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        elif key == "uuid":
+            out[key] = str(value)
+    return out
+
+
+def pci_address(props: dict[str, Any]) -> str | None:
+    """A device's PCI address in amdsmi's form (`0000:2d:00.0`) from torch's pci_* properties."""
+    try:
+        return f"{props['pci_domain_id']:04x}:{props['pci_bus_id']:02x}:{props['pci_device_id']:02x}.0"
+    except KeyError:
+        return None
+
+
+class RocmProbe:
+    """Live facts from torch.cuda on a ROCm build of torch, and from amdsmi (optional)."""
+
+    def __init__(self) -> None:
+        self._smi: Any = None
+        self._smi_status: dict[str, Any] | None = None
+
+    # -- torch: cheap build facts first, device facts after `available()` -------------------
+    def runtime(self) -> dict[str, Any]:
+        """How torch was built, and HIP's WGP-mode setting; reads no device."""
+        import torch
+
+        return {
+            "torch": torch.__version__,
+            "hip": torch.version.hip,
+            "cuda": torch.version.cuda,
+            WGP_MODE_ENV: os.environ.get(WGP_MODE_ENV),
+        }
+
+    def available(self) -> bool:
+        import torch
+
+        return bool(torch.cuda.is_available())
+
+    def libraries(self) -> dict[str, Any]:
+        """MIOpen's version (torch reports it through its cudnn API on ROCm), whether Triton is installed."""
+        import torch
+
+        miopen = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        return {"miopen": miopen, "triton": importlib.util.find_spec("triton") is not None}
+
+    def device_count(self) -> int:
+        import torch
+
+        return int(torch.cuda.device_count())
+
+    def properties(self, index: int) -> dict[str, Any]:
+        import torch
+
+        return torch_properties(torch.cuda.get_device_properties(index))
+
+    def can_access_peer(self, index: int, peer: int) -> bool:
+        import torch
+
+        return bool(torch.cuda.can_device_access_peer(index, peer))
+
+    def memory(self, index: int) -> dict[str, int]:
+        """Device-wide free and total bytes, and what this process's caching allocator holds."""
+        import torch
+
+        free, total = torch.cuda.mem_get_info(index)
+        return {"free": int(free), "total": int(total), "reserved": int(torch.cuda.memory_reserved(index))}
+
+    # -- actions on the device (not facts; a recorded probe refuses them) -------------------
+    def synchronize(self, index: int) -> None:
+        import torch
+
+        torch.cuda.synchronize(index)
+
+    def record_event(self, index: int) -> Any:
+        """A timing event recorded on the device's current stream (a HIP event)."""
+        import torch
+
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(index))
+        return event
+
+    # -- amdsmi -----------------------------------------------------------------------------
+    def amdsmi(self) -> dict[str, Any]:
+        """Whether amdsmi answers, and why not when it does not."""
+        if self._smi_status is None:
+            self._smi_status = self._init_smi()
+        return self._smi_status
+
+    def _init_smi(self) -> dict[str, Any]:
+        try:
+            import amdsmi
+        except ImportError:
+            return {"available": False, "reason": f"amdsmi is not installed ({AMDSMI_EXTRA})"}
+        try:
+            amdsmi.amdsmi_init()
+        except amdsmi.AmdSmiException as exc:
+            return {"available": False, "reason": f"amdsmi did not initialise: {exc}"}
+        self._smi = amdsmi
+        return {"available": True, "reason": "amdsmi initialised"}
+
+    def _handle(self, index: int) -> Any:
+        """amdsmi's handle for torch's device `index`, matched by PCI address; None when torch
+        reports no address or amdsmi has no device there."""
+        address = pci_address(self.properties(index))
+        return (
+            None if address is None else self._value(self._smi.amdsmi_get_processor_handle_from_bdf, address)
+        )
+
+    def _value(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """An amdsmi reading, or None where this GPU or driver does not support it."""
+        try:
+            value = fn(*args)
+        except self._smi.AmdSmiException:
+            return None
+        return None if value == "N/A" else value
+
+    def amdsmi_device(self, index: int) -> dict[str, Any] | None:
+        """Static amdsmi facts of one device; None when amdsmi is unavailable or has no such device.
+
+        Temperatures are amdsmi_get_temp_metric's raw integers: its documentation says
+        millidegrees Celsius, while releases have returned degrees; the adapter tells them apart.
+        """
+        handle = self._handle(index) if self.amdsmi()["available"] else None
+        if handle is None:
+            return None
+        smi = self._smi
+        driver = self._value(smi.amdsmi_get_gpu_driver_info, handle) or {}
+        return {
+            "uuid": self._value(smi.amdsmi_get_gpu_device_uuid, handle),
+            "bdf": self._value(smi.amdsmi_get_gpu_device_bdf, handle),
+            "driver_version": driver.get("driver_version"),
+            "temperature_hotspot_critical": self._value(
+                smi.amdsmi_get_temp_metric,
+                handle,
+                smi.AmdSmiTemperatureType.HOTSPOT,
+                smi.AmdSmiTemperatureMetric.CRITICAL,
+            ),
+        }
+
+    def amdsmi_health(self, index: int) -> dict[str, Any] | None:
+        """Readings that change while the device runs; None when amdsmi is unavailable or lacks the device."""
+        handle = self._handle(index) if self.amdsmi()["available"] else None
+        if handle is None:
+            return None
+        smi = self._smi
+        ecc = self._value(smi.amdsmi_get_gpu_total_ecc_count, handle) or {}
+        activity = self._value(smi.amdsmi_get_gpu_activity, handle) or {}
+        gfx = activity.get("gfx_activity")
+        return {
+            "temperature_hotspot": self._value(
+                smi.amdsmi_get_temp_metric,
+                handle,
+                smi.AmdSmiTemperatureType.HOTSPOT,
+                smi.AmdSmiTemperatureMetric.CURRENT,
+            ),
+            "ecc_uncorrectable": ecc.get("uncorrectable_count"),
+            "ecc_correctable": ecc.get("correctable_count"),
+            "gfx_activity_pct": gfx if isinstance(gfx, (int, float)) else None,
+        }
+
+    def amdsmi_links(self, index: int) -> dict[str, Any] | None:
+        """How amdsmi says `index` reaches each other device, keyed by the peer's torch index."""
+        handle = self._handle(index) if self.amdsmi()["available"] else None
+        if handle is None:
+            return None
+        smi, links = self._smi, {}
+        for peer in range(self.device_count()):
+            other = None if peer == index else self._handle(peer)
+            if other is None:
+                continue
+            kind = self._value(smi.amdsmi_topo_get_link_type, handle, other) or {}
+            bandwidth = self._value(smi.amdsmi_get_minmax_bandwidth_between_processors, handle, other) or {}
+            links[str(peer)] = {
+                "type_name": _link_type_name(smi, kind.get("type")),
+                "hops": kind.get("hops"),
+                "weight": self._value(smi.amdsmi_topo_get_link_weight, handle, other),
+                "max_bandwidth_mb_s": bandwidth.get("max_bandwidth"),
+            }
+        return links
+
+
+def _link_type_name(smi: Any, value: Any) -> str | None:
+    """The link type's name under the installed amdsmi's own enum (the numbering changed
+    between releases: AmdSmiLinkType in newer ones, AmdSmiIoLinkType before)."""
+    if value is None:
+        return None
+    enum = getattr(smi, "AmdSmiLinkType", None) or smi.AmdSmiIoLinkType
+    try:
+        return str(enum(int(value)).name)
+    except ValueError:
+        return f"UNKNOWN_{value}"
+
+
+def record(probe: Any, source: str) -> dict[str, Any]:
+    """Every fact `probe` reports, in the shape `RecordedRocmProbe` replays."""
+    facts: dict[str, Any] = {"source": source, "runtime": probe.runtime(), "available": probe.available()}
+    if not facts["available"]:
+        return facts
+    count = probe.device_count()
+    facts["libraries"] = probe.libraries()
+    facts["amdsmi"] = probe.amdsmi()
+    facts["devices"] = [
+        {
+            "properties": probe.properties(i),
+            "memory": probe.memory(i),
+            "amdsmi": probe.amdsmi_device(i),
+            "amdsmi_health": probe.amdsmi_health(i),
+            "amdsmi_links": probe.amdsmi_links(i),
+        }
+        for i in range(count)
+    ]
+    facts["peer_access"] = [
+        [i, j] for i in range(count) for j in range(count) if i != j and probe.can_access_peer(i, j)
+    ]
+    return facts
+
+
+if __name__ == "__main__":  # python -m torchhal_amd.probe "where this recording was made"
+    json.dump(record(RocmProbe(), " ".join(sys.argv[1:]) or "live recording"), sys.stdout, indent=1)
+    print()

@@ -1,0 +1,214 @@
+"""NvidiaAdapter: translates what the CUDA runtime and NVML report into torchhal's terms.
+
+All reading goes through one probe object (`CudaProbe` live, `RecordedCudaProbe` in tests);
+this module holds only the translation: compute capability to arch, dtypes and features,
+NVML readings to health, links to a topology, device names to datasheet peaks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from torchhal.hal_core import (
+    DeviceCapabilities,
+    DeviceTimer,
+    DType,
+    Feature,
+    HealthReport,
+    HealthStatus,
+    Link,
+    MemoryInfo,
+    ProbeResult,
+    Topology,
+    VendorAdapter,
+    telemetry,
+)
+
+from torchhal_nvidia import topology
+from torchhal_nvidia.datasheets import sku_for
+from torchhal_nvidia.probe import CudaProbe
+
+log = telemetry.get_logger("torchhal.nvidia")
+
+WARP = 32  # every NVIDIA architecture so far; used where torch does not report warp_size
+TF32_BF16_FROM = (8, 0)  # Ampere
+FP8_FROM = (8, 9)  # Ada and Hopper: OCP e4m3/e5m2, not the fnuz variants
+TENSOR_CORES_FROM = (7, 0)  # Volta
+NVML_ECC_ENABLED = 1
+
+
+class NvidiaAdapter(VendorAdapter):
+    name = "nvidia"
+    vendor = "nvidia"
+    priority = 100
+
+    def __init__(self, probe: Any = None) -> None:
+        """`probe`: anything with CudaProbe's methods; the live runtime by default. No device work."""
+        self.runtime_probe = probe if probe is not None else CudaProbe()
+
+    def probe(self) -> ProbeResult:
+        build = self.runtime_probe.runtime()
+        if build["hip"]:
+            return ProbeResult(
+                available=False,
+                reason=f"torch.version.hip is set ({build['hip']}): this is a ROCm build, "
+                "handled by the amd adapter",
+            )
+        if not build["cuda"]:
+            return ProbeResult(available=False, reason=f"torch {build['torch']} was built without CUDA")
+        if not self.runtime_probe.available():
+            return ProbeResult(
+                available=False,
+                reason=f"torch {build['torch']} (CUDA {build['cuda']}) sees no GPU: "
+                "torch.cuda.is_available() is False (check nvidia-smi and CUDA_VISIBLE_DEVICES)",
+                runtime_version=build["cuda"],
+            )
+        return ProbeResult(
+            available=True, reason=f"CUDA {build['cuda']} runtime", runtime_version=build["cuda"]
+        )
+
+    def discover(self) -> Sequence[DeviceCapabilities]:
+        count = self.runtime_probe.device_count()
+        libraries = self.runtime_probe.libraries()
+        nvml = self.runtime_probe.nvml()
+        if not nvml["available"]:
+            log.info("NVML unavailable: no uuid, ECC or health readings", reason=nvml["reason"])
+        return [self._capabilities(i, count, libraries, nvml) for i in range(count)]
+
+    def _capabilities(
+        self, index: int, count: int, libraries: dict[str, Any], nvml: dict[str, Any]
+    ) -> DeviceCapabilities:
+        props = self.runtime_probe.properties(index)
+        cc = (props["major"], props["minor"])
+        management = self.runtime_probe.nvml_device(index) or {}
+        sku = sku_for(props["name"])
+        peers = any(self.runtime_probe.can_access_peer(index, j) for j in range(count) if j != index)
+        features = {Feature.GRAPHS, Feature.DEVICE_EVENTS}
+        features |= {Feature.TENSOR_CORES} if cc >= TENSOR_CORES_FROM else set()
+        features |= {Feature.FP8} if cc >= FP8_FROM else set()
+        features |= {Feature.P2P} if peers else set()
+        features |= {Feature.TRITON} if libraries["triton"] else set()
+        features |= {Feature.ECC} if management.get("ecc_mode_current") == NVML_ECC_ENABLED else set()
+        kernels = (
+            ("cublas",)
+            + (("cudnn",) if libraries["cudnn"] else ())
+            + (("triton",) if libraries["triton"] else ())
+        )
+        return DeviceCapabilities(
+            vendor=self.vendor,
+            adapter=self.name,
+            device_type="cuda",
+            index=index,
+            name=props["name"],
+            arch=f"sm_{cc[0]}{cc[1]}",
+            compute_units=props["multi_processor_count"],
+            simd_width=props.get("warp_size", WARP),
+            memory_bytes=props["total_memory"],
+            dtypes=_dtypes(cc),
+            features=frozenset(features),
+            collective_backends=("nccl", "gloo"),
+            kernel_backends=kernels,
+            shared_memory_per_block_bytes=props.get("shared_memory_per_block_optin")
+            or props.get("shared_memory_per_block"),
+            l2_cache_bytes=props.get("L2_cache_size") or None,
+            declared_peaks=sku.peaks if sku else None,
+            uuid=management.get("uuid") or (f"GPU-{props['uuid']}" if "uuid" in props else None),
+            pci_bus_id=management.get("pci_bus_id") or topology.torch_bus_id(props),
+            driver_version=nvml.get("driver_version"),
+        )
+
+    def synchronize(self, index: int) -> None:
+        self.runtime_probe.synchronize(index)
+
+    def memory_info(self, index: int) -> MemoryInfo:
+        memory = self.runtime_probe.memory(index)
+        return MemoryInfo(
+            total_bytes=memory["total"], free_bytes=memory["free"], used_bytes=memory["reserved"]
+        )
+
+    def health(self, index: int) -> HealthReport:
+        readings = self.runtime_probe.nvml_health(index)
+        if readings is None:
+            nvml = self.runtime_probe.nvml()
+            reason = "NVML knows no device of this UUID" if nvml["available"] else nvml["reason"]
+            return HealthReport(status=HealthStatus.UNKNOWN, messages=(f"no health readings: {reason}",))
+        static = self.runtime_probe.nvml_device(index) or {}
+        problems = []
+        ecc = readings["ecc_uncorrected_volatile"]
+        if ecc:
+            problems.append(f"{ecc} uncorrected ECC error(s) since the driver loaded")
+        temperature, slowdown = readings["temperature_c"], static.get("slowdown_temperature_c")
+        if temperature is not None and slowdown is not None and temperature >= slowdown:
+            problems.append(f"temperature {temperature} C is at or above the slowdown threshold {slowdown} C")
+        return HealthReport(
+            status=HealthStatus.DEGRADED if problems else HealthStatus.OK,
+            temperature_c=temperature,
+            ecc_errors=ecc,
+            utilization_pct=readings["utilization_gpu_pct"],
+            messages=tuple(problems) or (f"slowdown threshold {slowdown} C; no uncorrected ECC errors",),
+        )
+
+    def topology(self) -> Topology:
+        count = self.runtime_probe.device_count()
+        devices = tuple(self._id(i) for i in range(count))
+        per_link = self._nvlink_per_link_gbps(count)
+        nvml = [self.runtime_probe.nvml_device(i) for i in range(count)]
+        if all(facts is not None for facts in nvml):
+            return Topology(devices=devices, links=tuple(topology.links_from_nvml(nvml, self._id, per_link)))
+        reason = self.runtime_probe.nvml()["reason"]
+        log.warning("topology from nvidia-smi instead of NVML", reason=reason)
+        telemetry.count("torchhal.topology.fallbacks", adapter=self.name, source="nvidia-smi")
+        return Topology(devices=devices, links=tuple(self._smi_links(count, per_link)))
+
+    def _smi_links(self, count: int, per_link: float | None) -> list[Link]:
+        smi = self.runtime_probe.nvidia_smi_topology()
+        if smi["topo"] is None:
+            log.warning("no topology: neither NVML nor nvidia-smi answered", reason=smi["reason"])
+            telemetry.count("torchhal.topology.fallbacks", adapter=self.name, source="none")
+            return []
+        by_bus = {topology.torch_bus_id(self.runtime_probe.properties(i)): i for i in range(count)}
+        to_torch = {
+            int(k): by_bus[topology.bus_id(v)]
+            for k, v in smi["bus_ids"].items()
+            if topology.bus_id(v) in by_bus
+        }
+        return topology.links_from_smi(topology.parse_topo_matrix(smi["topo"]), to_torch, self._id, per_link)
+
+    def _nvlink_per_link_gbps(self, count: int) -> float | None:
+        """Declared per-link bandwidth when every device is one SKU with a sourced NVLink figure."""
+        names = {self.runtime_probe.properties(i)["name"] for i in range(count)}
+        sku = sku_for(names.pop()) if len(names) == 1 else None
+        return sku.nvlink_per_link_gbps() if sku else None
+
+    def _id(self, index: int) -> str:
+        return self.device_id(index, "cuda")
+
+    def collective_backend(self) -> str:
+        return "nccl"
+
+    def timer(self, index: int) -> DeviceTimer:
+        return EventTimer(self.runtime_probe, index)
+
+
+class EventTimer:
+    """CUDA events on the device's current stream: device time, no host synchronisation between marks."""
+
+    def __init__(self, probe: Any, index: int) -> None:
+        self._probe, self._index = probe, index
+
+    def mark(self) -> object:
+        return self._probe.record_event(self._index)
+
+    def elapsed_ms(self, start: object, end: object) -> float:
+        end.synchronize()  # type: ignore[attr-defined]
+        return float(start.elapsed_time(end))  # type: ignore[attr-defined]
+
+
+def _dtypes(cc: tuple[int, int]) -> frozenset[DType]:
+    dtypes = {DType.FP64, DType.FP32, DType.FP16, DType.INT8}
+    if cc >= TF32_BF16_FROM:
+        dtypes |= {DType.TF32, DType.BF16}
+    if cc >= FP8_FROM:
+        dtypes |= {DType.FP8_E4M3, DType.FP8_E5M2}
+    return frozenset(dtypes)

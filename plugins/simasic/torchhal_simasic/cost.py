@@ -1,0 +1,264 @@
+"""The cost model: simulated time of an op on the spec's systolic array, from shapes alone.
+
+Pure functions of (spec, shapes, dtype); nothing here touches torch or a clock.
+
+Matmul, C[M×N] = A[M×K] · B[K×N], on an R × C output-stationary array (SCALE-Sim's OS
+dataflow): each R × C block of the output stays in the array while a panel of A (R rows × K)
+and a panel of B (K × C columns) stream through it.
+
+* Tiles: ceil(M/R) · ceil(N/C); edge tiles cost as much as full ones (padding is not free).
+* Cycles per tile: ceil(K / m) + R + C − 2, where m is the spec's MACs per cell per cycle for
+  the dtype. A cell that does m MACs a cycle consumes m elements of the K reduction a cycle,
+  so only the streaming term is divided by m; the R + C − 2 cycles of fill and drain are the
+  skew through the array's pipeline, which a wider cell does not shorten.
+* Compute time: tiles · cycles per tile / clock.
+* Bytes moved (s = element size, S = SRAM bytes, a = min(R, M)·K·s one A panel,
+  b = K·min(C, N)·s one B panel, Tm = ceil(M/R), Tn = ceil(N/C)); C is written once (M·N·s):
+  - if a + b > S, no panel can be kept for reuse: every tile streams its own panels, so each
+    A panel is read once per tile column and each B panel once per tile row:
+    reads = Tn·M·K·s + Tm·K·N·s  (reuse NONE);
+  - otherwise the scheduler keeps a block of panels of one operand resident and streams the
+    other operand past it once per block, taking the cheaper of
+      A-stationary: pA = min(Tm, floor((S − b) / a)) A panels held, B read ceil(Tm/pA) times:
+                    reads = M·K·s + ceil(Tm/pA)·K·N·s
+      B-stationary: pB = min(Tn, floor((S − a) / b)) B panels held, A read ceil(Tn/pB) times:
+                    reads = K·N·s + ceil(Tn/pB)·M·K·s
+    (A-stationary on a tie). When that comes to M·K·s + K·N·s, each operand is read once
+    (reuse ONCE). Double buffering and K-splitting are not modelled.
+* Op time: max(compute, bytes / bandwidth) + launch overhead (a roofline per op).
+
+A batched matmul is `batch` independent matmuls in one launch. Element-wise and reduction ops
+move bytes and do no array work: time = bytes / bandwidth + overhead. Attention is its two
+matmuls (Q·Kᵀ per query head, then P·V) with the softmax between them reading and writing the
+score matrix once: the three phases run back to back in one launch, each with its own roofline.
+Masks (causal, window) do not skip work: the array computes the dense score matrix.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+from torchhal.hal_core import DType, InvalidArgumentError, UnsupportedError
+
+from torchhal_simasic.spec import SimASICSpec
+
+ELEMENT_BYTES = {
+    DType.FP64: 8,
+    DType.FP32: 4,
+    DType.TF32: 4,
+    DType.BF16: 2,
+    DType.FP16: 2,
+    DType.FP8_E4M3: 1,
+    DType.FP8_E5M2: 1,
+    DType.FP8_E4M3_FNUZ: 1,
+    DType.FP8_E5M2_FNUZ: 1,
+    DType.INT8: 1,
+}
+
+RMS_NORM_FLOPS_PER_ELEMENT = 4  # square, accumulate, scale by the inverse root, scale by the weight
+
+
+class Bound(enum.StrEnum):
+    COMPUTE = "compute"
+    MEMORY = "memory"
+
+
+class Reuse(enum.StrEnum):
+    """How a matmul's operand panels were reused through SRAM (see the module docstring)."""
+
+    ONCE = "once"  # each operand read from memory once
+    A_STATIONARY = "a_stationary"  # blocks of A panels held, B re-streamed once per block
+    B_STATIONARY = "b_stationary"  # blocks of B panels held, A re-streamed once per block
+    NONE = "none"  # not even one A and one B panel fit: each tile streams its own panels
+
+
+@dataclass(frozen=True, slots=True)
+class OpCost:
+    """Simulated cost of one op. `utilisation` is achieved ÷ peak of the resource that bounds it:
+    FLOP/s against the array's peak for the dtype when compute-bound, bytes/s against the
+    memory bandwidth when memory-bound; both over the whole op time, overhead included."""
+
+    op: str
+    dtype: DType
+    compute_s: float
+    memory_s: float
+    overhead_s: float
+    time_s: float
+    bytes: int
+    flops: int
+    bound: Bound
+    utilisation: float
+    reuse: Reuse | None = None  # matmul only
+
+    @property
+    def achieved_flops_per_s(self) -> float:
+        return self.flops / self.time_s if self.time_s > 0 else 0.0
+
+    @property
+    def achieved_bytes_per_s(self) -> float:
+        return self.bytes / self.time_s if self.time_s > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Phase:
+    """One step of an op, run `count` times back to back."""
+
+    compute_s: float
+    bytes: int
+    count: int = 1
+
+
+def element_bytes(dtype: DType) -> int:
+    return ELEMENT_BYTES[dtype]
+
+
+def matmul_tiles(spec: SimASICSpec, m: int, n: int) -> int:
+    return math.ceil(m / spec.rows) * math.ceil(n / spec.cols)
+
+
+def matmul_cycles_per_tile(spec: SimASICSpec, k: int, dtype: DType) -> int:
+    """ceil(K / MACs per cell per cycle) streaming cycles plus R + C − 2 of fill and drain."""
+    return math.ceil(k / _macs(spec, "matmul", dtype)) + spec.rows + spec.cols - 2
+
+
+def matmul_traffic(spec: SimASICSpec, m: int, k: int, n: int, dtype: DType) -> tuple[int, Reuse]:
+    """Bytes one M×K×N matmul moves to and from memory, and the reuse that gave them."""
+    s = element_bytes(dtype)
+    write = m * n * s
+    if 0 in (m, k, n):
+        return write, Reuse.ONCE
+    tm, tn = math.ceil(m / spec.rows), math.ceil(n / spec.cols)
+    size_a, size_b = m * k * s, k * n * s
+    panel_a, panel_b = min(spec.rows, m) * k * s, k * min(spec.cols, n) * s
+    if panel_a + panel_b > spec.sram_bytes:
+        return tn * size_a + tm * size_b + write, Reuse.NONE
+    held_a = min(tm, (spec.sram_bytes - panel_b) // panel_a)
+    held_b = min(tn, (spec.sram_bytes - panel_a) // panel_b)
+    a_stationary = size_a + math.ceil(tm / held_a) * size_b
+    b_stationary = size_b + math.ceil(tn / held_b) * size_a
+    reads = min(a_stationary, b_stationary)
+    if reads == size_a + size_b:
+        return reads + write, Reuse.ONCE
+    return reads + write, Reuse.A_STATIONARY if a_stationary <= b_stationary else Reuse.B_STATIONARY
+
+
+def matmul_cost(spec: SimASICSpec, m: int, k: int, n: int, dtype: DType, *, batch: int = 1) -> OpCost:
+    """`batch` independent M×K×N matmuls in one launch."""
+    _require_sizes("matmul", m=m, k=k, n=n, batch=batch)
+    phase, reuse = _matmul_phase(spec, m, k, n, dtype, batch)
+    return _cost(spec, "matmul", dtype, [phase], 2 * batch * m * k * n, reuse)
+
+
+def attention_cost(
+    spec: SimASICSpec,
+    *,
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim: int,
+    v_head_dim: int,
+    dtype: DType,
+) -> OpCost:
+    """Per query head: S = Q·Kᵀ (seq_q × head_dim × seq_k), softmax over S, O = P·V."""
+    _require_sizes(
+        "attention",
+        batch=batch,
+        heads=heads,
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+    )
+    count = batch * heads
+    scores, _ = _matmul_phase(spec, seq_q, head_dim, seq_k, dtype, count)
+    softmax = _Phase(0.0, 2 * seq_q * seq_k * element_bytes(dtype), count)  # read scores, write probabilities
+    output, _ = _matmul_phase(spec, seq_q, seq_k, v_head_dim, dtype, count)
+    flops = 2 * count * seq_q * seq_k * (head_dim + v_head_dim)
+    return _cost(spec, "attention", dtype, [scores, softmax, output], flops)
+
+
+def elementwise_cost(spec: SimASICSpec, op: str, dtype: DType, nbytes: int, flops: int = 0) -> OpCost:
+    """An element-wise or reduction op: it only moves `nbytes`."""
+    _require_dtype(spec, op, dtype)
+    _require_sizes(op, nbytes=nbytes, flops=flops)
+    return _cost(spec, op, dtype, [_Phase(0.0, nbytes)], flops)
+
+
+def rms_norm_cost(spec: SimASICSpec, rows: int, hidden: int, dtype: DType) -> OpCost:
+    """Reads x and the weight, writes the output."""
+    _require_sizes("rms_norm", rows=rows, hidden=hidden)
+    nbytes = (2 * rows * hidden + hidden) * element_bytes(dtype)
+    return elementwise_cost(spec, "rms_norm", dtype, nbytes, RMS_NORM_FLOPS_PER_ELEMENT * rows * hidden)
+
+
+def copy_time_s(spec: SimASICSpec, nbytes: int) -> float:
+    """A device copy reads and writes every byte: 2 × bytes / bandwidth."""
+    _require_sizes("copy", nbytes=nbytes)
+    return 2 * nbytes / spec.memory_bandwidth_bytes_per_s
+
+
+def _matmul_phase(
+    spec: SimASICSpec, m: int, k: int, n: int, dtype: DType, count: int
+) -> tuple[_Phase, Reuse]:
+    cycles = matmul_tiles(spec, m, n) * matmul_cycles_per_tile(spec, k, dtype)
+    nbytes, reuse = matmul_traffic(spec, m, k, n, dtype)
+    return _Phase(cycles / spec.clock_hz, nbytes, count), reuse
+
+
+def _cost(
+    spec: SimASICSpec, op: str, dtype: DType, phases: list[_Phase], flops: int, reuse: Reuse | None = None
+) -> OpCost:
+    """Each phase is its own roofline; phases run back to back after one launch overhead."""
+    bandwidth = spec.memory_bandwidth_bytes_per_s
+    compute_s = sum(p.count * p.compute_s for p in phases)
+    nbytes = sum(p.count * p.bytes for p in phases)
+    memory_s = nbytes / bandwidth
+    time_s = sum(p.count * max(p.compute_s, p.bytes / bandwidth) for p in phases) + spec.launch_overhead_s
+    bound = Bound.COMPUTE if compute_s > 0 and compute_s >= memory_s else Bound.MEMORY
+    if time_s <= 0:
+        utilisation = 0.0
+    elif bound is Bound.COMPUTE:
+        utilisation = flops / time_s / spec.peak_flops_per_s(dtype)
+    else:
+        utilisation = nbytes / time_s / bandwidth
+    return OpCost(
+        op,
+        dtype,
+        compute_s,
+        memory_s,
+        spec.launch_overhead_s,
+        time_s,
+        nbytes,
+        flops,
+        bound,
+        utilisation,
+        reuse,
+    )
+
+
+def _macs(spec: SimASICSpec, op: str, dtype: DType) -> int:
+    try:
+        return spec.macs_per_cell_per_cycle[dtype]
+    except KeyError:
+        covered = sorted(d.value for d in spec.macs_per_cell_per_cycle)
+        raise UnsupportedError(
+            f"{op} on simulated ASIC {spec.name!r}: dtype {dtype.value} has no MAC rate "
+            f"(macs_per_cell_per_cycle covers {covered})"
+        ) from None
+
+
+def _require_dtype(spec: SimASICSpec, op: str, dtype: DType) -> None:
+    if dtype not in spec.dtypes:
+        declared = sorted(d.value for d in spec.dtypes)
+        raise UnsupportedError(
+            f"{op} on simulated ASIC {spec.name!r}: dtype {dtype.value} not in dtypes {declared}"
+        )
+
+
+def _require_sizes(op: str, **sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or value < 0:
+            raise InvalidArgumentError(f"{op} cost: {name} must be an integer >= 0, got {value!r}")

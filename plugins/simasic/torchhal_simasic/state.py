@@ -1,0 +1,121 @@
+"""Per-device simulated state: a clock that ops advance and a ledger of device memory.
+
+Both are shared by the adapter (allocation, copies, timers) and the kernels (op costs), and
+both are thread-safe: ops from several threads may charge one device.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchhal.hal_core import DeviceOutOfMemoryError, InvalidArgumentError
+
+if TYPE_CHECKING:
+    import torch
+
+
+class SimulatedClock:
+    """Simulated device time in seconds. Only modelled costs move it, so it never goes back."""
+
+    def __init__(self) -> None:
+        self._now = 0.0
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> float:
+        """Add an op's simulated duration; returns the new time."""
+        if not (isinstance(seconds, (int, float)) and math.isfinite(seconds) and seconds >= 0):
+            raise InvalidArgumentError(
+                f"simulated clock: can only advance by a finite time >= 0 s, got {seconds!r}"
+            )
+        with self._lock:
+            self._now += seconds
+            return self._now
+
+
+class MemoryLedger:
+    """Bytes held on one simulated device. Tensors are charged when made and credited back when
+    torch frees their storage (a finalizer on the storage, so views keep the charge alive)."""
+
+    def __init__(self, device: str, capacity: int) -> None:
+        self.device = device
+        self.capacity = capacity
+        self._used = 0
+        self._peak = 0
+        self._lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
+
+    @property
+    def used(self) -> int:
+        return self._used
+
+    @property
+    def peak(self) -> int:
+        return self._peak
+
+    def charge(self, nbytes: int) -> None:
+        """Take `nbytes`, or raise DeviceOutOfMemoryError and leave the ledger as it was."""
+        if nbytes < 0:
+            raise InvalidArgumentError(f"{self.device}: cannot charge a negative size, got {nbytes} bytes")
+        with self._lock:
+            if self._used + nbytes > self.capacity:
+                raise DeviceOutOfMemoryError(self.device, nbytes, self._used, self.capacity)
+            self._used += nbytes
+            self._peak = max(self._peak, self._used)
+
+    def release(self, nbytes: int) -> None:
+        with self._lock:
+            self._used -= nbytes
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._used
+
+    def release_with(self, tensor: torch.Tensor, nbytes: int) -> None:
+        """Give `nbytes` back when the tensor's storage is freed."""
+        finalizer = weakref.finalize(tensor.untyped_storage(), self.release, nbytes)
+        finalizer.atexit = False  # nothing to give back once the process ends
+
+    def track(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Charge a tensor that already exists (an op's output) for its storage."""
+        nbytes = tensor.untyped_storage().nbytes()
+        self.charge(nbytes)
+        self.release_with(tensor, nbytes)
+        return tensor
+
+
+class SimulatedTimer:
+    """A DeviceTimer whose marks read the simulated clock, so elapsed time is simulated time."""
+
+    def __init__(self, clock: SimulatedClock) -> None:
+        self._clock = clock
+
+    def mark(self) -> object:
+        return self._clock.now()
+
+    def elapsed_ms(self, start: object, end: object) -> float:
+        if not (isinstance(start, float) and isinstance(end, float)):
+            raise InvalidArgumentError(
+                "simulated timer: marks must come from mark(), got "
+                f"{type(start).__name__} and {type(end).__name__}"
+            )
+        return (end - start) * 1e3
+
+
+@dataclass(frozen=True)
+class DeviceState:
+    """Everything simulated about one device."""
+
+    device: str
+    clock: SimulatedClock
+    ledger: MemoryLedger
+
+    @classmethod
+    def create(cls, device: str, capacity: int) -> DeviceState:
+        return cls(device, SimulatedClock(), MemoryLedger(device, capacity))
