@@ -5,7 +5,7 @@ torchhal's subsystems (kernels, distributed, evaluation, inference).
 """
 
 from torchhal.hal_core import telemetry
-from torchhal.hal_core.adapter import HAL_API_VERSION, DeviceTimer, HostTimer, VendorAdapter
+from torchhal.hal_core.adapter import HAL_API_VERSION, DeviceTimer, EventTimer, HostTimer, VendorAdapter
 from torchhal.hal_core.capabilities import (
     SCHEMA_VERSION,
     CollectiveBandwidth,
@@ -54,6 +54,7 @@ __all__ = [
     "DeviceOutOfMemoryError",
     "DeviceRequirements",
     "DeviceTimer",
+    "EventTimer",
     "Feature",
     "HealthReport",
     "HealthStatus",

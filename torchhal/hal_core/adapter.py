@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from torchhal.hal_core.capabilities import (
     DeviceCapabilities,
@@ -49,6 +49,21 @@ class HostTimer:
     def elapsed_ms(self, start: object, end: object) -> float:
         assert isinstance(start, int) and isinstance(end, int)
         return (end - start) / 1e6
+
+
+class EventTimer:
+    """Timing events of a torch device runtime (`torch.cuda.Event`, `torch.xpu.Event`, ...):
+    device time with no host synchronisation between marks. `record()` returns a recorded event."""
+
+    def __init__(self, record: Callable[[], Any]) -> None:
+        self._record = record
+
+    def mark(self) -> object:
+        return self._record()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return float(start.elapsed_time(end))
 
 
 class VendorAdapter(abc.ABC):

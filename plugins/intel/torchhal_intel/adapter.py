@@ -15,6 +15,7 @@ from torchhal.hal_core import (
     DeviceCapabilities,
     DeviceTimer,
     DType,
+    EventTimer,
     Feature,
     HealthReport,
     HealthStatus,
@@ -142,18 +143,4 @@ class IntelAdapter(VendorAdapter):
         return "xccl"
 
     def timer(self, index: int) -> DeviceTimer:
-        return EventTimer(self.runtime_probe, index)
-
-
-class EventTimer:
-    """XPU events on the device's current queue: device time, no host synchronisation between marks."""
-
-    def __init__(self, probe: Any, index: int) -> None:
-        self._probe, self._index = probe, index
-
-    def mark(self) -> object:
-        return self._probe.record_event(self._index)
-
-    def elapsed_ms(self, start: object, end: object) -> float:
-        end.synchronize()  # type: ignore[attr-defined]
-        return float(start.elapsed_time(end))  # type: ignore[attr-defined]
+        return EventTimer(lambda: self.runtime_probe.record_event(index))

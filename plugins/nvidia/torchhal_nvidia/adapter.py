@@ -14,6 +14,7 @@ from torchhal.hal_core import (
     DeviceCapabilities,
     DeviceTimer,
     DType,
+    EventTimer,
     Feature,
     HealthReport,
     HealthStatus,
@@ -188,21 +189,7 @@ class NvidiaAdapter(VendorAdapter):
         return "nccl"
 
     def timer(self, index: int) -> DeviceTimer:
-        return EventTimer(self.runtime_probe, index)
-
-
-class EventTimer:
-    """CUDA events on the device's current stream: device time, no host synchronisation between marks."""
-
-    def __init__(self, probe: Any, index: int) -> None:
-        self._probe, self._index = probe, index
-
-    def mark(self) -> object:
-        return self._probe.record_event(self._index)
-
-    def elapsed_ms(self, start: object, end: object) -> float:
-        end.synchronize()  # type: ignore[attr-defined]
-        return float(start.elapsed_time(end))  # type: ignore[attr-defined]
+        return EventTimer(lambda: self.runtime_probe.record_event(index))
 
 
 def _dtypes(cc: tuple[int, int]) -> frozenset[DType]:
