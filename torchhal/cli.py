@@ -12,7 +12,7 @@ from rich.table import Table
 from torchhal.hal_core.hal import HardwareAbstractionLayer
 
 app = typer.Typer(help="torchhal: one PyTorch code path across NVIDIA, AMD, Intel, ASICs and the CPU.")
-console = Console()
+console = Console(width=None if Console().is_terminal else 140)  # pipes and CI logs get wide tables
 
 
 def _gib(n: int) -> str:
@@ -20,7 +20,9 @@ def _gib(n: int) -> str:
 
 
 @app.command()
-def info(as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False) -> None:
+def info(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
+) -> None:
     """Adapters, devices, capabilities, topology and plugin diagnostics."""
     hal = HardwareAbstractionLayer()
     report = hal.report()
@@ -97,6 +99,19 @@ def profile(
     console.print(table)
     for note in prof.notes:
         console.print(f"note: {note}")
+
+
+@app.command()
+def conformance(
+    adapter: Annotated[str, typer.Argument(help="Adapter name, as `torchhal info` lists it.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report.")] = False,
+) -> None:
+    """Certify an adapter: every check passed, failed or not applicable, with reasons."""
+    from torchhal.testing import format_report, run_conformance
+
+    report = run_conformance(adapter)
+    typer.echo(report.to_json() if as_json else format_report(report))
+    raise typer.Exit(0 if report.ok else 1)
 
 
 @app.command()

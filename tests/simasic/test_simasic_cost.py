@@ -114,8 +114,8 @@ def test_attention_is_two_matmuls_and_the_softmax_bytes(tiny):
     assert cost.bound is Bound.COMPUTE
 
 
-def test_copy_reads_and_writes_every_byte(tiny):
-    assert copy_time_s(tiny(), 5000) == pytest.approx(1e-7, rel=1e-12)
+def test_copy_reads_and_writes_every_byte_after_one_launch(tiny):
+    assert copy_time_s(tiny(), 5000) == pytest.approx(1e-7 + 1e-6, rel=1e-12)
 
 
 def test_dtype_without_a_mac_rate_has_no_matmul(tiny):

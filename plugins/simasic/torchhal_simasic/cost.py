@@ -195,9 +195,9 @@ def rms_norm_cost(spec: SimASICSpec, rows: int, hidden: int, dtype: DType) -> Op
 
 
 def copy_time_s(spec: SimASICSpec, nbytes: int) -> float:
-    """A device copy reads and writes every byte: 2 × bytes / bandwidth."""
+    """A device copy reads and writes every byte, after one launch: 2 × bytes / bandwidth + overhead."""
     _require_sizes("copy", nbytes=nbytes)
-    return 2 * nbytes / spec.memory_bandwidth_bytes_per_s
+    return 2 * nbytes / spec.memory_bandwidth_bytes_per_s + spec.launch_overhead_s
 
 
 def _matmul_phase(

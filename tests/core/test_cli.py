@@ -1,0 +1,66 @@
+"""The `torchhal` command, end to end through typer's runner."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from torchhal.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHHAL_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHHAL_PLUGINS", "simasic")
+
+
+def test_info_json_lists_devices_and_diagnostics():
+    result = runner.invoke(app, ["info", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert [d["id"] for d in report["devices"]] == ["simasic:0", "cpu"]
+    skipped = {d["name"] for d in report["diagnostics"] if d["status"] == "skipped"}
+    assert {"nvidia", "amd", "intel"} <= skipped
+
+
+def test_info_table_names_each_device():
+    result = runner.invoke(app, ["info"])
+    assert result.exit_code == 0, result.output
+    assert "simasic:0" in result.output and "Plugins and adapters" in result.output
+
+
+def test_profile_of_the_simulated_asic_is_labelled_and_cached(tmp_path):
+    first = runner.invoke(app, ["profile", "simasic:0", "--json"])
+    assert first.exit_code == 0, first.output
+    profile = json.loads(first.output)
+    assert profile["simulated"] is True and profile["direct_matmul_tflops"] is None
+    assert profile["matmul_tflops"]["bf16"] > 0 and "simulated" in profile["notes"][0]
+    cached = list((tmp_path / "cache" / "profiles").glob("*.json"))
+    assert [p.stem for p in cached] == [profile["fingerprint"]]
+    again = runner.invoke(app, ["profile", "simasic:0", "--json"])
+    assert json.loads(again.output)["measured_at"] == profile["measured_at"]  # read from the cache
+
+
+def test_unknown_device_is_a_clear_error():
+    result = runner.invoke(app, ["profile", "cuda:7"])
+    assert result.exit_code != 0
+    assert "no device 'cuda:7'; devices found: simasic:0, cpu" in str(result.exception)
+
+
+def test_conformance_exit_code_and_json():
+    result = runner.invoke(app, ["conformance", "simasic", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["adapter"] == "simasic" and report["summary"]["failed"] == 0
+
+
+def test_demo_runs_on_the_embedded_defaults():
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 0, result.output
+    for heading in ("1. Discovery", "2. Capabilities", "3. Best device", "4. Kernel selection"):
+        assert heading in result.output
+    assert "(simulated)" in result.output
