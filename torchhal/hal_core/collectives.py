@@ -7,7 +7,7 @@ checks that name the collective, a span per collective, timeouts surfaced as `Co
 and, for mixed-vendor jobs, single-vendor islands joined by a host (gloo) bridge.
 
 Where a backend refuses a fused form (`all_gather_single`, `reduce_scatter_single`,
-`all_to_all_single`, `ReduceOp.AVG`; gloo did before torch 2.8), the collective is composed from
+`all_to_all_single`, `ReduceOp.AVG`, as gloo did in older torch releases), the collective is composed from
 simpler ones (all_gather + cat, all_reduce + slice, paired isend/irecv, sum + divide). The
 choice is logged at debug level and counted as `torchhal.collective.composed`. A refusal is
 raised when the collective is issued, before any byte moves, and is the same on every rank of a
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
@@ -44,9 +45,6 @@ DEFAULT_TIMEOUT = timedelta(seconds=300)
 HOST_BACKEND = "gloo"
 """The backend for host tensors: the one torch backend that every build ships."""
 
-_TORCH_BACKEND_NAMES = {"rccl": "nccl"}
-"""Collective libraries that torch serves under another backend name (ROCm builds run RCCL as nccl)."""
-
 _REDUCE_OPS = {
     "sum": dist.ReduceOp.SUM,
     "avg": dist.ReduceOp.AVG,
@@ -63,8 +61,9 @@ def backend_for(devices: Iterable[Device | DeviceCapabilities]) -> str:
 
     Host devices (the CPU, simulated devices whose tensors are host tensors) use gloo, so a
     host-only process gets `"gloo"`. Each accelerator device type gets its adapter's backend
-    (for a `Device`) or the first collective backend its capabilities declare, with gloo for
-    host tensors beside it: `"cuda:nccl,cpu:gloo"`. One device type can have one backend only.
+    (for a `Device`) or the first collective backend its capabilities declare (torch's names:
+    ROCm's RCCL is `nccl`), with gloo for host tensors beside it: `"cuda:nccl,cpu:gloo"`. One
+    device type can have one backend only.
     """
     chosen: dict[str, tuple[str, str]] = {}  # device type -> (backend, who asked for it)
     for item in devices:
@@ -83,21 +82,19 @@ def backend_for(devices: Iterable[Device | DeviceCapabilities]) -> str:
     if not chosen:
         return HOST_BACKEND
     return ",".join(
-        [f"{dtype}:{backend}" for dtype, (backend, _) in chosen.items()] + [f"cpu:{HOST_BACKEND}"]
+        [f"{device_type}:{backend}" for device_type, (backend, _) in chosen.items()] + [f"cpu:{HOST_BACKEND}"]
     )
 
 
 def _declared_backend(item: Device | DeviceCapabilities) -> str:
     if isinstance(item, Device):
-        name = item.adapter.collective_backend()
-    elif item.collective_backends:
-        name = item.collective_backends[0]
-    else:
+        return item.adapter.collective_backend()
+    if not item.collective_backends:
         raise ConfigurationError(
             f"device {item.adapter}:{item.index} ({item.name}) declares no collective backend "
             "(capabilities.collective_backends is empty)"
         )
-    return _TORCH_BACKEND_NAMES.get(name, name)
+    return item.collective_backends[0]
 
 
 def _backend_map(config: str) -> dict[str, str]:
@@ -105,7 +102,7 @@ def _backend_map(config: str) -> dict[str, str]:
     if ":" not in config:
         return {"*": config.strip()}
     pairs = (part.split(":", 1) for part in config.split(",") if part.strip())
-    return {dtype.strip(): backend.strip() for dtype, backend in pairs}
+    return {device_type.strip(): backend.strip() for device_type, backend in pairs}
 
 
 def _served_by(config: str, device_type: str) -> str | None:
@@ -368,8 +365,7 @@ class Communicator:
             raise InvalidArgumentError(f"new_group: ranks must be distinct and non-empty, got {list(ranks)}")
         for r in members:
             self._check_rank("new_group", "ranks", r)
-        sub = self._subgroup([self._global(r) for r in members], self.backend, self.device)
-        return sub
+        return self._subgroup([self._global(r) for r in members], self.backend, self.device)
 
     def islands(self, *, vendor: str | None = None) -> Islands:
         """Group the ranks by (vendor, backend) into islands joined by a gloo bridge of their leaders.
@@ -525,7 +521,7 @@ class Communicator:
             f"process-group timeout {limit}): {exc}"
         )
 
-    def _span(self, name: str, tensor: torch.Tensor, **attributes: Any) -> Any:
+    def _span(self, name: str, tensor: torch.Tensor, **attributes: Any) -> AbstractContextManager[object]:
         return telemetry.span(
             f"torchhal.collective.{name}",
             backend=self.backend,
