@@ -222,10 +222,10 @@ def test_amdsmi_identity_replaces_torch_facts():
 def test_memory_info_translates_the_runtime_figures():
     facts = load("amd-mi250x")
     total = facts["devices"][0]["properties"]["total_memory"]
-    free, reserved = random.randint(0, total), random.randint(0, 2**34)
-    facts["devices"][0]["memory"] = {"free": free, "total": total, "reserved": reserved}
+    free, allocated = random.randint(0, total), random.randint(0, 2**34)
+    facts["devices"][0]["memory"] = {"free": free, "total": total, "allocated": allocated}
     info = adapter(facts).memory_info(0)
-    assert (info.total_bytes, info.free_bytes, info.used_bytes) == (total, free, reserved)
+    assert (info.total_bytes, info.free_bytes, info.used_bytes) == (total, free, allocated)
 
 
 def test_unrecorded_memory_is_refused_not_invented():
@@ -312,5 +312,5 @@ def test_record_and_replay_agree_on_every_fact():
     facts["libraries"] = {"miopen": 30200, "triton": True}
     facts["peer_access"] = [[i, j] for i in range(8) for j in range(8) if i != j]
     for device in facts["devices"]:
-        device["memory"] = {"free": random.randint(0, 2**37), "total": 196592 * 2**20, "reserved": 0}
+        device["memory"] = {"free": random.randint(0, 2**37), "total": 196592 * 2**20, "allocated": 0}
     assert record(RecordedRocmProbe(facts), facts["source"]) == facts

@@ -110,10 +110,10 @@ def test_topology_lists_the_stacks_without_inventing_links():
 def test_memory_info_translates_the_runtime_figures():
     facts = load("intel-max1550")
     total = facts["devices"][1]["properties"]["total_memory"]
-    free, reserved = random.randint(0, total), random.randint(0, 2**33)
-    facts["devices"][1]["memory"] = {"free": free, "total": total, "reserved": reserved}
+    free, allocated = random.randint(0, total), random.randint(0, 2**33)
+    facts["devices"][1]["memory"] = {"free": free, "total": total, "allocated": allocated}
     info = adapter(facts).memory_info(1)
-    assert (info.total_bytes, info.free_bytes, info.used_bytes) == (total, free, reserved)
+    assert (info.total_bytes, info.free_bytes, info.used_bytes) == (total, free, allocated)
     with pytest.raises(UnsupportedError, match="memory of device 0 was not recorded"):
         adapter(facts).memory_info(0)
 
@@ -145,5 +145,5 @@ def test_record_and_replay_agree_on_every_fact():
     facts["libraries"] = {"triton": False, "graphs": True}
     facts["peer_access"] = [[0, 1], [1, 0]]
     for device in facts["devices"]:
-        device["memory"] = {"free": random.randint(0, 2**36), "total": 65520 * 2**20, "reserved": 0}
+        device["memory"] = {"free": random.randint(0, 2**36), "total": 65520 * 2**20, "allocated": 0}
     assert record(RecordedXpuProbe(facts), facts["source"]) == facts

@@ -158,7 +158,7 @@ class AmdAdapter(VendorAdapter):
     def memory_info(self, index: int) -> MemoryInfo:
         memory = self.runtime_probe.memory(index)
         return MemoryInfo(
-            total_bytes=memory["total"], free_bytes=memory["free"], used_bytes=memory["reserved"]
+            total_bytes=memory["total"], free_bytes=memory["free"], used_bytes=memory["allocated"]
         )
 
     def health(self, index: int) -> HealthReport:

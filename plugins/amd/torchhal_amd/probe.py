@@ -89,11 +89,11 @@ class RocmProbe:
         return bool(torch.cuda.can_device_access_peer(index, peer))
 
     def memory(self, index: int) -> dict[str, int]:
-        """Device-wide free and total bytes, and what this process's caching allocator holds."""
+        """Device-wide free and total bytes, and this process's live allocations (not the allocator cache)."""
         import torch
 
         free, total = torch.cuda.mem_get_info(index)
-        return {"free": int(free), "total": int(total), "reserved": int(torch.cuda.memory_reserved(index))}
+        return {"free": int(free), "total": int(total), "allocated": int(torch.cuda.memory_allocated(index))}
 
     # -- actions on the device (not facts; a recorded probe refuses them) -------------------
     def synchronize(self, index: int) -> None:

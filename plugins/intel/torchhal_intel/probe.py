@@ -72,11 +72,11 @@ class XpuProbe:
         return bool(query(index, peer)) if query is not None else False
 
     def memory(self, index: int) -> dict[str, int]:
-        """Device-wide free and total bytes, and what this process's caching allocator holds."""
+        """Device-wide free and total bytes, and this process's live allocations (not the allocator cache)."""
         import torch
 
         free, total = torch.xpu.mem_get_info(index)
-        return {"free": int(free), "total": int(total), "reserved": int(torch.xpu.memory_reserved(index))}
+        return {"free": int(free), "total": int(total), "allocated": int(torch.xpu.memory_allocated(index))}
 
     # -- actions on the device (not facts; a recorded probe refuses them) -------------------
     def synchronize(self, index: int) -> None:

@@ -1,0 +1,148 @@
+"""The kit's kernel inputs fit the ops torchhal defines, and its tolerance separates right from wrong."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchhal import HardwareAbstractionLayer
+from torchhal.hal_core import KernelRegistry
+from torchhal.hal_core.settings import Settings
+from torchhal.testing import kernel_inputs, tolerance
+
+
+@pytest.fixture(scope="module")
+def core_registry() -> KernelRegistry:
+    hal = HardwareAbstractionLayer(settings=Settings.from_env({"TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1"}))
+    hal.devices()
+    return hal.kernels
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    return [value] if isinstance(value, torch.Tensor) else [t for v in value for t in _tensors(v)]  # type: ignore[attr-defined]
+
+
+def test_every_core_op_has_conformance_inputs(core_registry: KernelRegistry) -> None:
+    missing = sorted(set(core_registry.ops()) - set(kernel_inputs.CASES))
+    assert not missing, (
+        f"add cases for {missing} to torchhal/testing/kernel_inputs.py, or their candidates go untested"
+    )
+
+
+@pytest.mark.parametrize("op", sorted(kernel_inputs.CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inputs_fit_the_op_signature_and_reference(
+    core_registry: KernelRegistry, op: str, dtype: torch.dtype
+) -> None:
+    if op not in core_registry.ops():
+        pytest.skip(f"torchhal does not define op {op!r} yet, so its inputs cannot be checked against it")
+    cases = kernel_inputs.cases(op, torch.Generator().manual_seed(7), dtype, core_registry)
+    assert cases and len({c.label for c in cases}) == len(cases)
+    for typed in cases:
+        assert all(t.dtype == dtype for t in typed.args[:2] if isinstance(t, torch.Tensor)), typed.label
+        core_registry.signature(op, *typed.args, **typed.kwargs)
+        outputs = _tensors(core_registry.op(op).reference(*typed.args, **typed.kwargs))
+        assert all(bool(t.isfinite().all()) for t in outputs), typed.label
+        assert any(bool((t != 0).any()) for t in outputs), typed.label
+
+
+def test_inputs_are_random_per_generator_and_cast_only_floats(core_registry: KernelRegistry) -> None:
+    def draw(seed: int) -> list[kernel_inputs.Case]:
+        made = kernel_inputs.cases(
+            "linear_cross_entropy", torch.Generator().manual_seed(seed), torch.float16, core_registry
+        )
+        assert made is not None
+        return made
+
+    first, second = draw(1), draw(2)
+    assert not torch.equal(first[0].args[0], second[0].args[0])
+    assert first[0].args[0].dtype == torch.float16 and first[0].args[2].dtype == torch.int64
+
+
+def test_backward_inputs_carry_the_forward_results(core_registry: KernelRegistry) -> None:
+    if "attention_forward" not in core_registry.ops():
+        pytest.skip("torchhal does not define attention_forward yet")
+    made = kernel_inputs.cases(
+        "attention_backward", torch.Generator().manual_seed(3), torch.bfloat16, core_registry
+    )
+    assert made is not None
+    grad_out, q, k, v, out, lse = made[0].args
+    expected_out, expected_lse = core_registry.op("attention_forward").reference(q, k, v, **made[0].kwargs)
+    assert grad_out.dtype == q.dtype == out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
+
+
+def test_unknown_op_has_no_inputs(core_registry: KernelRegistry) -> None:
+    assert kernel_inputs.cases("frobnicate", torch.Generator(), torch.float32, core_registry) is None
+
+
+def _matmul_pair(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(19, 77, generator=g).to(dtype), torch.randn(77, 23, generator=g).to(dtype)
+    return a, b, a.double() @ b.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_correct_kernel_is_within_tolerance(dtype: torch.dtype) -> None:
+    a, b, truth = _matmul_pair(dtype)
+    reference = a @ b
+    other_order = torch.einsum("ik,kj->ij", a.float(), b.float()).to(dtype)  # accumulates differently
+    result = tolerance.compare(other_order, reference, truth)
+    assert result.ok, str(result)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_kernel_off_by_a_percent_fails(dtype: torch.dtype) -> None:
+    a, b, truth = _matmul_pair(dtype)
+    reference = a @ b
+    result = tolerance.compare(reference * 1.01, reference, truth)
+    assert not result.ok and result.error > result.bound
+
+
+def test_fp32_floor_keeps_the_bound_positive_when_the_reference_is_exact() -> None:
+    truth = torch.randn(64, 64, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    exact = truth.float()
+    result = tolerance.compare(exact, exact, exact.double())
+    assert result.reference_error == 0.0 and result.bound > 0
+    assert tolerance.compare(exact * (1 + 1e-5), exact, exact.double()).ok is False
+
+
+def test_nan_output_fails() -> None:
+    truth = torch.randn(8, dtype=torch.float64)
+    bad = truth.float().clone()
+    bad[3] = float("nan")
+    assert not tolerance.compare(bad, truth.float(), truth).ok
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _varlen_shapes(q, k, v, cu_q, cu_k, max_q, max_k, **_):  # type: ignore[no-untyped-def]
+    lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
+    assert int(cu_q[-1]) == q.shape[0] and int(cu_k[-1]) == k.shape[0] == v.shape[0]
+    assert int(lengths_q.max()) == max_q and int(lengths_k.max()) == max_k
+    assert q.shape[1] % k.shape[1] == 0
+    return q
+
+
+DESIGN_FORMULAS = {  # DESIGN.md's definitions, for ops torchhal does not define yet
+    "layer_norm": lambda x, w, b, eps=1e-5: torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps),
+    "swiglu": lambda gate, up: torch.nn.functional.silu(gate) * up,
+    "geglu": lambda gate, up: torch.nn.functional.gelu(gate, approximate="tanh") * up,
+    "rope": lambda q, k, cos, sin: (q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin),
+    "attention_varlen": _varlen_shapes,
+    "linear_cross_entropy": lambda h, w, t, bias=None, **kw: torch.nn.functional.cross_entropy(
+        torch.nn.functional.linear(h, w, bias), t, **kw
+    ),
+}
+
+
+@pytest.mark.parametrize("op", sorted(DESIGN_FORMULAS))
+def test_inputs_of_ops_still_to_come_fit_design_md(op: str, core_registry: KernelRegistry) -> None:
+    cases = kernel_inputs.cases(op, torch.Generator().manual_seed(11), torch.float32, core_registry)
+    assert cases
+    for case in cases:
+        outputs = _tensors(DESIGN_FORMULAS[op](*case.args, **case.kwargs))
+        assert all(bool(t.isfinite().all()) for t in outputs), case.label

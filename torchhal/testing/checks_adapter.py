@@ -1,0 +1,143 @@
+"""Mandatory checks of the adapter object itself: attributes, probe() and discover()."""
+
+from __future__ import annotations
+
+import time
+
+from torchhal.hal_core import HAL_API_VERSION, SCHEMA_VERSION, Device, DeviceCapabilities, ProbeResult
+from torchhal.testing.context import AdapterUnderTest, CheckFailed, describe
+
+PROBE_BUDGET_S = 1.0  # probe() must be cheap: the HAL probes every installed adapter on first use
+MAX_SIMD_WIDTH = (
+    4096  # lanes: CPU vectors 4-16, warps 32, wavefronts 64, systolic columns up to a few hundred
+)
+MAX_COMPUTE_UNITS = 2**24  # SMs, CUs, cores; even wafer-scale parts stay below this
+
+
+def check_attributes(ctx: AdapterUnderTest) -> str:
+    adapter = ctx.adapter
+    problems = []
+    name = getattr(adapter, "name", None)
+    if not isinstance(name, str) or not name or any(ch.isspace() or ch == "," for ch in name):
+        problems.append(
+            "name must be a non-empty string without spaces or commas (a TORCHHAL_PLUGINS entry), "
+            f"got {name!r}"
+        )
+    vendor = getattr(adapter, "vendor", None)
+    if not isinstance(vendor, str) or not vendor.strip():
+        problems.append(f"vendor must be a non-empty string, got {vendor!r}")
+    priority = getattr(adapter, "priority", None)
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        problems.append(f"priority must be an int, got {priority!r}")
+    versions = getattr(adapter, "api_versions", None)
+    if (
+        not isinstance(versions, tuple)
+        or len(versions) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions)
+        or versions[0] > versions[1]
+    ):
+        problems.append(f"api_versions must be an inclusive (low, high) tuple of ints, got {versions!r}")
+    elif not versions[0] <= HAL_API_VERSION <= versions[1]:
+        problems.append(
+            f"api_versions {versions} does not cover this torchhal's HAL API version {HAL_API_VERSION}"
+        )
+    namespace = getattr(adapter, "namespace", None)
+    if namespace is not None and (not isinstance(namespace, str) or not namespace or ":" in namespace):
+        problems.append(f"namespace must be None or a non-empty string without ':', got {namespace!r}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    return (
+        f"name {name!r}, vendor {vendor!r}, priority {priority}, api_versions {versions} "
+        f"covers HAL API {HAL_API_VERSION}"
+    )
+
+
+def check_probe(ctx: AdapterUnderTest) -> str:
+    results, durations = [], []
+    for _ in range(2):
+        start = time.perf_counter()
+        try:
+            result = ctx.adapter.probe()
+        except Exception as exc:
+            raise CheckFailed(f"probe() raised {describe(exc)}") from exc
+        durations.append(time.perf_counter() - start)
+        results.append(result)
+    first, second = results
+    if not isinstance(first, ProbeResult):
+        raise CheckFailed(f"probe() must return a ProbeResult, got {type(first).__name__}: {first!r}")
+    slow = max(durations)
+    if slow >= PROBE_BUDGET_S:
+        raise CheckFailed(f"probe() took {slow:.3f} s, the budget is {PROBE_BUDGET_S} s")
+    if first != second:
+        raise CheckFailed(f"probe() answered differently on two calls: {first!r} then {second!r}")
+    if not first.reason.strip():
+        raise CheckFailed("probe() gave an empty reason; say why the runtime is present or absent")
+    state = "available" if first.available else "absent"
+    return f"{state} ({first.reason}); two calls agree, slowest {slow * 1e3:.2f} ms"
+
+
+def check_discover(ctx: AdapterUnderTest) -> str:
+    import torch
+
+    adapter = ctx.adapter
+    found = ctx.discovered()
+    if not found:
+        raise CheckFailed("probe() says available but discover() returned no device")
+    problems: list[str] = []
+    indexes: dict[int, int] = {}
+    ids: dict[str, int] = {}
+    for position, caps in enumerate(found):
+        where = f"device #{position}"
+        if not isinstance(caps, DeviceCapabilities):
+            problems.append(f"{where} is a {type(caps).__name__}, not DeviceCapabilities")
+            continue
+        where = f"device #{position} (index {caps.index})"
+        if caps.schema_version != SCHEMA_VERSION:
+            problems.append(
+                f"{where}: schema_version {caps.schema_version}, this torchhal reads {SCHEMA_VERSION}"
+            )
+        if caps.adapter != adapter.name:
+            problems.append(
+                f"{where}: adapter field {caps.adapter!r} is not the adapter's name {adapter.name!r}"
+            )
+        if caps.vendor != adapter.vendor:
+            problems.append(
+                f"{where}: vendor field {caps.vendor!r} is not the adapter's vendor {adapter.vendor!r}"
+            )
+        try:
+            parsed = torch.device(caps.device_type).type
+        except RuntimeError as exc:
+            problems.append(
+                f"{where}: device_type {caps.device_type!r} is not a device type torch knows ({exc})"
+            )
+        else:
+            if parsed != caps.device_type:
+                problems.append(
+                    f"{where}: device_type {caps.device_type!r} reads back from torch as {parsed!r}"
+                )
+        if caps.memory_bytes <= 0:
+            problems.append(f"{where}: memory_bytes must be > 0, got {caps.memory_bytes}")
+        if not 1 <= caps.simd_width <= MAX_SIMD_WIDTH:
+            problems.append(f"{where}: simd_width must be in [1, {MAX_SIMD_WIDTH}], got {caps.simd_width}")
+        if not 1 <= caps.compute_units <= MAX_COMPUTE_UNITS:
+            problems.append(
+                f"{where}: compute_units must be in [1, {MAX_COMPUTE_UNITS}], got {caps.compute_units}"
+            )
+        if not caps.dtypes:
+            problems.append(f"{where}: declares no dtype")
+        indexes[caps.index] = indexes.get(caps.index, 0) + 1
+        device_id = Device(adapter, caps).id
+        ids[device_id] = ids.get(device_id, 0) + 1
+    repeated = sorted(i for i, n in indexes.items() if n > 1)
+    if repeated:
+        problems.append(f"device indexes must be unique, repeated: {repeated}")
+    repeated_ids = sorted(i for i, n in ids.items() if n > 1)
+    if repeated_ids and not repeated:
+        problems.append(f"device ids must be unique, repeated: {repeated_ids}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    listing = ", ".join(
+        f"{Device(adapter, c).id} ({c.device_type}, {c.arch}, {c.memory_bytes / 2**30:.1f} GiB)"
+        for c in found
+    )
+    return f"{len(found)} device(s): {listing}"

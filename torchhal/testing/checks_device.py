@@ -1,0 +1,195 @@
+"""Mandatory per-device checks: synchronize, memory figures, health, topology and timers."""
+
+from __future__ import annotations
+
+import gc
+import math
+import time
+from typing import TYPE_CHECKING
+
+from torchhal.hal_core import DType, Feature, HealthReport, HostTimer, MemoryInfo, Topology
+from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, each_device
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchhal.hal_core import Device
+
+MIB = 2**20
+ACCOUNTING_BUFFER_BYTES = 64 * MIB  # or 1% of capacity, whichever is smaller
+ACCOUNTING_TOLERANCE = 0.10  # used_bytes must grow by >= 90% of the buffer: page rounding, allocator slack
+TIMER_BUFFER_BYTES = 4 * MIB
+TIMER_COPIES = 8
+TIMER_WALL_SLACK_MS = 1.0  # device time between two marks cannot exceed host wall time around them (+ slack)
+FILLABLE = (DType.FP32, DType.BF16, DType.FP16, DType.FP64, DType.INT8)  # dtypes with in-place random fills
+
+
+def fill_dtype(device: Device) -> torch.dtype:
+    """A declared dtype the kit can fill with random values in place on the device."""
+    for dtype in FILLABLE:
+        if dtype in device.capabilities.dtypes:
+            torch_dtype = dtype.to_torch()
+            assert torch_dtype is not None
+            return torch_dtype
+    declared = sorted(d.value for d in device.capabilities.dtypes)
+    raise NotApplicable(f"{device.id} declares none of {[d.value for d in FILLABLE]} (declared: {declared})")
+
+
+def random_buffer(ctx: AdapterUnderTest, device: Device, nbytes: int, salt: str) -> torch.Tensor:
+    """A buffer allocated through Device.empty and filled with random values on the device."""
+    dtype = fill_dtype(device)
+    buffer = device.empty((max(1, nbytes // dtype.itemsize),), dtype)
+    generator = ctx.generator(salt, buffer.device)
+    if dtype.is_floating_point:
+        buffer.uniform_(-1.0, 1.0, generator=generator)
+    else:
+        buffer.random_(-128, 128, generator=generator)
+    return buffer
+
+
+def check_synchronize(ctx: AdapterUnderTest) -> str:
+    def one(device: Device) -> None:
+        device.synchronize()
+
+    each_device(ctx.devices(), one)
+    return f"synchronize() returned on {len(ctx.devices())} device(s)"
+
+
+def check_memory_info(ctx: AdapterUnderTest) -> str:
+    def one(device: Device) -> str:
+        info = device.memory_info()
+        if not isinstance(info, MemoryInfo):
+            raise CheckFailed(f"memory_info() must return MemoryInfo, got {type(info).__name__}")
+        problems = []
+        if info.total_bytes <= 0:
+            problems.append(f"total_bytes must be > 0, got {info.total_bytes}")
+        if info.free_bytes > info.total_bytes:
+            problems.append(f"free_bytes {info.free_bytes} > total_bytes {info.total_bytes}")
+        if info.used_bytes > info.total_bytes:
+            problems.append(f"used_bytes {info.used_bytes} > total_bytes {info.total_bytes}")
+        if info.simulated != device.simulated:
+            problems.append(
+                f"MemoryInfo.simulated is {info.simulated} but the device's SIMULATED feature "
+                f"is {device.simulated}"
+            )
+        if problems:
+            raise CheckFailed("; ".join(problems))
+        sim = ", simulated" if info.simulated else ""
+        return (
+            f"total {info.total_bytes / MIB:.0f} MiB, free {info.free_bytes / MIB:.0f} MiB, "
+            f"used {info.used_bytes / MIB:.1f} MiB{sim}"
+        )
+
+    return each_device(ctx.devices(), one)
+
+
+def check_memory_accounting(ctx: AdapterUnderTest) -> str:
+    def one(device: Device) -> str:
+        gc.collect()  # so that garbage freed mid-check cannot offset the figure
+        before = device.memory_info()
+        nbytes = min(ACCOUNTING_BUFFER_BYTES, before.total_bytes // 100)
+        buffer = random_buffer(ctx, device, nbytes, f"accounting:{device.id}")
+        device.synchronize()
+        after = device.memory_info()
+        allocated = buffer.numel() * buffer.element_size()
+        grew = after.used_bytes - before.used_bytes
+        del buffer
+        if grew < (1 - ACCOUNTING_TOLERANCE) * allocated:
+            raise CheckFailed(
+                f"used_bytes grew by {grew} bytes ({before.used_bytes} -> {after.used_bytes}) after "
+                f"allocating and filling {allocated} bytes; must grow by at least "
+                f"{1 - ACCOUNTING_TOLERANCE:.0%} of it"
+            )
+        return f"used_bytes grew by {grew / MIB:.2f} MiB for a {allocated / MIB:.2f} MiB buffer"
+
+    return each_device(ctx.devices(), one)
+
+
+def check_health(ctx: AdapterUnderTest) -> str:
+    def one(device: Device) -> str:
+        report = device.health()
+        if not isinstance(report, HealthReport):
+            raise CheckFailed(f"health() must return HealthReport, got {type(report).__name__}")
+        return report.status.value
+
+    return each_device(ctx.devices(), one)
+
+
+def check_topology(ctx: AdapterUnderTest) -> str:
+    own = [d.id for d in ctx.devices()]
+    topology = ctx.adapter.topology()
+    if not isinstance(topology, Topology):
+        raise CheckFailed(f"topology() must return Topology, got {type(topology).__name__}")
+    problems = []
+    listed = list(topology.devices)
+    if sorted(listed) != sorted(own):
+        problems.append(f"topology lists devices {listed}; the adapter's devices are {own}")
+    pairs: dict[frozenset[str], list[tuple[object, ...]]] = {}
+    for link in topology.links:
+        foreign = [end for end in (link.a, link.b) if end not in own]
+        if foreign:
+            problems.append(f"link {link.a}-{link.b} names devices not of this adapter: {foreign}")
+        if link.a == link.b:
+            problems.append(f"link {link.a}-{link.b} joins a device to itself")
+        facts = (link.type.value, link.count, link.bandwidth_gbps)
+        pairs.setdefault(frozenset((link.a, link.b)), []).append(facts)
+    for pair, variants in pairs.items():
+        if len(set(variants)) > 1:
+            problems.append(f"links between {' and '.join(sorted(pair))} disagree by direction: {variants}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    return f"{len(listed)} device(s), {len(topology.links)} link(s), symmetric, own devices only"
+
+
+def _timed_copies(ctx: AdapterUnderTest, device: Device) -> tuple[float, float]:
+    """Device-timer and host-wall milliseconds around a few device copies of a random buffer."""
+    src = random_buffer(ctx, device, TIMER_BUFFER_BYTES, f"timer:{device.id}")
+    dst = device.empty(src.shape, src.dtype)
+    timer = device.timer()
+    wall_start = time.perf_counter()
+    start = timer.mark()
+    for _ in range(TIMER_COPIES):
+        device.copy_(dst, src)
+    end = timer.mark()
+    elapsed = timer.elapsed_ms(start, end)
+    wall_ms = (time.perf_counter() - wall_start) * 1e3
+    if not torch_equal(dst, src):
+        raise CheckFailed("Device.copy_ did not copy the buffer")
+    return elapsed, wall_ms
+
+
+def torch_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    import torch
+
+    return bool(torch.equal(a.cpu(), b.cpu()))
+
+
+def check_timer(ctx: AdapterUnderTest) -> str:
+    def one(device: Device) -> str:
+        elapsed, wall_ms = _timed_copies(ctx, device)
+        what = f"{TIMER_COPIES} copies of {TIMER_BUFFER_BYTES // MIB} MiB"
+        if not (isinstance(elapsed, (int, float)) and math.isfinite(elapsed) and elapsed > 0):
+            raise CheckFailed(f"elapsed_ms across {what} must be a finite number > 0, got {elapsed!r}")
+        if not device.simulated and elapsed > wall_ms + TIMER_WALL_SLACK_MS:
+            raise CheckFailed(
+                f"elapsed_ms {elapsed:.3f} across {what} exceeds the host wall time around it "
+                f"({wall_ms:.3f} ms)"
+            )
+        sim = " simulated" if device.simulated else ""
+        return f"{elapsed:.3f} ms{sim} for {what} (host wall {wall_ms:.3f} ms)"
+
+    return each_device(ctx.devices(), one)
+
+
+def check_timer_events(ctx: AdapterUnderTest) -> str:
+    with_events = [d for d in ctx.devices() if Feature.DEVICE_EVENTS in d.capabilities.features]
+    if not with_events:
+        raise NotApplicable("no device declares the device_events feature")
+
+    def one(device: Device) -> str:
+        timer = device.timer()
+        if isinstance(timer, HostTimer):
+            raise CheckFailed("declares device_events but timer() is the host-clock HostTimer")
+        return f"{type(timer).__name__}"
+
+    return each_device(with_events, one)

@@ -1,0 +1,188 @@
+"""Kernel checks: register_kernels behaves, and each candidate matches its op's reference.
+
+Candidates are called directly, never through `KernelRegistry.call`, whose fallback would
+hide a raising candidate behind the reference. Each runs on every device of the adapter, in
+every declared floating dtype, on the kit's random cases whose signature its predicate
+accepts; a predicate must answer None or an `Unsupported`, never raise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any
+
+from torchhal.hal_core import DType, Unsupported
+from torchhal.testing import kernel_inputs, tolerance
+from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, describe, where
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchhal.hal_core import Device, DeviceCapabilities, KernelRegistry
+    from torchhal.hal_core.kernels import Candidate
+
+CANDIDATE_DTYPES = (DType.FP32, DType.BF16, DType.FP16, DType.FP64)
+
+
+def check_register_kernels(ctx: AdapterUnderTest) -> str:
+    try:
+        candidates = ctx.kernel_candidates()
+    except NotApplicable:
+        raise
+    except Exception as exc:
+        raise CheckFailed(f"register_kernels(registry) raised {describe(exc)}") from exc
+    problems = []
+    for cand in candidates:
+        name = f"{cand.op}/{cand.qualified_name}"
+        if not isinstance(cand.provider, str) or not cand.provider:
+            problems.append(f"{name}: provider must be a non-empty string, got {cand.provider!r}")
+        if not callable(cand.fn):
+            problems.append(f"{name}: implementation is not callable: {cand.fn!r}")
+        if cand.supports is not None and not callable(cand.supports):
+            problems.append(f"{name}: predicate is not callable: {cand.supports!r}")
+        if cand.bind is not None and not callable(cand.bind):
+            problems.append(f"{name}: bind is not callable: {cand.bind!r}")
+        if not isinstance(cand.priority, (int, float)) or not math.isfinite(cand.priority):
+            problems.append(f"{name}: priority must be a finite number, got {cand.priority!r}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    if not candidates:
+        return "register_kernels ran and added no candidate"
+    return "added " + ", ".join(f"{c.op}/{c.qualified_name}" for c in candidates)
+
+
+def candidate_id(cand: Candidate) -> str:
+    return f"kernel.{cand.op}/{cand.qualified_name}"
+
+
+def _judge(cand: Candidate, caps: DeviceCapabilities, sig: Hashable) -> Unsupported | None:
+    if cand.supports is None:
+        return None
+    try:
+        verdict = cand.supports(caps, sig)
+    except Exception as exc:
+        raise CheckFailed(
+            f"predicate raised {describe(exc)} for {sig}; it must return None or Unsupported"
+        ) from exc
+    if verdict is not None and not isinstance(verdict, Unsupported):
+        raise CheckFailed(f"predicate returned {verdict!r} for {sig}; it must return None or Unsupported")
+    return verdict
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors of an op's output, in order (a tensor, or a tuple/list of them)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensors(item)]
+    raise CheckFailed(f"output contains a {type(value).__name__}, not tensors")
+
+
+def _bound(cand: Candidate, device: Device) -> Callable[..., Any]:
+    """The callable the registry would run on `device`: `bind(caps)` when the candidate has one."""
+    if cand.bind is None:
+        return cand.fn
+    try:
+        fn = cand.bind(device.capabilities)
+    except Exception as exc:
+        raise CheckFailed(f"bind(capabilities) raised {describe(exc)}") from exc
+    if not callable(fn):
+        raise CheckFailed(f"bind(capabilities) returned {fn!r}, not a callable")
+    return fn
+
+
+def _run_case(
+    cand: Candidate, registry: KernelRegistry, device: Device, host: kernel_inputs.Case
+) -> tolerance.Comparison | Unsupported:
+    reference = registry.op(cand.op).reference
+    case = kernel_inputs.on_device(host, device)
+    try:
+        sig = registry.signature(cand.op, *case.args, **case.kwargs)
+    except Exception as exc:
+        raise CheckFailed(
+            f"the op's signature rejected the kit's inputs ({describe(exc)}): a torchhal.testing/op mismatch"
+        ) from exc
+    verdict = _judge(cand, device.capabilities, sig)
+    if verdict is not None:
+        return verdict
+    fn = _bound(cand, device)
+    try:
+        got = fn(*case.args, **case.kwargs)
+        device.synchronize()
+    except Exception as exc:
+        raise CheckFailed(f"raised {describe(exc)} ({where(exc)})") from exc
+    same_dtype = _tensors(reference(*case.args, **case.kwargs))
+    fp64 = host.map(_to_fp64)
+    truth = _tensors(reference(*fp64.args, **fp64.kwargs))
+    outputs = _tensors(got)
+    if len(outputs) != len(same_dtype):
+        raise CheckFailed(f"returned {len(outputs)} tensor(s), the reference returns {len(same_dtype)}")
+    worst: tolerance.Comparison | None = None
+    for i, (out, ref, true) in enumerate(zip(outputs, same_dtype, truth, strict=True)):
+        if (out.dtype, tuple(out.shape), out.device) != (ref.dtype, tuple(ref.shape), ref.device):
+            raise CheckFailed(
+                f"output {i} is {out.dtype} {tuple(out.shape)} on {out.device}; "
+                f"the reference gives {ref.dtype} {tuple(ref.shape)} on {ref.device}"
+            )
+        comparison = tolerance.compare(out, ref, true)
+        if not comparison.ok:
+            raise CheckFailed(f"output {i}: {comparison}")
+        if worst is None or comparison.ratio > worst.ratio:
+            worst = comparison
+    assert worst is not None
+    return worst
+
+
+def _to_fp64(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        value = value.cpu()
+        return value.double() if value.is_floating_point() else value
+    return value
+
+
+def candidate_check(op: str, qualified_name: str) -> Callable[[AdapterUnderTest], str]:
+    """The check that the candidate `qualified_name` of `op` matches the op's reference."""
+
+    def check(ctx: AdapterUnderTest) -> str:
+        registry = ctx.kernel_registry()
+        cand = next(c for c in registry.candidates(op) if c.qualified_name == qualified_name)
+        if op not in kernel_inputs.CASES:
+            raise NotApplicable(f"the kit has no inputs for op {op!r} (known: {sorted(kernel_inputs.CASES)})")
+        generator = ctx.generator(f"kernel:{op}/{qualified_name}")
+        host_cases: dict[torch.dtype, list[kernel_inputs.Case]] = {}
+        tested, rejected = 0, []
+        worst: tolerance.Comparison | None = None
+        for device in ctx.devices():
+            for dtype in CANDIDATE_DTYPES:
+                torch_dtype = dtype.to_torch()
+                if dtype not in device.capabilities.dtypes or torch_dtype is None:
+                    continue
+                if torch_dtype not in host_cases:
+                    made = kernel_inputs.cases(op, generator, torch_dtype, registry)
+                    assert made is not None  # op is in kernel_inputs.CASES
+                    host_cases[torch_dtype] = made
+                for case in host_cases[torch_dtype]:
+                    label = f"{device.id} {dtype.value} {case.label}"
+                    try:
+                        outcome = _run_case(cand, registry, device, case)
+                    except CheckFailed as exc:
+                        raise CheckFailed(f"{label}: {exc}") from exc
+                    if isinstance(outcome, Unsupported):
+                        rejected.append(f"{label}: {outcome.reason.value} ({outcome.detail})")
+                        continue
+                    tested += 1
+                    if worst is None or outcome.ratio > worst.ratio:
+                        worst = outcome
+        if worst is None:
+            raise NotApplicable("its predicate rejected every case the kit tried: " + "; ".join(rejected))
+        return (
+            f"{tested} case(s) within tolerance, worst {worst.ratio:.2f} of the allowed error ({worst}); "
+            f"{len(rejected)} case(s) declined by its predicate"
+        )
+
+    return check

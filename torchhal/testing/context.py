@@ -1,0 +1,201 @@
+"""What every check shares: the adapter, its probe and discovery outcomes, its devices, randomness.
+
+Probe, discovery and kernel registration run at most once per conformance run; their
+outcome (value or exception) is cached so the check that owns a step reports its failure,
+and the checks that depend on it report "not applicable: blocked" instead of failing again.
+"""
+
+from __future__ import annotations
+
+import random
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from torchhal.hal_core import Device, DeviceCapabilities, KernelRegistry, VendorAdapter
+from torchhal.hal_core.kernels import REFERENCE
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchhal.hal_core import ProbeResult
+    from torchhal.hal_core.kernels import Candidate
+
+T = TypeVar("T")
+
+
+class NotApplicable(Exception):
+    """Raised by a check that does not apply here; the message is the reason."""
+
+
+class CheckFailed(Exception):
+    """Raised by a check that found the adapter non-conforming; the message is the reason."""
+
+
+class _Once(Generic[T]):
+    """Runs a step once and replays its value or its exception."""
+
+    def __init__(self, step: Callable[[], T]) -> None:
+        self._step = step
+        self._done = False
+        self._value: T | None = None
+        self._error: BaseException | None = None
+
+    def get(self) -> T:
+        if not self._done:
+            self._done = True
+            try:
+                self._value = self._step()
+            except Exception as exc:
+                self._error = exc
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+    def failed(self) -> BaseException | None:
+        try:
+            self.get()
+        except Exception as exc:
+            return exc
+        return None
+
+
+def describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def where(exc: BaseException, depth: int = 3) -> str:
+    """The innermost frames of a traceback outside the kit: where an adapter author should look."""
+    kit = str(Path(__file__).parent)
+    frames = traceback.extract_tb(exc.__traceback__)
+    outside = [f for f in frames if not f.filename.startswith(kit)]
+    where = " < ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed((outside or frames)[-depth:]))
+    return f"at {where}" if outside else f"inside the conformance kit, at {where}"
+
+
+class AdapterUnderTest:
+    """One adapter being certified, with the outcomes of its probe, discovery and kernel registration."""
+
+    def __init__(self, adapter: VendorAdapter, seed: int) -> None:
+        self.adapter = adapter
+        self.seed = seed
+        self._probe = _Once(adapter.probe)
+        self._discovered = _Once(lambda: list(adapter.discover()))
+        self._kernels = _Once(self._register_kernels)
+
+    # -- probe and discovery ------------------------------------------------------------------
+
+    def probe(self) -> ProbeResult:
+        """The adapter's first probe result; raises what probe() raised."""
+        return self._probe.get()
+
+    def require_available(self) -> ProbeResult:
+        """The probe result when it says available; NotApplicable (absent or blocked) otherwise."""
+        error = self._probe.failed()
+        if error is not None:
+            raise NotApplicable(f"blocked: probe() raised {describe(error)} (see adapter.probe)")
+        result = self.probe()
+        if not getattr(result, "available", False):
+            raise NotApplicable(
+                f"the adapter reports its runtime absent: {getattr(result, 'reason', result)!r}"
+            )
+        return result
+
+    def discovered(self) -> list[Any]:
+        """What discover() returned, unvalidated; raises what discover() raised."""
+        self.require_available()
+        return self._discovered.get()
+
+    def devices(self) -> tuple[Device, ...]:
+        """A Device per well-formed capability record, first of each id (duplicates fail adapter.discover)."""
+        self.require_available()
+        error = self._discovered.failed()
+        if error is not None:
+            raise NotApplicable(f"blocked: discover() raised {describe(error)} (see adapter.discover)")
+        devices: dict[str, Device] = {}
+        for caps in self.discovered():
+            if isinstance(caps, DeviceCapabilities):
+                device = Device(self.adapter, caps)
+                devices.setdefault(device.id, device)
+        if not devices:
+            raise NotApplicable(
+                "blocked: discover() returned no valid DeviceCapabilities (see adapter.discover)"
+            )
+        return tuple(devices.values())
+
+    def device_summaries(self) -> list[dict[str, Any]]:
+        """What the report lists per device; empty when discovery is absent or blocked."""
+        try:
+            devices = self.devices()
+        except NotApplicable:
+            return []
+        return [
+            {
+                "id": d.id,
+                "name": d.capabilities.name,
+                "arch": d.capabilities.arch,
+                "device_type": d.capabilities.device_type,
+                "simulated": d.simulated,
+            }
+            for d in devices
+        ]
+
+    # -- kernels -----------------------------------------------------------------------------
+
+    def _register_kernels(self) -> KernelRegistry:
+        """A fresh registry with the core ops (copied from a plugin-free HAL) plus this adapter's kernels."""
+        from torchhal.hal_core.hal import HardwareAbstractionLayer
+        from torchhal.hal_core.settings import Settings
+
+        core = HardwareAbstractionLayer(
+            settings=Settings.from_env().model_copy(update={"disable_plugin_autoload": True})
+        )
+        core.devices()  # discovery registers the core ops
+        registry = KernelRegistry()
+        for name in core.kernels.ops():
+            opdef = core.kernels.op(name)
+            registry.define_op(name, opdef.reference, signature=opdef.signature, doc=opdef.doc)
+        self.devices()
+        self.adapter.register_kernels(registry)
+        return registry
+
+    def kernel_registry(self) -> KernelRegistry:
+        """The registry after register_kernels; raises what register_kernels raised."""
+        self.devices()
+        return self._kernels.get()
+
+    def kernel_candidates(self) -> list[Candidate]:
+        """Every candidate the adapter registered (all non-reference candidates of the fresh registry)."""
+        registry = self.kernel_registry()
+        return [c for op in registry.ops() for c in registry.candidates(op) if c.name != REFERENCE]
+
+    # -- randomness --------------------------------------------------------------------------
+
+    def generator(self, salt: str, device: torch.device | None = None) -> torch.Generator:
+        """A generator (on `device`, default the host) seeded from the run's seed and `salt`:
+        fresh per run, replayable from the report's seed."""
+        import torch
+
+        seed = random.Random(f"{self.seed}:{salt}").getrandbits(63)
+        return torch.Generator(device=device or "cpu").manual_seed(seed)
+
+
+def each_device(devices: Sequence[Device], check: Callable[[Device], str | None]) -> str:
+    """Run `check` on every device; fail listing every device's problem, else join the notes."""
+    problems, notes = [], []
+    for device in devices:
+        try:
+            note = check(device)
+        except CheckFailed as exc:
+            problems.append(f"{device.id}: {exc}")
+        except NotApplicable:
+            raise
+        except Exception as exc:
+            problems.append(f"{device.id}: raised {describe(exc)} ({where(exc)})")
+        else:
+            if note:
+                notes.append(f"{device.id}: {note}")
+    if problems:
+        raise CheckFailed("; ".join(problems))
+    return "; ".join(notes)

@@ -1,0 +1,213 @@
+"""Random inputs, at a few odd shapes, for the ops DESIGN.md defines and their backward ops.
+
+A case is drawn on the host in fp32 (integer index tensors as they must be), then cast to
+the dtype under test: the rounded values are what the device and the fp64 truth both see.
+A backward op's saved forward results (attention's out and its fp32 log-sum-exp) are then
+computed from the cast inputs by the forward op's reference, as autograd would save them.
+Shapes are odd on purpose (no vector-width fast path hides a remainder bug) and small (the
+kit runs each candidate on every device and dtype). Ops not listed here have no inputs:
+their candidates are reported not applicable with that reason.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from torchhal.hal_core import Device, KernelRegistry
+
+
+@dataclass(frozen=True)
+class Case:
+    label: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def map(self, fn: Callable[[Any], Any]) -> Case:
+        """Apply `fn` to every argument (tensors and the rest alike)."""
+        return Case(self.label, tuple(fn(a) for a in self.args), {k: fn(v) for k, v in self.kwargs.items()})
+
+
+def _floating(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def cast(case: Case, dtype: torch.dtype) -> Case:
+    """Floating tensors rounded to `dtype`; index tensors and scalars unchanged."""
+    return case.map(lambda v: v.to(dtype) if _floating(v) else v)
+
+
+def on_device(case: Case, device: Device) -> Case:
+    """Floating tensors allocated through the adapter; index tensors moved explicitly to its torch device."""
+    import torch
+
+    def move(value: Any) -> Any:
+        if _floating(value):
+            return device.to_device(value)
+        if isinstance(value, torch.Tensor):
+            return value.to(device.torch_device)
+        return value
+
+    return case.map(move)
+
+
+def _randn(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    import torch
+
+    return torch.randn(*shape, generator=g).mul_(scale)
+
+
+def _matmul(g: torch.Generator) -> list[Case]:
+    return [
+        Case("7x13 @ 13x5", (_randn(g, 7, 13), _randn(g, 13, 5))),
+        Case("batched 3x9x17 @ 17x6", (_randn(g, 3, 9, 17), _randn(g, 17, 6))),
+    ]
+
+
+def _rms_norm(g: torch.Generator) -> list[Case]:
+    return [
+        Case("5x123", (_randn(g, 5, 123), 1 + _randn(g, 123, scale=0.1))),
+        Case("2x3x64, eps 1e-5", (_randn(g, 2, 3, 64), 1 + _randn(g, 64, scale=0.1), 1e-5)),
+    ]
+
+
+def _attention_backward(g: torch.Generator) -> list[Case]:
+    """Attention's cases with a random output gradient in front (forward results added by `_saved`)."""
+    return [Case(c.label, (_randn(g, *c.args[0].shape), *c.args), c.kwargs) for c in _attention(g)]
+
+
+def _saved_attention_forward(case: Case, dtype: torch.dtype, registry: KernelRegistry) -> Case:
+    """(grad_out, q, k, v) cast, then out and lse from attention_forward's reference on them."""
+    grad_out, q, k, v = cast(case, dtype).args
+    out, lse = registry.op("attention_forward").reference(q, k, v, **case.kwargs)
+    return Case(case.label, (grad_out, q, k, v, out, lse), case.kwargs)
+
+
+def _rms_norm_backward(g: torch.Generator) -> list[Case]:
+    return [
+        Case("dy, x 5x123", (_randn(g, 5, 123), _randn(g, 5, 123), 1 + _randn(g, 123, scale=0.1))),
+        Case(
+            "dy, x 2x3x64, eps 1e-5",
+            (_randn(g, 2, 3, 64), _randn(g, 2, 3, 64), 1 + _randn(g, 64, scale=0.1), 1e-5),
+        ),
+    ]
+
+
+def _layer_norm(g: torch.Generator) -> list[Case]:
+    return [
+        Case(
+            "5x97", (_randn(g, 5, 97, scale=2) + 0.5, 1 + _randn(g, 97, scale=0.1), _randn(g, 97, scale=0.1))
+        ),
+        Case("2x3x33", (_randn(g, 2, 3, 33), 1 + _randn(g, 33, scale=0.1), _randn(g, 33, scale=0.1))),
+    ]
+
+
+def _gated(g: torch.Generator) -> list[Case]:
+    return [
+        Case("6x45", (_randn(g, 6, 45, scale=2), _randn(g, 6, 45))),
+        Case("2x3x33", (_randn(g, 2, 3, 33, scale=2), _randn(g, 2, 3, 33))),
+    ]
+
+
+def _rope(g: torch.Generator) -> list[Case]:
+    import torch
+
+    batch, seq, dim = 2, 11, 16
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    positions = torch.arange(seq, dtype=torch.float32) + torch.randint(0, 100, (batch, 1), generator=g)
+    angles = positions.unsqueeze(-1) * inv_freq  # (batch, seq, dim / 2)
+    emb = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (batch, 1, seq, dim), rotate-half layout
+    return [
+        Case(
+            "q 2x4x11x16, k 2x2x11x16 (GQA)",
+            (_randn(g, batch, 4, seq, dim), _randn(g, batch, 2, seq, dim), emb.cos(), emb.sin()),
+        )
+    ]
+
+
+def _attention(g: torch.Generator) -> list[Case]:
+    def qkv(b: int, hq: int, hkv: int, sq: int, sk: int, d: int) -> tuple[Any, ...]:
+        return (_randn(g, b, hq, sq, d), _randn(g, b, hkv, sk, d), _randn(g, b, hkv, sk, d))
+
+    return [
+        Case("full 2x4x13x16", qkv(2, 4, 4, 13, 13, 16)),
+        Case("causal GQA 1x4/2x17x32", qkv(1, 4, 2, 17, 17, 32), {"causal": True}),
+        Case("causal seq_q 7 < seq_k 19", qkv(1, 2, 2, 7, 19, 16), {"causal": True}),
+        Case("window (5, 3), scale 0.3", qkv(1, 2, 1, 23, 23, 16), {"window": (5, 3), "scale": 0.3}),
+    ]
+
+
+def _attention_varlen(g: torch.Generator) -> list[Case]:
+    import torch
+
+    lengths_q, lengths_k = (5, 7, 9), (7, 5, 13)
+    cu_q = torch.tensor((0, *itertools.accumulate(lengths_q)), dtype=torch.int32)
+    cu_k = torch.tensor((0, *itertools.accumulate(lengths_k)), dtype=torch.int32)
+
+    def packed() -> tuple[Any, ...]:
+        q = _randn(g, sum(lengths_q), 4, 16)
+        k, v = _randn(g, sum(lengths_k), 2, 16), _randn(g, sum(lengths_k), 2, 16)
+        return (q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
+
+    return [
+        Case("3 sequences, GQA 4/2", packed()),
+        Case("3 sequences, causal", packed(), {"causal": True}),
+    ]
+
+
+def _linear_cross_entropy(g: torch.Generator) -> list[Case]:
+    import torch
+
+    tokens, hidden, vocab = 9, 24, 37
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    target[3] = -100  # one ignored position
+    scale = 1 / math.sqrt(hidden)
+    return [
+        Case(
+            "9 tokens, vocab 37, bias",
+            (_randn(g, tokens, hidden), _randn(g, vocab, hidden, scale=scale), target, _randn(g, vocab)),
+        ),
+        Case(
+            "label smoothing 0.1, sum",
+            (_randn(g, tokens, hidden), _randn(g, vocab, hidden, scale=scale), target),
+            {"label_smoothing": 0.1, "reduction": "sum"},
+        ),
+    ]
+
+
+CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases per op
+    "matmul": _matmul,
+    "rms_norm": _rms_norm,
+    "rms_norm_backward": _rms_norm_backward,
+    "layer_norm": _layer_norm,
+    "swiglu": _gated,
+    "geglu": _gated,
+    "rope": _rope,
+    "attention": _attention,
+    "attention_forward": _attention,
+    "attention_backward": _attention_backward,
+    "attention_varlen": _attention_varlen,
+    "linear_cross_entropy": _linear_cross_entropy,
+}
+
+
+FINISH: dict[str, Callable[[Case, torch.dtype, KernelRegistry], Case]] = {  # default: cast
+    "attention_backward": _saved_attention_forward,
+}
+
+
+def cases(op: str, g: torch.Generator, dtype: torch.dtype, registry: KernelRegistry) -> list[Case] | None:
+    """Host cases for `op` in `dtype`, or None when the kit has no inputs for it."""
+    make = CASES.get(op)
+    if make is None:
+        return None
+    finish = FINISH.get(op)
+    return [cast(c, dtype) if finish is None else finish(c, dtype, registry) for c in make(g)]

@@ -1,0 +1,143 @@
+"""pytest face of the conformance kit: one test item per check.
+
+    pytest -p torchhal.testing.pytest_plugin --torchhal-adapter NAME
+
+or `pytest_plugins = ["torchhal.testing.pytest_plugin"]` in a conftest.py. Items are named
+`torchhal-conformance[NAME]::<check id>`; a failed check fails its item with the reason, a
+check that does not apply is skipped with the reason. The adapter is resolved through a
+fresh `HardwareAbstractionLayer()`, or through the HAL a conftest returns from the hook
+`pytest_torchhal_conformance_hal(config)` (e.g. one built with `adapters=[MyAdapter()]`
+to certify an adapter before it is packaged).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from torchhal.hal_core import TorchHALError
+from torchhal.testing.report import CheckStatus
+from torchhal.testing.suite import Check, ConformanceSuite, resolve_adapter
+
+if TYPE_CHECKING:
+    from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+_SUITES = pytest.StashKey[dict[str, ConformanceSuite]]()
+
+
+class ConformanceHookspecs:
+    @pytest.hookspec(firstresult=True)
+    def pytest_torchhal_conformance_hal(self, config: pytest.Config) -> HardwareAbstractionLayer | None:
+        """Return the HAL through which --torchhal-adapter names are resolved (default: a fresh one)."""
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(ConformanceHookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("torchhal", "torchhal adapter conformance")
+    group.addoption(
+        "--torchhal-adapter",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run the torchhal conformance kit on the adapter NAME (repeatable)",
+    )
+    group.addoption(
+        "--torchhal-seed",
+        type=int,
+        default=None,
+        metavar="SEED",
+        help="replay the random inputs of an earlier conformance run (printed in the report header)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_SUITES] = {}
+    config.addinivalue_line(
+        "markers", "torchhal_conformance: a check of the torchhal adapter conformance kit"
+    )
+
+
+def _suites(config: pytest.Config) -> dict[str, ConformanceSuite]:
+    suites = config.stash[_SUITES]
+    names = config.getoption("torchhal_adapter")
+    if names and not suites:
+        hal = config.hook.pytest_torchhal_conformance_hal(config=config)
+        for name in names:
+            try:
+                adapter = resolve_adapter(name, hal)
+            except TorchHALError as exc:
+                raise pytest.UsageError(f"--torchhal-adapter: {exc}") from exc
+            suites[name] = ConformanceSuite(adapter, seed=config.getoption("torchhal_seed"))
+    return suites
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    return [f"torchhal conformance: adapter {name!r}, seed {s.seed}" for name, s in _suites(config).items()]
+
+
+class ConformanceFailure(Exception):
+    """A check found the adapter non-conforming; the message is the check's reason."""
+
+
+class ConformanceItem(pytest.Item):
+    """One conformance check as a test: fails with the check's reason, skips when not applicable."""
+
+    def __init__(self, *, suite: ConformanceSuite, check: Check, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.suite = suite
+        self.check = check
+        self.add_marker(pytest.mark.torchhal_conformance)
+
+    def runtest(self) -> None:
+        result = self.suite.run_check(self.check)
+        if result.status is CheckStatus.NOT_APPLICABLE:
+            pytest.skip(f"{self.check.id} not applicable: {result.reason}")
+        if result.status is CheckStatus.FAILED:
+            raise ConformanceFailure(result.reason)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> Any:
+        if isinstance(excinfo.value, ConformanceFailure):
+            return f"{self.check.id} ({self.check.title}) failed: {excinfo.value}"
+        return super().repr_failure(excinfo, style=style)
+
+    def reportinfo(self) -> tuple[str, int | None, str]:
+        return (
+            f"torchhal-conformance[{self.suite.adapter_name}]",
+            None,
+            f"{self.check.id}: {self.check.title}",
+        )
+
+
+class ConformanceCollector(pytest.Collector):
+    """The checks planned for one adapter (fixed checks, then one per kernel candidate)."""
+
+    def __init__(self, *, suite: ConformanceSuite, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.suite = suite
+
+    def collect(self) -> list[pytest.Item]:
+        return [
+            ConformanceItem.from_parent(self, name=c.id, suite=self.suite, check=c)
+            for c in self.suite.checks()
+        ]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Append the conformance items before other plugins (-k, -m) filter the collection.
+
+    The collect report tells the terminal and other reporters about the items, as if they had
+    been collected from a file.
+    """
+    for name, suite in _suites(config).items():
+        node = f"torchhal-conformance[{name}]"
+        collector = ConformanceCollector.from_parent(session, name=node, nodeid=node, suite=suite)
+        collected = collector.collect()
+        config.hook.pytest_collectreport(report=pytest.CollectReport(node, "passed", None, list(collected)))
+        items.extend(collected)

@@ -1,0 +1,233 @@
+"""The conformance engine: the plan of checks for one adapter, running them, and the report.
+
+Both faces use it: `run_conformance` (library and CLI) runs the whole plan; the pytest
+plugin turns each planned check into a test item and runs them one by one.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from torchhal.hal_core import HAL_API_VERSION, ConfigurationError, DType, VendorAdapter, telemetry
+from torchhal.testing import checks_adapter, checks_collectives, checks_device, checks_dtypes, checks_kernels
+from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, describe, where
+from torchhal.testing.report import CheckResult, CheckStatus, ConformanceReport
+
+if TYPE_CHECKING:
+    from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+log = telemetry.get_logger("torchhal.testing")
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    id: str
+    title: str
+    mandatory: bool
+    run: Callable[[AdapterUnderTest], str]  # returns what was verified; raises NotApplicable or CheckFailed
+
+
+_FIXED = (
+    Check(
+        "adapter.attributes",
+        "name, vendor, priority and api_versions well-typed",
+        True,
+        checks_adapter.check_attributes,
+    ),
+    Check(
+        "adapter.probe",
+        "probe() is fast, returns a ProbeResult, answers the same twice",
+        True,
+        checks_adapter.check_probe,
+    ),
+    Check(
+        "adapter.discover",
+        "discover() returns well-formed, uniquely indexed devices",
+        True,
+        checks_adapter.check_discover,
+    ),
+    Check("device.synchronize", "synchronize() works on every device", True, checks_device.check_synchronize),
+    Check(
+        "device.memory_info",
+        "memory_info() is consistent (free, used <= total)",
+        True,
+        checks_device.check_memory_info,
+    ),
+    Check(
+        "device.memory_accounting",
+        "used_bytes grows when memory is allocated through Device.empty",
+        True,
+        checks_device.check_memory_accounting,
+    ),
+    Check("device.health", "health() returns a HealthReport", True, checks_device.check_health),
+    Check(
+        "adapter.topology",
+        "topology() is symmetric and names only the adapter's devices",
+        True,
+        checks_device.check_topology,
+    ),
+    Check(
+        "device.timer",
+        "timer() marks measure a real interval of device work",
+        True,
+        checks_device.check_timer,
+    ),
+    Check(
+        "device.timer_events",
+        "devices with device_events time with events",
+        False,
+        checks_device.check_timer_events,
+    ),
+    Check(
+        "collectives.backend",
+        "collective_backend() is a backend torch.distributed has",
+        True,
+        checks_collectives.check_collective_backend,
+    ),
+    Check(
+        "collectives.all_reduce",
+        "declared backends all_reduce correctly (world size 1)",
+        False,
+        checks_collectives.check_all_reduce,
+    ),
+    *(
+        Check(
+            f"dtype.{d.value}",
+            f"declared dtype {d.value} computes on the device",
+            False,
+            checks_dtypes.dtype_check(d),
+        )
+        for d in DType
+    ),
+    Check(
+        "kernels.register",
+        "register_kernels() adds well-formed candidates",
+        True,
+        checks_kernels.check_register_kernels,
+    ),
+)
+
+
+def _no_candidates(ctx: AdapterUnderTest) -> str:
+    try:
+        ctx.kernel_candidates()
+    except NotApplicable:
+        raise
+    except Exception as exc:
+        raise NotApplicable(
+            f"blocked: register_kernels raised {describe(exc)} (see kernels.register)"
+        ) from exc
+    raise NotApplicable("the adapter registers no kernel candidates")
+
+
+class ConformanceSuite:
+    """The checks for one adapter, planned once, run together or one at a time."""
+
+    def __init__(self, adapter: VendorAdapter, *, seed: int | None = None) -> None:
+        self.seed = secrets.randbits(63) if seed is None else seed
+        self.context = AdapterUnderTest(adapter, self.seed)
+        self._plan: tuple[Check, ...] | None = None
+
+    @property
+    def adapter_name(self) -> str:
+        return str(getattr(self.context.adapter, "name", type(self.context.adapter).__name__))
+
+    def checks(self) -> tuple[Check, ...]:
+        """Every check, in order: the fixed ones, then one per kernel candidate the adapter registers."""
+        if self._plan is None:
+            try:
+                candidates = self.context.kernel_candidates()
+            except Exception:  # blocked or raising: kernels.register and kernels.candidates report it
+                candidates = []
+            per_candidate = tuple(
+                Check(
+                    checks_kernels.candidate_id(c),
+                    f"candidate {c.qualified_name} of {c.op} matches the reference",
+                    False,
+                    checks_kernels.candidate_check(c.op, c.qualified_name),
+                )
+                for c in candidates
+            )
+            none = Check(
+                "kernels.candidates", "every kernel candidate matches its reference", False, _no_candidates
+            )
+            self._plan = _FIXED + (per_candidate or (none,))
+        return self._plan
+
+    def run_check(self, check: Check) -> CheckResult:
+        start = time.perf_counter()
+        try:
+            status, reason = CheckStatus.PASSED, check.run(self.context)
+        except NotApplicable as exc:
+            status, reason = CheckStatus.NOT_APPLICABLE, str(exc)
+        except CheckFailed as exc:
+            status, reason = CheckStatus.FAILED, str(exc)
+        except Exception as exc:
+            status, reason = CheckStatus.FAILED, f"raised {describe(exc)} ({where(exc)})"
+        duration = time.perf_counter() - start
+        log.info(
+            "conformance check", adapter=self.adapter_name, check=check.id, status=status.value, reason=reason
+        )
+        return CheckResult(check.id, check.title, check.mandatory, status, reason, duration)
+
+    def report(self, results: tuple[CheckResult, ...]) -> ConformanceReport:
+        import torch
+
+        from torchhal import __version__
+
+        return ConformanceReport(
+            adapter=self.adapter_name,
+            vendor=str(getattr(self.context.adapter, "vendor", "?")),
+            devices=tuple(self.context.device_summaries()),
+            torch_version=torch.__version__,
+            torchhal_version=__version__,
+            hal_api_version=HAL_API_VERSION,
+            seed=self.seed,
+            checks=results,
+        )
+
+    def run(self) -> ConformanceReport:
+        with telemetry.span("torchhal.conformance", adapter=self.adapter_name, seed=self.seed):
+            results = tuple(self.run_check(check) for check in self.checks())
+        report = self.report(results)
+        telemetry.count("torchhal.conformance.runs", adapter=self.adapter_name, ok=str(report.ok).lower())
+        return report
+
+
+def resolve_adapter(
+    adapter: VendorAdapter | str, hal: HardwareAbstractionLayer | None = None
+) -> VendorAdapter:
+    """An adapter instance as given, or the one named so among `hal`'s loaded adapters."""
+    if isinstance(adapter, VendorAdapter):
+        return adapter
+    if not isinstance(adapter, str):
+        raise ConfigurationError(f"conformance: adapter must be a VendorAdapter or a name, got {adapter!r}")
+    if hal is None:
+        from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+        hal = HardwareAbstractionLayer()
+    for loaded in hal.adapters:
+        if loaded.name == adapter:
+            return loaded
+    known = ", ".join(a.name for a in hal.adapters) or "none"
+    notes = "".join(
+        f"; plugin {d.name!r} {d.status.value} at {d.stage}: {d.reason}"
+        for d in hal.diagnostics
+        if d.name == adapter
+    )
+    raise ConfigurationError(f"conformance: no adapter named {adapter!r} is loaded (loaded: {known}){notes}")
+
+
+def run_conformance(
+    adapter: VendorAdapter | str, *, hal: HardwareAbstractionLayer | None = None, seed: int | None = None
+) -> ConformanceReport:
+    """Run every conformance check on `adapter` (an instance, or a name resolved through `hal`).
+
+    `seed` replays the random inputs of an earlier report (its `seed` field); by default each
+    run draws fresh ones.
+    """
+    return ConformanceSuite(resolve_adapter(adapter, hal), seed=seed).run()

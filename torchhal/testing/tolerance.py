@@ -1,0 +1,73 @@
+"""The FlashAttention-style tolerance for a kernel candidate against its op's reference.
+
+A candidate's max error against an fp64 "truth" (the reference run on fp64 copies of the
+same rounded inputs) may be at most 2x the max error of the reference run in the
+candidate's own dtype, plus a floor that keeps the bound above zero when that error is 0:
+- 2·max|((t + 0.3) - 0.3) - t| computed in the dtype, t the truth rounded to the dtype
+  (FlashAttention-3's forward floor: about two ulps at the data's scale);
+- for fp32 and fp64 also 64 fp32 ulps of the largest |truth|: torchhal's references compute
+  in fp32, so in those dtypes the same-dtype reference and the truth are the same computation
+  (error 0) while a correct candidate that sums in another order differs by O(sqrt(K)) ulps;
+  64 ulps covers reductions thousands of elements long and still fails a kernel off by 1e-5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+REFERENCE_ERROR_FACTOR = 2.0
+FULL_PRECISION_FLOOR_ULPS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    error: float  # candidate vs truth, max abs
+    reference_error: float  # same-dtype reference vs truth, max abs
+    bound: float
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.bound  # False for NaN errors
+
+    @property
+    def ratio(self) -> float:
+        return self.error / self.bound if self.bound > 0 else float("inf")
+
+    def __str__(self) -> str:
+        return (
+            f"error {self.error:.3g} vs allowed {self.bound:.3g} "
+            f"({REFERENCE_ERROR_FACTOR:g} x reference error {self.reference_error:.3g} + floor)"
+        )
+
+
+def floor(truth: torch.Tensor, dtype: torch.dtype) -> float:
+    import torch
+
+    if truth.numel() == 0:
+        return 0.0
+    t = truth.to(dtype)
+    bound = 2 * (((t + 0.3) - 0.3) - t).abs().max().double().item()
+    if dtype in (torch.float32, torch.float64):
+        bound += FULL_PRECISION_FLOOR_ULPS * torch.finfo(torch.float32).eps * truth.abs().max().item()
+    return bound
+
+
+def compare(candidate: torch.Tensor, reference: torch.Tensor, truth: torch.Tensor) -> Comparison:
+    """Candidate and same-dtype reference outputs against the fp64 truth (all moved to the host)."""
+    truth = truth.cpu().double()
+    error = _max_abs(candidate.cpu().double() - truth)
+    reference_error = _max_abs(reference.cpu().double() - truth)
+    bound = REFERENCE_ERROR_FACTOR * reference_error + floor(truth, reference.dtype)
+    return Comparison(error, reference_error, bound)
+
+
+def _max_abs(diff: torch.Tensor) -> float:
+    if diff.numel() == 0:
+        return 0.0
+    if diff.isnan().any():
+        return float("nan")
+    return float(diff.abs().max().item())
