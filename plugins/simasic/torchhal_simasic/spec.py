@@ -1,7 +1,7 @@
 """The simulated ASIC's spec: a validated description of one systolic-array accelerator.
 
-Specs are TOML files (read with the standard library's `tomllib`, which is why this plugin needs
-Python 3.11+) or JSON files. Three ship with the plugin; `TORCHHAL_SIMASIC_SPEC` picks one by
+Specs are TOML files (read with `tomllib`, or its backport `tomli` on Python 3.10)
+or JSON files. Three ship with the plugin; `TORCHHAL_SIMASIC_SPEC` picks one by
 name or points at a file, and `TORCHHAL_SIMASIC_DEVICES` overrides the device count. Every
 malformed value raises `ConfigurationError` naming the field, the constraint and the value.
 """
@@ -11,11 +11,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tomllib
+import sys
 from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from torchhal.hal_core import ConfigurationError, DType
