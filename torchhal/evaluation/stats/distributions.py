@@ -1,0 +1,227 @@
+"""The distribution functions the tests need: normal, Student t, noncentral t, chi-square, binomial
+and the exact null distribution of the Mann–Whitney U statistic. Built on `special`, no scipy.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from torchhal.evaluation.stats.special import betainc, gammainc
+from torchhal.hal_core.errors import InvalidArgumentError
+
+_SQRT2 = math.sqrt(2.0)
+_erfc = np.frompyfunc(math.erfc, 1, 1)
+
+
+def norm_cdf(z: float) -> float:
+    return 0.5 * math.erfc(-z / _SQRT2)
+
+
+def norm_sf(z: float) -> float:
+    return 0.5 * math.erfc(z / _SQRT2)
+
+
+def norm_ppf(p: float) -> float:
+    """Normal quantile: Abramowitz & Stegun 26.2.23 (error < 4.5e-4) polished by Halley's method."""
+    if not 0.0 < p < 1.0:
+        raise InvalidArgumentError(f"normal quantile needs 0 < p < 1, got {p!r}")
+    if p > 0.5:
+        return -norm_ppf(1.0 - p)
+    t = math.sqrt(-2.0 * math.log(p))
+    z = -(
+        t
+        - (2.515517 + 0.802853 * t + 0.010328 * t * t)
+        / (1.0 + t * (1.432788 + t * (0.189269 + t * 0.001308)))
+    )
+    for _ in range(3):  # Halley: cubic convergence, so three steps reach double precision
+        density = math.exp(-0.5 * z * z) / math.sqrt(2.0 * math.pi)
+        error = (norm_cdf(z) - p) / density
+        z -= error / (1.0 + 0.5 * z * error)
+    return z
+
+
+def _check_df(df: float) -> float:
+    value = float(df)
+    if not (value > 0 and math.isfinite(value)):
+        raise InvalidArgumentError(f"degrees of freedom must be a finite number > 0, got {df!r}")
+    return value
+
+
+def t_sf(t: float, df: float) -> float:
+    """P(T > t) for Student's t with `df` degrees of freedom, via I_{df/(df+t²)}(df/2, 1/2)."""
+    df = _check_df(df)
+    if t == 0.0:
+        return 0.5
+    ratio = t * t / df
+    tail = 0.5 * betainc(0.5 * df, 0.5, 1.0 / (1.0 + ratio), 1.0 / (1.0 + 1.0 / ratio))[0]
+    return tail if t > 0 else 1.0 - tail
+
+
+def t_cdf(t: float, df: float) -> float:
+    return t_sf(-t, df)
+
+
+def t_pdf(t: float, df: float) -> float:
+    df = _check_df(df)
+    log_norm = math.lgamma(0.5 * (df + 1.0)) - math.lgamma(0.5 * df) - 0.5 * math.log(df * math.pi)
+    return math.exp(log_norm - 0.5 * (df + 1.0) * math.log1p(t * t / df))
+
+
+def t_ppf(p: float, df: float) -> float:
+    """Student-t quantile: safeguarded Newton on log P(T > t), bracketed so it always converges."""
+    df = _check_df(df)
+    if not 0.0 < p < 1.0:
+        raise InvalidArgumentError(f"t quantile needs 0 < p < 1, got {p!r}")
+    if p == 0.5:
+        return 0.0
+    return -_t_upper_quantile(p, df) if p < 0.5 else _t_upper_quantile(1.0 - p, df)
+
+
+def _t_upper_quantile(q: float, df: float) -> float:
+    """The t > 0 with P(T > t) = q, for 0 < q < 0.5.
+
+    Starts from the Cornish–Fisher expansion (Abramowitz & Stegun 26.7.5), then Newton steps on
+    log P(T > t) inside a bracket that falls back to bisection, so small df converges too.
+    """
+    z = -norm_ppf(q)
+    z2 = z * z
+    guess = z + z * (
+        (z2 + 1.0) / (4.0 * df)
+        + ((5.0 * z2 + 16.0) * z2 + 3.0) / (96.0 * df**2)
+        + (((3.0 * z2 + 19.0) * z2 + 17.0) * z2 - 15.0) / (384.0 * df**3)
+    )
+    log_q = math.log(q)
+    lo, hi, t = 0.0, math.inf, guess if guess > 0.0 else z
+    for _ in range(400):
+        sf = t_sf(t, df)
+        if sf == q:
+            return t
+        lo, hi = (t, hi) if sf > q else (lo, t)
+        candidate = t + (math.log(sf) - log_q) * sf / t_pdf(t, df) if sf > 0.0 else math.nan
+        if not lo < candidate < hi:  # bisect, geometrically while the bracket spans decades
+            if math.isinf(hi):
+                candidate = 2.0 * t
+            elif lo > 0.0 and hi > 4.0 * lo:
+                candidate = math.sqrt(lo * hi)
+            else:
+                candidate = 0.5 * (lo + hi)
+        if abs(candidate - t) <= 1e-15 * candidate:
+            return candidate
+        t = candidate
+    raise ArithmeticError(f"t quantile did not converge for q={q}, df={df}")
+
+
+def chi2_sf(x: float, df: float) -> float:
+    """P(X > x) for chi-square with `df` degrees of freedom: Q(df/2, x/2)."""
+    return gammainc(0.5 * _check_df(df), max(0.5 * float(x), 0.0))[1]
+
+
+def binom_cdf(k: int, n: int, p: float) -> float:
+    """P(B <= k) for B ~ Binomial(n, p): I_{1-p}(n - k, k + 1)."""
+    if k < 0:
+        return 0.0
+    if k >= n:
+        return 1.0
+    return betainc(n - k, k + 1, 1.0 - p, p)[0]
+
+
+def _noncentral_t_expectation(t: float, df: float, nc: float, upper: bool) -> float:
+    """E[Φ(±(t·S − nc))] with S = sqrt(χ²_df / df): the noncentral t's cdf (or sf) as one integral.
+
+    T' = (Z + nc) / S, so P(T' <= t) = E[Φ(t·S − nc)]. With S = e^y the density of y is
+    ∝ exp(df·(y − (e^{2y} − 1)/2)): smooth, peaked at y = 0 with sd ≈ 1/sqrt(2·df), whatever df.
+    It is integrated by 20-point Gauss–Legendre panels of about 0.7 sd over the range where the
+    density exceeds e^-50 of its peak, with finer panels where Φ switches from 0 to 1.
+    """
+
+    def log_drop(y: float) -> float:  # log density relative to its peak at y = 0
+        return df * (y - math.expm1(2.0 * y) / 2.0)
+
+    lo, hi = _edge(log_drop, -1.0), _edge(log_drop, 1.0)
+    step = min(0.5, 0.5 / math.sqrt(df))
+    edges = [np.linspace(lo, hi, math.ceil((hi - lo) / step) + 1)]
+    if t != 0.0 and nc / t > 0.0:
+        switch, width = math.log(nc / t), 10.0 / abs(nc)
+        if lo < switch < hi:
+            edges.append(np.linspace(max(lo, switch - width), min(hi, switch + width), 41))
+    grid = np.unique(np.concatenate(edges))
+    nodes, weights = _gauss_legendre_20()
+    half = 0.5 * np.diff(grid)[:, None]
+    y = (grid[:-1, None] + half * (nodes[None, :] + 1.0)).ravel()
+    w = (half * weights[None, :]).ravel()
+    log_norm = math.log(2.0) + 0.5 * df * math.log(0.5 * df) - math.lgamma(0.5 * df) - 0.5 * df
+    density = np.exp(log_norm + df * (y - np.expm1(2.0 * y) / 2.0))
+    s = np.exp(y)
+    argument = (nc - t * s) if upper else (t * s - nc)
+    phi = 0.5 * np.asarray(_erfc(-argument / _SQRT2), dtype=np.float64)
+    return float(np.sum(w * density * phi))
+
+
+@functools.lru_cache(maxsize=1)
+def _gauss_legendre_20() -> tuple[np.ndarray, np.ndarray]:
+    return np.polynomial.legendre.leggauss(20)
+
+
+def _edge(log_drop: Callable[[float], float], direction: float) -> float:
+    """The y on the `direction` side of the peak (y = 0) where the log density has dropped by 50."""
+    near, far = 0.0, direction
+    while log_drop(far) > -50.0:
+        near, far = far, 2.0 * far
+    while abs(far - near) > 1e-6 * max(1.0, abs(far)):
+        mid = 0.5 * (near + far)
+        near, far = (mid, far) if log_drop(mid) > -50.0 else (near, mid)
+    return far
+
+
+def nct_cdf(t: float, df: float, nc: float) -> float:
+    """P(T' <= t) for the noncentral t with `df` degrees of freedom and noncentrality `nc`."""
+    return _noncentral_t_expectation(float(t), _check_df(df), float(nc), upper=False)
+
+
+def nct_sf(t: float, df: float, nc: float) -> float:
+    """P(T' > t), integrated directly so small upper tails keep their accuracy."""
+    return _noncentral_t_expectation(float(t), _check_df(df), float(nc), upper=True)
+
+
+@functools.lru_cache(maxsize=32)
+def mann_whitney_counts(m: int, n: int) -> np.ndarray:
+    """How many of the C(m+n, m) orderings of two tie-free samples give U = 0, 1, ..., m·n.
+
+    They are the coefficients of the Gaussian binomial [m+n choose m]_q = Π_{i=1..m} (1 − q^{n+i}) /
+    (1 − q^i) (Mann & Whitney 1947), expanded here as power series in exact integer arithmetic:
+    int64 while C(m+n, m) fits, Python integers beyond. The returned array is read-only.
+    """
+    m, n = min(m, n), max(m, n)
+    size = m * n + 1
+    dtype: type | np.dtype = np.int64 if math.comb(m + n, m) < 2**62 else object
+    counts = np.zeros(size, dtype=dtype)
+    counts[0] = 1
+    for i in range(1, m + 1):
+        shift = n + i
+        if shift < size:
+            counts[shift:] = counts[shift:] - counts[: size - shift]
+        for r in range(i):  # dividing by (1 − q^i) is a running sum over every i-th coefficient
+            counts[r::i] = np.cumsum(counts[r::i])
+    counts.flags.writeable = False
+    return counts
+
+
+def mann_whitney_sf(u: int, m: int, n: int) -> float:
+    """P(U >= u) under the null hypothesis, for samples of sizes m and n without ties."""
+    counts = mann_whitney_counts(m, n)
+    if u <= 0:
+        return 1.0
+    if u > m * n:
+        return 0.0
+    return int(counts[u:].sum()) / math.comb(m + n, m)
+
+
+def lower_critical_count(m: int, n: int, tail: float) -> int:
+    """The largest k with P(U <= k - 1) <= tail (0 when even P(U = 0) exceeds it)."""
+    cumulative = np.cumsum(mann_whitney_counts(m, n))
+    total = math.comb(m + n, m)
+    return int(np.searchsorted(cumulative, tail * total, side="right"))

@@ -1,0 +1,196 @@
+"""Always-valid sequential testing for live monitoring: look after every batch, stop when it is clear.
+
+`SequentialTest` is the mixture sequential probability ratio test (mSPRT; Robbins 1970; Johari,
+Pekelis & Walsh 2017/2022) for the difference of two means, with a normal mixture N(0, τ²) over the
+difference. Its likelihood ratio Λ_t is a nonnegative martingale under the null, so by Ville's
+inequality P(Λ_t >= 1/α for some t) <= α: the p-value min_s 1/Λ_s is valid at any stopping time,
+and {θ : Λ_t(θ) < 1/α} is a confidence sequence (Howard, Ramdas, McAuliffe & Sekhon 2021),
+covering θ at all times at once with probability >= 1 − α. The variance of the difference is the
+running plug-in estimate (the Gaussian approximation of Waudby-Smith et al. 2021's asymptotic
+confidence sequences), so decisions wait until each arm has `min_samples` values.
+
+Because Ville's inequality must hold over an unbounded horizon and between looks, the test spends
+less than α over any finite experiment: its false-positive rate is <= α, not equal to it.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from torchhal.evaluation.stats import _checks
+from torchhal.hal_core import telemetry
+from torchhal.hal_core.errors import InvalidArgumentError
+
+log = telemetry.get_logger("torchhal.evaluation.stats")
+
+
+class Decision(str, enum.Enum):
+    """After a look: keep collecting, or stop because a is shown better or worse than b."""
+
+    CONTINUE = "continue"
+    IMPROVED = "stop-improved"
+    REGRESSED = "stop-regressed"
+
+
+@dataclass(frozen=True, slots=True)
+class SequentialState:
+    """What one look shows: the difference mean(a) − mean(b), its confidence sequence, p and decision."""
+
+    difference: float
+    interval: tuple[float, float]
+    p_value: float
+    decision: Decision
+    n_a: int
+    n_b: int
+
+
+class _RunningMoments:
+    """Count, mean and sum of squared deviations, merged batch by batch (Chan, Golub & LeVeque 1983)."""
+
+    def __init__(self) -> None:
+        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+
+    def add(self, batch: np.ndarray) -> None:
+        if batch.size == 0:
+            return
+        n_b, mean_b = batch.size, float(batch.mean())
+        m2_b = float(np.sum((batch - mean_b) ** 2))
+        total = self.n + n_b
+        delta = mean_b - self.mean
+        self.mean += delta * n_b / total
+        self.m2 += m2_b + delta * delta * self.n * n_b / total
+        self.n = total
+
+    @property
+    def variance(self) -> float:
+        return self.m2 / (self.n - 1)
+
+
+@functools.lru_cache(maxsize=16)
+def optimal_mixture_ratio(alpha: float) -> float:
+    """x = τ²/V at which the confidence sequence is narrowest, V the variance of the difference.
+
+    The half-width is sqrt(V·(1 + x)/x·(2 log(1/α) + log(1 + x))); setting its derivative in x
+    to zero gives x = 2 log(1/α) + log(1 + x), solved by fixed-point iteration (a contraction).
+    """
+    x = 2.0 * math.log(1.0 / alpha)
+    for _ in range(100):
+        x = 2.0 * math.log(1.0 / alpha) + math.log1p(x)
+    return x
+
+
+def mixture_look(
+    difference: Any, var_a: Any, n_a: Any, var_b: Any, n_b: Any, *, alpha: float, tuning_n: int
+) -> tuple[Any, Any]:
+    """One look of the mSPRT: (log Λ at θ = 0, half-width of the confidence sequence).
+
+    With V = var_a/n_a + var_b/n_b and τ² = x·(var_a + var_b)/tuning_n (x from
+    `optimal_mixture_ratio`): log Λ = −½ log(1 + τ²/V) + τ²·d² / (2V(V + τ²)), and Λ(θ) < 1/α
+    for |d − θ| < sqrt(V(V + τ²)/τ² · (2 log(1/α) + log(1 + τ²/V))). Works elementwise on
+    numpy arrays, so simulations can run many experiments at once through the same formula.
+    """
+    variance = var_a / n_a + var_b / n_b
+    tau2 = optimal_mixture_ratio(alpha) * (var_a + var_b) / tuning_n
+    ratio = tau2 / variance
+    log_lr = -0.5 * np.log1p(ratio) + ratio * difference**2 / (2.0 * (variance + tau2))
+    half = np.sqrt((variance + tau2) / ratio * (2.0 * math.log(1.0 / alpha) + np.log1p(ratio)))
+    return log_lr, half
+
+
+class SequentialTest:
+    """Feed batches with `update(a_batch, b_batch)`; read `interval`, `p_value` and `decision`.
+
+    `interval` is the running intersection of the per-look intervals, so it only narrows, and
+    it excludes 0 from the look at which the decision is taken.
+
+    `higher_is_better` says which sign of mean(a) − mean(b) is an improvement (False for latency).
+    `tuning_n` is the per-arm sample size at which the interval is narrowest: τ² is set so the
+    boundary is tightest when each arm holds `tuning_n` values, as Howard et al. (2021) tune it. Once
+    the always-valid p-value falls to alpha the decision is final; later batches still update
+    the estimate and the interval.
+    """
+
+    def __init__(
+        self, *, higher_is_better: bool, alpha: float = 0.05, tuning_n: int = 100, min_samples: int = 10
+    ) -> None:
+        self.alpha = _checks.probability(alpha, "alpha")
+        self.tuning_n = _checks.positive_int(tuning_n, "tuning_n", minimum=1)
+        self.min_samples = _checks.positive_int(min_samples, "min_samples", minimum=2)
+        self.higher_is_better = bool(higher_is_better)
+        self._a, self._b = _RunningMoments(), _RunningMoments()
+        self._state = SequentialState(math.nan, (-math.inf, math.inf), 1.0, Decision.CONTINUE, 0, 0)
+
+    @property
+    def state(self) -> SequentialState:
+        return self._state
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return self._state.interval
+
+    @property
+    def p_value(self) -> float:
+        return self._state.p_value
+
+    @property
+    def decision(self) -> Decision:
+        return self._state.decision
+
+    def update(self, a_batch: Any, b_batch: Any) -> SequentialState:
+        """Add a batch of each arm (either may be empty, not both) and look once."""
+        a = _checks.sample(a_batch, "a_batch", min_size=0)
+        b = _checks.sample(b_batch, "b_batch", min_size=0)
+        if a.size == 0 and b.size == 0:
+            raise InvalidArgumentError(
+                "update needs at least one value in a_batch or b_batch; both are empty"
+            )
+        self._a.add(a)
+        self._b.add(b)
+        self._state = self._look()
+        return self._state
+
+    def _look(self) -> SequentialState:
+        a, b, previous = self._a, self._b, self._state
+        difference = a.mean - b.mean if a.n and b.n else math.nan
+        if min(a.n, b.n) < self.min_samples or a.m2 + b.m2 == 0.0:
+            # Too few values, or both arms constant so far (no scale to test on): keep waiting.
+            return SequentialState(difference, (-math.inf, math.inf), 1.0, Decision.CONTINUE, a.n, b.n)
+        log_lr, half = mixture_look(
+            difference, a.variance, a.n, b.variance, b.n, alpha=self.alpha, tuning_n=self.tuning_n
+        )
+        p_value = min(previous.p_value, math.exp(min(0.0, -float(log_lr))))
+        half = float(half)
+        decision = previous.decision
+        if decision is Decision.CONTINUE and p_value <= self.alpha:
+            better = (difference > 0) == self.higher_is_better
+            decision = Decision.IMPROVED if better else Decision.REGRESSED
+        return SequentialState(
+            difference, self._intersect(difference - half, difference + half), p_value, decision, a.n, b.n
+        )
+
+    def _intersect(self, low: float, high: float) -> tuple[float, float]:
+        """The running intersection of the intervals so far, itself a confidence sequence.
+
+        An empty intersection cannot happen when one fixed difference underlies every batch
+        (unless the sequence already missed it); it signals drift. It is logged and counted, and
+        the intersection restarts from the current interval.
+        """
+        previous_low, previous_high = self._state.interval
+        low_kept, high_kept = max(low, previous_low), min(high, previous_high)
+        if low_kept <= high_kept:
+            return low_kept, high_kept
+        log.warning(
+            "sequential.interval_empty",
+            current=(low, high),
+            previous=(previous_low, previous_high),
+            n_a=self._a.n,
+            n_b=self._b.n,
+        )
+        telemetry.count("torchhal.stats.sequential_interval_restarts")
+        return low, high
