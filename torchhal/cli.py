@@ -123,5 +123,15 @@ def demo() -> None:
     run(console)
 
 
+def _register_ab() -> None:
+    """`torchhal ab SPEC`: an A/B experiment from a spec file (torchhal.evaluation)."""
+    from torchhal.evaluation.cli import ab
+
+    app.command(name="ab")(ab)
+
+
+_register_ab()
+
+
 def main() -> None:
     app()

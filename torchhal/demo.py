@@ -69,7 +69,15 @@ def run(console: Console) -> None:
             rejected = "; ".join(f"{r.candidate}: {r.reason.value}" for r in sel.rejected) or "-"
             suffix = " (simulated)" if dev.simulated else ""
             table.add_row(
-                dev.id, op, str(dtype).removeprefix("torch."), sel.candidate.qualified_name, rejected,
+                dev.id,
+                op,
+                str(dtype).removeprefix("torch."),
+                sel.candidate.qualified_name,
+                rejected,
                 f"{elapsed:.3f}{suffix}",
             )
     console.print(table)
+
+    from torchhal.evaluation.demo import demo_section  # section 5: A/B with statistics
+
+    demo_section(console, hal)

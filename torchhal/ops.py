@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from torchhal.hal_core.errors import InvalidArgumentError
 from torchhal.hal_core.hal import active_hal
+from torchhal.kernels import layer_norm as _layer_norm
+from torchhal.kernels import rms_norm as _rms_norm
+from torchhal.kernels import rope as _rope
+from torchhal.kernels import swiglu as _swiglu
+from torchhal.kernels.autograd import DifferentiableOp
 
 if TYPE_CHECKING:
     import torch
@@ -36,15 +42,49 @@ def set_default_hal(hal: HardwareAbstractionLayer | None) -> None:
 
 def _dispatch(op: str, first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     hal = active_hal() or _default or default_hal()
-    return hal.kernels.call(op, hal.device_for_tensor(first), first, *args, **kwargs)
+    try:
+        device = hal.device_for_tensor(first)
+    except AttributeError:
+        raise InvalidArgumentError(
+            f"{op}: the first argument must be a torch.Tensor, got {type(first).__name__}"
+        ) from None
+    return hal.kernels.call(op, device, first, *args, **kwargs)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _dispatch("matmul", a, b)  # type: ignore[no-any-return]
 
 
+_RMS_NORM = DifferentiableOp(_rms_norm.AUTOGRAD, _dispatch)
+_LAYER_NORM = DifferentiableOp(_layer_norm.AUTOGRAD, _dispatch)
+_SWIGLU = DifferentiableOp(_swiglu.SWIGLU_AUTOGRAD, _dispatch)
+_GEGLU = DifferentiableOp(_swiglu.GEGLU_AUTOGRAD, _dispatch)
+_ROPE = DifferentiableOp(_rope.AUTOGRAD, _dispatch)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return _dispatch("rms_norm", x, weight, eps)  # type: ignore[no-any-return]
+    return _RMS_NORM(x, weight, eps)  # type: ignore[no-any-return]
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return _LAYER_NORM(x, weight, bias, eps)  # type: ignore[no-any-return]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up."""
+    return _SWIGLU(gate, up)  # type: ignore[no-any-return]
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up."""
+    return _GEGLU(gate, up)  # type: ignore[no-any-return]
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embedding of q and k, Hugging Face's rotate-half convention."""
+    return _ROPE(q, k, cos, sin)  # type: ignore[no-any-return]
 
 
 def attention(

@@ -12,6 +12,7 @@ input and compute the expected result on its own.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -487,3 +488,8 @@ if __name__ == "__main__":
     )
     (out_dir / f"rank{rank_s}.json").write_text(json.dumps(result))
     sys.stdout.flush()
+    if scenario == "timeout":
+        # The timed-out all_reduce leaves gloo work pending; its destructor may abort the process
+        # at interpreter exit ("terminate called without an active exception"). The outcome is
+        # already on disk, so leave without running destructors.
+        os._exit(0)

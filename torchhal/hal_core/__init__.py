@@ -38,11 +38,12 @@ from torchhal.hal_core.errors import (
     UnsupportedError,
 )
 from torchhal.hal_core.hookspecs import hookimpl
-from torchhal.hal_core.kernels import KernelRegistry, RejectionReason, Selection, Unsupported
+from torchhal.hal_core.kernels import Candidate, KernelRegistry, RejectionReason, Selection, Unsupported
 
 __all__ = [
     "HAL_API_VERSION",
     "SCHEMA_VERSION",
+    "Candidate",
     "CollectiveBandwidth",
     "CollectiveError",
     "ConfigurationError",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +85,14 @@ class LinkType(str, enum.Enum):
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @field_serializer("*", when_used="json")
+    def _sets_sorted(self, value: Any) -> Any:
+        """Sets dump sorted: frozenset order follows string hashing, which changes per process,
+        and the same device must give the same JSON (reports, fingerprints, digests)."""
+        if isinstance(value, (set, frozenset)):
+            return sorted(v.value if isinstance(v, enum.Enum) else v for v in value)
+        return value
 
 
 class DeclaredPeaks(_Frozen):

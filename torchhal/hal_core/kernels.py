@@ -173,6 +173,10 @@ class KernelRegistry:
         self._opdef(op)
         return tuple(self._candidates[op])
 
+    def bound(self, candidate: Candidate, device: Device) -> Callable[..., Any]:
+        """A candidate's callable for `device`, bound as selection binds it (to compare candidates)."""
+        return _bound(candidate, device.capabilities)
+
     def signature(self, op: str, *args: Any, **kwargs: Any) -> Hashable:
         return self._opdef(op).signature(*args, **kwargs)
 

@@ -8,9 +8,9 @@ plugin's hooks are, so `torchhal.hal_core` never imports this package. Each op m
 from __future__ import annotations
 
 from torchhal.hal_core import KernelRegistry, hookimpl
-from torchhal.kernels import attention, matmul, rms_norm
+from torchhal.kernels import attention, layer_norm, matmul, rms_norm, rope, swiglu
 
-OP_MODULES = (matmul, rms_norm, attention)
+OP_MODULES = (matmul, rms_norm, layer_norm, swiglu, rope, attention)
 
 
 @hookimpl

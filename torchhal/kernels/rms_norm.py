@@ -103,9 +103,8 @@ def reference_backward(
 def aten(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """PyTorch's fused rms_norm (torch >= 2.4), computing in fp32 as the reference does."""
     ct = compute_dtype(x.dtype)
-    return (
-        torch.nn.functional.rms_norm(x.to(ct), (weight.shape[0],), weight.to(ct), eps).to(x.dtype).contiguous()
-    )
+    y = torch.nn.functional.rms_norm(x.to(ct), (weight.shape[0],), weight.to(ct), eps)
+    return y.to(x.dtype).contiguous()
 
 
 def aten_supports(caps: DeviceCapabilities, sig: RMSNormSignature) -> Unsupported | None:
@@ -115,7 +114,8 @@ def aten_supports(caps: DeviceCapabilities, sig: RMSNormSignature) -> Unsupporte
 
 
 def triton_supports(caps: DeviceCapabilities, sig: RMSNormSignature) -> Unsupported | None:
-    return triton_unsupported(caps, sig.dtype) or block_unsupported(sig.hidden) or layout_unsupported(sig.rows)
+    verdict = triton_unsupported(caps, sig.dtype) or block_unsupported(sig.hidden)
+    return verdict or layout_unsupported(sig.rows)
 
 
 def _triton_forward(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:

@@ -110,6 +110,23 @@ def _layer_norm(g: torch.Generator) -> list[Case]:
     ]
 
 
+def _layer_norm_backward(g: torch.Generator) -> list[Case]:
+    return [
+        Case("dy, x 5x97", (_randn(g, 5, 97), _randn(g, 5, 97, scale=2) + 0.5, 1 + _randn(g, 97, scale=0.1))),
+        Case(
+            "dy, x 2x3x33, eps 1e-6",
+            (_randn(g, 2, 3, 33), _randn(g, 2, 3, 33), 1 + _randn(g, 33, scale=0.1), 1e-6),
+        ),
+    ]
+
+
+def _gated_backward(g: torch.Generator) -> list[Case]:
+    return [
+        Case("dy, gate, up 6x45", (_randn(g, 6, 45), _randn(g, 6, 45, scale=2), _randn(g, 6, 45))),
+        Case("dy, gate, up 2x3x33", (_randn(g, 2, 3, 33), _randn(g, 2, 3, 33, scale=2), _randn(g, 2, 3, 33))),
+    ]
+
+
 def _gated(g: torch.Generator) -> list[Case]:
     return [
         Case("6x45", (_randn(g, 6, 45, scale=2), _randn(g, 6, 45))),
@@ -130,6 +147,17 @@ def _rope(g: torch.Generator) -> list[Case]:
             "q 2x4x11x16, k 2x2x11x16 (GQA)",
             (_randn(g, batch, 4, seq, dim), _randn(g, batch, 2, seq, dim), emb.cos(), emb.sin()),
         )
+    ]
+
+
+def _rope_backward(g: torch.Generator) -> list[Case]:
+    """The gradients flowing into q' and k' have q's and k's shapes; cos and sin as forward."""
+    return [
+        Case(
+            f"dq', dk' of {case.label}",
+            (_randn(g, *case.args[0].shape), _randn(g, *case.args[1].shape), *case.args[2:]),
+        )
+        for case in _rope(g)
     ]
 
 
@@ -188,9 +216,13 @@ CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases
     "rms_norm": _rms_norm,
     "rms_norm_backward": _rms_norm_backward,
     "layer_norm": _layer_norm,
+    "layer_norm_backward": _layer_norm_backward,
     "swiglu": _gated,
+    "swiglu_backward": _gated_backward,
     "geglu": _gated,
+    "geglu_backward": _gated_backward,
     "rope": _rope,
+    "rope_backward": _rope_backward,
     "attention": _attention,
     "attention_forward": _attention,
     "attention_backward": _attention_backward,

@@ -1,0 +1,55 @@
+"""rms_norm and layer_norm Triton kernels on an NVIDIA GPU in bf16 and fp16 at model sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchhal.kernels import layer_norm, rms_norm
+
+pytestmark = pytest.mark.gpu
+
+DTYPES = [torch.bfloat16, torch.float16]
+SHAPES = [(4096, 4096), (8192, 2048), (2, 1023, 5120), (1024, 16384), (97, 123)]
+
+
+def _weight(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1 + 0.2 * torch.randn(n, device="cuda")).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rms_norm(gpu_hal, candidate, check_kernels, dtype, shape):
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    args, dy = (x, _weight(shape[-1], dtype), 1e-6), torch.randn_like(x)
+    forward = candidate(gpu_hal, "rms_norm", "triton", *args)
+    backward = candidate(gpu_hal, "rms_norm_backward", "triton", dy, *args)
+    check_kernels(rms_norm.AUTOGRAD, forward, backward, rms_norm.reference, args, (dy,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_layer_norm(gpu_hal, candidate, check_kernels, dtype, shape):
+    x = torch.randn(shape, device="cuda", dtype=dtype) + 2
+    bias = (0.2 * torch.randn(shape[-1], device="cuda")).to(dtype)
+    args, dy = (x, _weight(shape[-1], dtype), bias, 1e-5), torch.randn_like(x)
+    forward = candidate(gpu_hal, "layer_norm", "triton", *args)
+    backward = candidate(gpu_hal, "layer_norm_backward", "triton", dy, x, args[1], 1e-5)
+    check_kernels(layer_norm.AUTOGRAD, forward, backward, layer_norm.reference, args, (dy,))
+
+
+def test_norms_compile_with_inductor(gpu_ops):
+    """Both ops inside one torch.compile(fullgraph=True) graph, forward and backward, against eager."""
+    torch._dynamo.reset()
+    x = torch.randn(512, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = _weight(4096, torch.bfloat16).requires_grad_(True)
+    b = torch.zeros(4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def block(x, w, b):
+        return gpu_ops.layer_norm(gpu_ops.rms_norm(x, w, 1e-6) * 2, w, b, 1e-5).float().square().mean()
+
+    eager = torch.autograd.grad(block(x, w, b), (x, w, b))
+    compiled = torch.compile(block, fullgraph=True)
+    got = torch.autograd.grad(compiled(x, w, b), (x, w, b))
+    for g, e in zip(got, eager, strict=True):
+        torch.testing.assert_close(g, e)

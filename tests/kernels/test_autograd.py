@@ -1,0 +1,186 @@
+"""The autograd/custom-op glue: each path dispatches the registry op it should, and torch.compile works."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchhal.hal_core import UnsupportedError
+from torchhal.kernels import rms_norm, rope
+from torchhal.kernels.autograd import AutogradSpec, DifferentiableOp
+
+
+def _spy(hal, op, calls):
+    """A top-priority candidate of `op` that records its call and runs the op's reference."""
+    reference = hal.kernels.op(op).reference
+
+    def spy(*args):
+        calls.append(op)
+        return reference(*args)
+
+    hal.kernels.register(op, "spy", spy, provider="test", priority=100)
+
+
+OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope")
+REGISTRY_OPS = OPS + tuple(f"{op}_backward" for op in OPS)
+
+
+@pytest.fixture
+def calls(fresh_ops):
+    seen: list[str] = []
+    for op in REGISTRY_OPS:
+        _spy(fresh_ops.hal, op, seen)
+    return seen
+
+
+def _rope_inputs(grad: bool):
+    q = torch.randn(2, 4, 5, 8, requires_grad=grad)
+    k = torch.randn(2, 2, 5, 8, requires_grad=grad)
+    angles = torch.randn(2, 1, 5, 4)
+    emb = torch.cat((angles, angles), -1)
+    return q, k, emb.cos(), emb.sin()
+
+
+def _inputs(grad: bool):
+    x = torch.randn(9, 33, requires_grad=grad)
+    w = (1 + 0.1 * torch.randn(33)).requires_grad_(grad)
+    return x, w
+
+
+def test_no_grad_call_goes_straight_to_the_op(fresh_ops, calls):
+    x, w = _inputs(grad=False)
+    y = fresh_ops.rms_norm(x, w, 1e-6)
+    assert calls == ["rms_norm"] and y.grad_fn is None
+    torch.testing.assert_close(y, rms_norm.reference(x, w, 1e-6))
+    x.requires_grad_(True)
+    with torch.no_grad():
+        assert fresh_ops.rms_norm(x, w, 1e-6).grad_fn is None
+    assert calls == ["rms_norm", "rms_norm"]
+
+
+def test_autograd_dispatches_forward_and_backward_through_the_registry(fresh_ops, calls):
+    x, w = _inputs(grad=True)
+    dy = torch.randn(9, 33)
+    y = fresh_ops.rms_norm(x, w, 1e-6)
+    assert type(y.grad_fn).__name__.startswith("rms_norm_function")
+    y.backward(dy)
+    assert calls == ["rms_norm", "rms_norm_backward"]
+    dx, dw = rms_norm.reference_backward(dy, x.detach(), w.detach(), 1e-6)
+    torch.testing.assert_close(x.grad, dx)
+    torch.testing.assert_close(w.grad, dw)
+
+
+def test_only_the_inputs_that_need_it_get_a_gradient(fresh_ops, calls):
+    x, w = _inputs(grad=False)
+    x.requires_grad_(True)
+    fresh_ops.rms_norm(x, w, 1e-6).sum().backward()
+    assert x.grad is not None and w.grad is None
+
+
+def test_an_unused_output_gets_a_zero_gradient(fresh_ops, calls):
+    q, k = torch.randn(2, 3, 5, 8, requires_grad=True), torch.randn(2, 1, 5, 8, requires_grad=True)
+    angles = torch.randn(1, 1, 5, 4)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    dq_out = torch.randn(2, 3, 5, 8)
+    q_rot, _ = fresh_ops.rope(q, k, cos, sin)
+    q_rot.backward(dq_out)
+    dq, _ = rope.reference_backward(dq_out, torch.zeros(2, 1, 5, 8), cos, sin)
+    torch.testing.assert_close(q.grad, dq)
+    assert torch.count_nonzero(k.grad) == 0 and calls == ["rope", "rope_backward"]
+
+
+def test_a_table_that_requires_grad_is_refused(fresh_ops):
+    q, k = torch.randn(1, 2, 4, 8, requires_grad=True), torch.randn(1, 2, 4, 8)
+    cos, sin = torch.randn(4, 8, requires_grad=True), torch.randn(4, 8)
+    with pytest.raises(UnsupportedError, match=r"rope: input 'cos' requires grad.*q, k"):
+        fresh_ops.rope(q, k, cos, sin)
+
+
+def test_saved_inputs_are_guarded_against_inplace_changes(fresh_ops):
+    x, w = _inputs(grad=True)
+    base = x * 1
+    y = fresh_ops.rms_norm(base, w, 1e-6)
+    base.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_compile_fullgraph_uses_the_custom_ops(fresh_ops, calls):
+    """Every op in one compiled block, forward and backward, with no graph break; aot_eager runs
+    Dynamo, the fake implementations and AOTAutograd (the GPU tests compile with inductor)."""
+    torch._dynamo.reset()
+
+    def block(x, w, b, q, k, cos, sin):
+        h = fresh_ops.layer_norm(fresh_ops.rms_norm(x * 2, w, 1e-6), w, b, 1e-5)
+        gate, up = h.chunk(2, dim=-1)
+        q2, k2 = fresh_ops.rope(q, k, cos, sin)
+        gated = fresh_ops.swiglu(gate, up) + fresh_ops.geglu(up, gate)
+        return gated.tanh().sum() + (q2 * 3).sum() + k2.square().sum()
+
+    x, w = _inputs(grad=True)
+    x, w = x[:, :32].detach().requires_grad_(True), w[:32].detach().requires_grad_(True)
+    b = torch.randn(32, requires_grad=True)
+    inputs = (x, w, b, *_rope_inputs(grad=True))
+    twins = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    compiled(*inputs).backward()
+    assert sorted(set(calls)) == sorted(REGISTRY_OPS)
+    block(*twins).backward()
+    for got, want in zip(inputs, twins, strict=True):
+        if want.requires_grad:
+            torch.testing.assert_close(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("op", REGISTRY_OPS)
+def test_custom_op_registrations_pass_opcheck(plain_ops, op):
+    """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree."""
+    x, w = _inputs(grad=True)
+    b, dy = torch.randn(33, requires_grad=True), torch.randn(9, 33)
+    q, k, cos, sin = _rope_inputs(grad=True)
+    args = {
+        "rms_norm": (x, w, 1e-6),
+        "rms_norm_backward": (dy, x.detach(), w.detach(), 1e-6),
+        "layer_norm": (x, w, b, 1e-5),
+        "layer_norm_backward": (dy, x.detach(), w.detach(), 1e-5),
+        "swiglu": (x, x.detach().flip(0).requires_grad_(True)),
+        "swiglu_backward": (dy, x.detach(), dy.flip(0)),
+        "geglu": (x, x.detach().flip(0).requires_grad_(True)),
+        "geglu_backward": (dy, x.detach(), dy.flip(0)),
+        "rope": (q, k, cos, sin),
+        "rope_backward": (q.detach(), k.detach(), cos, sin),
+    }[op]
+    torch.library.opcheck(getattr(torch.ops.torchhal_test, op).default, args)
+
+
+def test_context_values_that_are_none_survive_to_the_backward(fresh_ops):
+    """A non-tensor context value of None (attention's scale or window) is not a saved-tensor slot."""
+
+    def scale(x: torch.Tensor, factor: float | None) -> torch.Tensor:
+        return x * (2.0 if factor is None else factor)
+
+    def scale_backward(dy: torch.Tensor, x: torch.Tensor, factor: float | None) -> torch.Tensor:
+        return dy * (2.0 if factor is None else factor) + 0 * x
+
+    def fake(x: torch.Tensor, factor: float | None) -> torch.Tensor:
+        return x.new_empty(x.shape)
+
+    def backward_fake(dy: torch.Tensor, x: torch.Tensor, factor: float | None) -> torch.Tensor:
+        return x.new_empty(x.shape)
+
+    fresh_ops.hal.kernels.define_op("toy_scale", scale, signature=lambda x, factor: (x.dtype, factor))
+    fresh_ops.hal.kernels.define_op(
+        "toy_scale_backward", scale_backward, signature=lambda dy, x, factor: (x.dtype, factor)
+    )
+    spec = AutogradSpec(
+        op="toy_scale",
+        forward="toy_scale",
+        backward="toy_scale_backward",
+        forward_fake=fake,
+        backward_fake=backward_fake,
+        differentiable=(0,),
+        context=lambda inputs, results: (inputs[0], inputs[1]),  # a tensor, then None
+    )
+    toy = DifferentiableOp(spec, fresh_ops.dispatch, namespace="torchhal_test_toy")
+    x = torch.randn(5, requires_grad=True)
+    toy(x, None).backward(torch.ones(5))
+    torch.testing.assert_close(x.grad, torch.full((5,), 2.0))

@@ -1,0 +1,85 @@
+"""layer_norm: the Triton forward and backward (CPU interpreter, fp32) against the fp64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from torchhal.hal_core import InvalidArgumentError, RejectionReason, UnsupportedError
+from torchhal.kernels import layer_norm
+
+
+def _params(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return 1 + 0.2 * torch.randn(n), 0.2 * torch.randn(n)
+
+
+@pytest.mark.parametrize(("shape", "eps", "offset"), [((97, 123), 1e-5, 0.0), ((9, 203), 0.1, 3.0)])
+def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, shape, eps, offset):
+    """`offset` shifts the rows' mean away from 0, where a one-pass variance would lose digits."""
+    x, dy = torch.randn(shape) + offset, torch.randn(shape)
+    w, b = _params(shape[-1])
+    cpu = ops.hal.device("cpu")
+    assert ops.hal.kernels.select("layer_norm", cpu, x, w, b, eps).candidate.name == "triton"
+    assert ops.hal.kernels.select("layer_norm_backward", cpu, dy, x, w, eps).candidate.name == "triton"
+    check_op(ops.layer_norm, layer_norm.reference, (x, w, b, eps), (dy,), (0, 1, 2))
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    rows=st.integers(1, 5),
+    hidden=st.integers(4, 130),
+    row_gap=st.integers(0, 5),
+    leading=st.sampled_from([(), (2,), (1, 2)]),
+)
+def test_strided_rows_property(ops, check_op, rows, hidden, row_gap, leading):
+    """Row-strided views of wider buffers. Hidden <= 3 is left out of the gradient comparison:
+    (x - mean) / std is then pinned by its two constraints (zero mean, unit variance) to a few
+    points, the exact dx is ~0 up to eps terms, and every fp32 dx is cancellation noise."""
+    x = torch.randn(*leading, rows, hidden + row_gap)[..., :hidden]
+    dy = torch.randn(*leading, rows, hidden + 2 * row_gap)[..., row_gap : row_gap + hidden]
+    w, b = _params(hidden)
+    cpu = ops.hal.device("cpu")
+    assert ops.hal.kernels.select("layer_norm_backward", cpu, dy, x, w, 1e-5).candidate.name == "triton"
+    check_op(ops.layer_norm, layer_norm.reference, (x, w, b, 1e-5), (dy,), (0, 1, 2))
+
+
+def test_layout_the_kernel_cannot_index_goes_to_the_reference(ops):
+    x = torch.randn(5, 3, 40).transpose(0, 1)  # leading dims not collapsible into one row stride
+    w, b = _params(40)
+    sel = ops.hal.kernels.select("layer_norm", ops.hal.device("cpu"), x, w, b, 1e-5)
+    assert sel.candidate.name == "reference"
+    assert {r.candidate: r.reason for r in sel.rejected}["torchhal/triton"] is RejectionReason.LAYOUT
+    torch.testing.assert_close(ops.layer_norm(x, w, b, 1e-5), layer_norm.reference(x.contiguous(), w, b))
+
+
+@pytest.mark.parametrize(
+    ("args", "error", "match"),
+    [
+        (
+            (torch.randn(4, 8), torch.randn(8), torch.randn(7)),
+            InvalidArgumentError,
+            r"layer_norm: weight and bias",
+        ),
+        (
+            (torch.randn(4, 8), torch.randn(8), None),
+            InvalidArgumentError,
+            r"layer_norm: bias must be a torch",
+        ),
+        ((torch.randn(4, 9), torch.randn(8), torch.randn(8)), InvalidArgumentError, r"layer_norm: x's last"),
+        (
+            (torch.ones(4, 8, dtype=torch.int32), *_params(8)),
+            UnsupportedError,
+            r"layer_norm: x must be a float",
+        ),
+        (
+            (torch.randn(4, 8), torch.randn(8), torch.randn(8).half()),
+            InvalidArgumentError,
+            r"layer_norm: dtypes",
+        ),
+    ],
+)
+def test_bad_input_is_refused(ops, args, error, match):
+    with pytest.raises(error, match=match):
+        ops.layer_norm(*args, 1e-5)

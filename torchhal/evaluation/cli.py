@@ -1,0 +1,160 @@
+"""`torchhal ab SPEC`: run an A/B experiment from a spec file, write its reports, gate CI on it.
+
+Exit codes: 0 when the experiment ran (with `--gate`: and no metric regressed significantly
+beyond its noise threshold); 1 with `--gate` when one did; 2 for a bad spec or bad arguments;
+3 when a variant failed while running.
+Finished samples go to OUT/samples.sqlite as they are measured, so running the same command
+again after an interruption resumes; `--fresh` discards them first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from torchhal.evaluation.compare import Verdict
+from torchhal.evaluation.experiment import ExperimentResult, run_experiment
+from torchhal.evaluation.metrics import METRICS
+from torchhal.evaluation.plots import available as plots_available
+from torchhal.evaluation.plots import write_plots
+from torchhal.evaluation.report import write_json, write_markdown
+from torchhal.evaluation.spec import load_spec
+from torchhal.evaluation.store import SampleStore
+from torchhal.hal_core import TorchHALError
+
+EXIT_REGRESSION = 1
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 3
+
+app = typer.Typer(help="A/B experiments on the HAL.")
+_COLORS = {
+    Verdict.IMPROVED: "green",
+    Verdict.REGRESSED: "red",
+    Verdict.EQUIVALENT: "cyan",
+    Verdict.INCONCLUSIVE: "yellow",
+}
+
+
+@app.command()
+def ab(
+    spec: Annotated[Path, typer.Argument(help="Experiment spec (.toml; .yaml with PyYAML).")],
+    gate: Annotated[
+        bool, typer.Option("--gate", help="Exit 1 on a significant regression beyond the noise threshold.")
+    ] = False,
+    gate_metric: Annotated[
+        list[str] | None, typer.Option("--gate-metric", help="Gate on these metrics only (repeatable).")
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Output directory; default ab-results/<spec name>.")
+    ] = None,
+    plots: Annotated[
+        bool | None, typer.Option("--plots/--no-plots", help="PNG plots (needs the 'plots' extra).")
+    ] = None,
+    fresh: Annotated[
+        bool, typer.Option("--fresh", help="Discard stored samples instead of resuming.")
+    ] = False,
+) -> None:
+    """Run the experiment in SPEC; write result.json, report.md and plots to OUT."""
+    console = Console(stderr=True)
+    unknown = sorted(set(gate_metric or ()) - set(METRICS))
+    if unknown:
+        console.print(f"[red]error:[/] --gate-metric: unknown metric(s) {unknown}; known: {sorted(METRICS)}")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    if plots and not plots_available():
+        console.print("[red]error:[/] --plots needs matplotlib: pip install 'torchhal[plots]'")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    out_dir = out or Path("ab-results") / spec.stem
+    try:
+        loaded = load_spec(spec)
+    except TorchHALError as exc:
+        console.print(f"[red]error:[/] {exc}")
+        raise typer.Exit(EXIT_BAD_INPUT) from exc
+    out_dir.mkdir(parents=True, exist_ok=True)
+    store_path = out_dir / "samples.sqlite"
+    if fresh:
+        for path in (store_path, *(store_path.with_name(store_path.name + s) for s in ("-wal", "-shm"))):
+            path.unlink(missing_ok=True)
+    console.print(
+        f"[bold]{loaded.config.name}[/]: {len(loaded.variants)} variants, baseline {loaded.config.baseline}"
+    )
+    with SampleStore(store_path) as store, _progress(console) as progress:
+        tasks: dict[str, TaskID] = {}
+
+        def advance(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = progress.add_task(phase, total=total)
+            progress.update(tasks[phase], completed=done)
+
+        try:
+            result = run_experiment(loaded.variants, loaded.config, store=store, progress=advance)
+        except TorchHALError as exc:
+            console.print(f"[red]error:[/] {exc}")
+            raise typer.Exit(EXIT_BAD_INPUT) from exc
+        except Exception as exc:  # a variant's own code failed: not a regression, not bad input
+            console.print(
+                f"[red]failed:[/] {type(exc).__name__}: {exc} (finished samples are in {store_path})"
+            )
+            raise typer.Exit(EXIT_FAILED) from exc
+    written = [write_json(result, out_dir / "result.json"), write_markdown(result, out_dir / "report.md")]
+    if plots or (plots is None and plots_available()):
+        written += write_plots(result, out_dir)
+    elif plots is None:
+        console.print("note: no plots: matplotlib is not installed (pip install 'torchhal[plots]')")
+    print_result(console, result)
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    if gate:
+        regressions = result.regressions(gate_metric or None)
+        if regressions:
+            for c in regressions:
+                console.print(f"[red]gate: {c.variant} regressed on {c.metric}:[/] {c.reason}")
+            raise typer.Exit(EXIT_REGRESSION)
+        console.print("gate: no significant regression beyond the noise thresholds")
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def print_result(console: Console, result: ExperimentResult) -> None:
+    """The comparisons as a rich table, and the cost rows."""
+    table = Table(title=f"vs baseline {result.config.baseline}")
+    for col in (
+        "metric",
+        "variant",
+        "median (variant / baseline)",
+        "change [CI]",
+        "p beyond thr. (corr.)",
+        "verdict",
+    ):
+        table.add_column(col)
+    for c in result.comparisons:
+        if c.ratio is not None and c.ratio_interval is not None:
+            change = f"×{c.ratio:.3f} [{c.ratio_interval[0]:.3f}, {c.ratio_interval[1]:.3f}]"
+        else:
+            change = f"{c.shift:+.3g} [{c.shift_interval[0]:+.3g}, {c.shift_interval[1]:+.3g}]"
+        color = _COLORS[c.verdict]
+        table.add_row(
+            c.metric,
+            c.variant,
+            f"{c.median_variant:.4g} / {c.median_baseline:.4g} {c.unit}",
+            change,
+            f"{c.p_corrected:.3g}",
+            f"[{color}]{c.verdict.value}[/]",
+        )
+    console.print(table)
+    for r in result.cost:
+        front = " (Pareto front)" if r.variant in result.pareto else ""
+        sim = ", simulated time" if r.simulated else ""
+        console.print(f"  {r.variant}: {r.cost_per_million_items:.4g} per 10⁶ items{sim}{front}")

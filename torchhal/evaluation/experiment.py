@@ -1,0 +1,304 @@
+"""A/B experiments: measure variants, compare each with the baseline on every metric, price them.
+
+Variants are anything `Variant` can hold: devices, kernel candidates, dtypes, model variants,
+any callable (see `variants.py` for builders). Metrics: latency, throughput, memory (from the
+harness) and quality (errors against a reference variant). Every (variant, metric) pair is
+one comparison against the baseline (see `compare.py`); their p-values are corrected as one
+family. With a price table, each variant gets a cost per million items and the Pareto front
+of cost, latency (and quality error) names the variants worth considering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from torchhal.evaluation.compare import CORRECTIONS, Comparison, Verdict, compare, correct
+from torchhal.evaluation.cost import CostRow, check_prices, cost_row, pareto_front
+from torchhal.evaluation.fingerprint import environment_fingerprint
+from torchhal.evaluation.harness import ORDERS, Measurement, Variant, measure
+from torchhal.evaluation.metrics import DEFAULT_THRESHOLDS, METRICS, Threshold, metric
+from torchhal.evaluation.quality import ERRORS, measure_quality
+from torchhal.evaluation.store import SampleStore
+from torchhal.hal_core import InvalidArgumentError, telemetry
+
+log = telemetry.get_logger("torchhal.evaluation.experiment")
+
+PhaseProgress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """How to run and judge an experiment. `thresholds` maps metric names to their noise
+    thresholds (default: `metrics.DEFAULT_THRESHOLDS`; quality must be given). `reference`
+    names the variant whose outputs are the ground truth for quality."""
+
+    baseline: str
+    metrics: tuple[str, ...] = ("latency",)
+    thresholds: Mapping[str, Threshold] = field(default_factory=dict)
+    alpha: float = 0.05
+    correction: str = "holm"
+    warmup: int = 5
+    repetitions: int = 30
+    inner: int = 1
+    order: str = "interleaved"
+    seed: int = 0
+    flush_every: int = 8
+    reference: str | None = None
+    quality_error: str = "rel_l2"
+    prices: Mapping[str, float] | None = None
+    n_resamples: int = 10_000
+    name: str = "experiment"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "metrics", tuple(self.metrics))
+        if not self.metrics:
+            raise InvalidArgumentError("an experiment needs at least one metric, got none")
+        for name in self.metrics:
+            metric(name)
+        if len(set(self.metrics)) != len(self.metrics):
+            raise InvalidArgumentError(f"metrics must be distinct, got {list(self.metrics)}")
+        unknown = sorted(set(self.thresholds) - set(METRICS))
+        if unknown:
+            raise InvalidArgumentError(
+                f"thresholds for unknown metric(s) {unknown}; known: {sorted(METRICS)}"
+            )
+        object.__setattr__(
+            self, "thresholds", {k: Threshold.parse(v, f"metric {k!r}") for k, v in self.thresholds.items()}
+        )
+        if not 0 < self.alpha < 0.5:
+            raise InvalidArgumentError(f"alpha must lie strictly between 0 and 0.5, got {self.alpha!r}")
+        if self.correction not in CORRECTIONS:
+            raise InvalidArgumentError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")
+        if self.order not in ORDERS:
+            raise InvalidArgumentError(f"order must be one of {ORDERS}, got {self.order!r}")
+        if "quality" in self.metrics:
+            if self.reference is None:
+                raise InvalidArgumentError(
+                    "metric 'quality' needs `reference`: the variant whose outputs are ground truth"
+                )
+            if "quality" not in self.thresholds:
+                raise InvalidArgumentError(
+                    "metric 'quality' needs a threshold (e.g. {absolute = 1e-3}): what error change matters "
+                    "depends on the op and dtype, so there is no default"
+                )
+        if (
+            isinstance(self.n_resamples, bool)
+            or not isinstance(self.n_resamples, int)
+            or self.n_resamples < 100
+        ):
+            raise InvalidArgumentError(f"n_resamples must be an integer >= 100, got {self.n_resamples!r}")
+        if self.quality_error not in ERRORS:
+            raise InvalidArgumentError(f"quality_error must be one of {ERRORS}, got {self.quality_error!r}")
+        if self.prices is not None:
+            object.__setattr__(self, "prices", check_prices(self.prices))
+            if not {"latency", "throughput"} & set(self.metrics):
+                raise InvalidArgumentError("prices need a timing metric ('latency' or 'throughput') to cost")
+
+    def threshold(self, name: str) -> Threshold:
+        return self.thresholds.get(name) or DEFAULT_THRESHOLDS[name]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "baseline": self.baseline,
+            "metrics": list(self.metrics),
+            "thresholds": {m: self.threshold(m).describe() for m in self.metrics},
+            "alpha": self.alpha,
+            "correction": self.correction,
+            "warmup": self.warmup,
+            "repetitions": self.repetitions,
+            "inner": self.inner,
+            "order": self.order,
+            "seed": self.seed,
+            "flush_every": self.flush_every,
+            "reference": self.reference,
+            "quality_error": self.quality_error,
+            "prices": dict(self.prices) if self.prices is not None else None,
+            "n_resamples": self.n_resamples,
+        }
+
+
+@dataclass(frozen=True)
+class ExperimentResult:
+    config: ExperimentConfig
+    variants: dict[str, dict[str, Any]]  # name -> description, device, simulated, items_per_call
+    measurement: Measurement | None
+    quality: dict[str, np.ndarray] | None
+    comparisons: list[Comparison]
+    cost: list[CostRow]
+    pareto: list[str]
+    fingerprint: dict[str, Any]
+
+    def samples(self, variant: str, name: str) -> np.ndarray:
+        """The raw sample of one metric of one variant."""
+        if variant not in self.variants:
+            raise InvalidArgumentError(f"unknown variant {variant!r}; variants: {sorted(self.variants)}")
+        m = metric(name)
+        if name not in self.config.metrics:
+            raise InvalidArgumentError(
+                f"metric {name!r} was not measured; measured: {list(self.config.metrics)}"
+            )
+        if m.source == "quality":
+            assert self.quality is not None
+            return self.quality[variant]
+        assert self.measurement is not None
+        return self.measurement.samples(variant, name)
+
+    def comparison(self, variant: str, name: str) -> Comparison:
+        for c in self.comparisons:
+            if c.variant == variant and c.metric == name:
+                return c
+        raise InvalidArgumentError(
+            f"no comparison of {variant!r} on {name!r}; compared: "
+            f"{sorted({(c.variant, c.metric) for c in self.comparisons})}"
+        )
+
+    def regressions(self, metrics: Sequence[str] | None = None) -> list[Comparison]:
+        """Comparisons whose verdict is a significant regression beyond the threshold."""
+        wanted = set(metrics) if metrics is not None else None
+        return [
+            c
+            for c in self.comparisons
+            if c.verdict is Verdict.REGRESSED and (wanted is None or c.metric in wanted)
+        ]
+
+
+def run_experiment(
+    variants: Sequence[Variant],
+    config: ExperimentConfig,
+    *,
+    store: SampleStore | None = None,
+    progress: PhaseProgress | None = None,
+) -> ExperimentResult:
+    """Measure, compare against the baseline, correct, and price. See the module docstring."""
+    names = [v.name for v in variants]
+    if len(variants) < 2:
+        raise InvalidArgumentError(f"an A/B experiment needs at least 2 variants, got {names}")
+    for role, name in (("baseline", config.baseline), ("reference", config.reference)):
+        if name is not None and name not in names:
+            raise InvalidArgumentError(f"{role} {name!r} is not a variant; variants: {names}")
+    timing = [m for m in config.metrics if METRICS[m].source == "timing"]
+    measurement = quality = None
+    with telemetry.span(
+        "torchhal.evaluation.experiment", experiment=config.name, variants=names, metrics=list(config.metrics)
+    ):
+        if timing:
+            measurement = measure(
+                variants,
+                warmup=config.warmup,
+                repetitions=config.repetitions,
+                inner=config.inner,
+                order=config.order,
+                seed=config.seed,
+                track_memory="memory" in timing,
+                flush_every=config.flush_every,
+                store=store,
+                progress=None if progress is None else (lambda d, t: progress("timing", d, t)),
+            )
+        if "quality" in config.metrics:
+            assert config.reference is not None
+            quality = measure_quality(
+                variants,
+                config.reference,
+                kind=config.quality_error,
+                store=store,
+                progress=None if progress is None else (lambda d, t: progress("quality", d, t)),
+            )
+        comparisons = _compare_all(variants, config, measurement, quality)
+    cost, front = _cost(variants, config, measurement, quality)
+    fingerprint = (
+        measurement.fingerprint if measurement else environment_fingerprint(v.device for v in variants)
+    )
+    info = {
+        v.name: {
+            "description": v.description,
+            "device": v.device.id,
+            "simulated": v.device.simulated,
+            "items_per_call": v.items_per_call,
+        }
+        for v in variants
+    }
+    for c in comparisons:
+        log.info("comparison", variant=c.variant, metric=c.metric, verdict=c.verdict.value, reason=c.reason)
+    return ExperimentResult(config, info, measurement, quality, comparisons, cost, front, fingerprint)
+
+
+def _compare_all(
+    variants: Sequence[Variant],
+    config: ExperimentConfig,
+    measurement: Measurement | None,
+    quality: dict[str, np.ndarray] | None,
+) -> list[Comparison]:
+    by_name = {v.name: v for v in variants}
+    base = by_name[config.baseline]
+    raw: list[Comparison] = []
+    for v in variants:
+        if v.name == config.baseline:
+            continue
+        for name in config.metrics:
+            m = METRICS[name]
+            if m.source == "quality":
+                assert quality is not None
+                a, b = quality[v.name], quality[base.name]
+                deterministic = True
+            else:
+                assert measurement is not None
+                a, b = measurement.samples(v.name, name), measurement.samples(base.name, name)
+                # simulated time and memory accounting repeat exactly; real timings never do
+                deterministic = name == "memory" or (v.device.simulated and base.device.simulated)
+            raw.append(
+                compare(
+                    a,
+                    b,
+                    metric=m,
+                    threshold=config.threshold(name),
+                    variant=v.name,
+                    baseline_name=base.name,
+                    alpha=config.alpha,
+                    deterministic=deterministic,
+                    seed=config.seed + len(raw),
+                    n_resamples=config.n_resamples,
+                )
+            )
+    return correct(raw, config.alpha, config.correction)
+
+
+def _cost(
+    variants: Sequence[Variant],
+    config: ExperimentConfig,
+    measurement: Measurement | None,
+    quality: dict[str, np.ndarray] | None,
+) -> tuple[list[CostRow], list[str]]:
+    if config.prices is None:
+        return [], []
+    assert measurement is not None
+    rows = []
+    for v in variants:
+        result = measurement.variants[v.name]
+        rows.append(
+            cost_row(
+                v.name,
+                v.device.id,
+                float(np.median(result.latency_ms)),
+                v.items_per_call,
+                config.prices,
+                simulated=v.device.simulated,
+            )
+        )
+    points = {
+        r.variant: {
+            "cost_per_million_items": r.cost_per_million_items,
+            "median_latency_ms": r.median_latency_ms,
+        }
+        for r in rows
+    }
+    objectives = {"cost_per_million_items": "min", "median_latency_ms": "min"}
+    if quality is not None:
+        for name, point in points.items():
+            point["median_error"] = float(np.median(quality[name]))
+        objectives["median_error"] = "min"
+    return rows, pareto_front(points, objectives)

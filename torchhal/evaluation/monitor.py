@@ -1,0 +1,188 @@
+"""Live monitoring: feed observations as they arrive, read an always-valid decision at any time.
+
+For traffic split between a control and a candidate (an inference router sending a share of
+requests to a new device, kernel or model), `LiveMonitor` keeps an always-valid confidence
+sequence for mean(candidate) − mean(control) (`stats.SequentialTest`, an mSPRT), so reading
+it after every observation does not inflate the false-positive rate. `status()` says:
+
+* roll-back: the candidate is significantly worse (always-valid p <= alpha) and its estimated
+  regression exceeds the noise threshold; or the observed split departs from the designed one
+  (sample ratio mismatch, p < `srm_alpha`), which means the comparison itself is broken;
+* stop: the candidate is significantly better beyond the threshold, or the confidence
+  sequence lies within ± the threshold (equivalent), or `max_samples` were seen without a
+  decision (inconclusive, said so);
+* continue: otherwise.
+`assign(unit_id)` gives the deterministic variant for a request (`stats.assign`).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from torchhal.evaluation.metrics import Threshold
+from torchhal.evaluation.stats import Decision, SequentialTest, assign, sample_ratio_mismatch
+from torchhal.hal_core import InvalidArgumentError, telemetry
+
+log = telemetry.get_logger("torchhal.evaluation.monitor")
+
+
+class MonitorDecision(str, enum.Enum):
+    CONTINUE = "continue"
+    STOP = "stop"
+    ROLL_BACK = "roll-back"
+
+
+@dataclass(frozen=True, slots=True)
+class MonitorStatus:
+    decision: MonitorDecision
+    reason: str
+    difference: float  # mean(candidate) − mean(control); NaN until both arms have data
+    interval: tuple[float, float]  # always-valid, for the difference
+    p_value: float  # always-valid
+    threshold: float  # absolute, in the metric's unit; NaN until the control has data
+    n_control: int
+    n_candidate: int
+    srm_p_value: float | None
+
+
+class LiveMonitor:
+    """An always-valid A/B monitor for one metric. Thread-safe: routers observe from many threads."""
+
+    def __init__(
+        self,
+        *,
+        control: str,
+        candidate: str,
+        higher_is_better: bool,
+        threshold: Threshold,
+        alpha: float = 0.05,
+        weights: Sequence[float] = (0.5, 0.5),
+        srm_alpha: float = 0.001,
+        min_samples: int = 10,
+        tuning_n: int = 100,
+        max_samples: int | None = None,
+        salt: str = "",
+    ) -> None:
+        if control == candidate:
+            raise InvalidArgumentError(f"control and candidate must differ, both are {control!r}")
+        if len(weights) != 2:
+            raise InvalidArgumentError(f"weights: one per arm (control, candidate), got {list(weights)}")
+        if not 0 < srm_alpha < 1:
+            raise InvalidArgumentError(f"srm_alpha must lie strictly between 0 and 1, got {srm_alpha!r}")
+        if max_samples is not None and max_samples < 2 * min_samples:
+            raise InvalidArgumentError(
+                f"max_samples must be at least 2 × min_samples = {2 * min_samples}, got {max_samples}"
+            )
+        self.control, self.candidate = control, candidate
+        self.threshold = threshold
+        self.weights = tuple(float(w) for w in weights)
+        self.srm_alpha, self.max_samples, self.salt = srm_alpha, max_samples, salt
+        self._test = SequentialTest(
+            higher_is_better=higher_is_better, alpha=alpha, tuning_n=tuning_n, min_samples=min_samples
+        )
+        self._pending: dict[str, list[float]] = {control: [], candidate: []}
+        self._count = {control: 0, candidate: 0}
+        self._control_sum = 0.0
+        self._lock = threading.Lock()
+
+    def assign(self, unit_id: str) -> str:
+        """The arm for `unit_id` (a request or user id): the same on every call and process."""
+        return assign(unit_id, [self.control, self.candidate], self.weights, self.salt)
+
+    def observe(self, variant: str, value: float) -> None:
+        self.observe_many(variant, [value])
+
+    def observe_many(self, variant: str, values: Iterable[float]) -> None:
+        if variant not in self._pending:
+            raise InvalidArgumentError(
+                f"unknown variant {variant!r}; this monitor compares {self.candidate!r} with {self.control!r}"
+            )
+        batch = [float(v) for v in values]
+        bad = [i for i, v in enumerate(batch) if not math.isfinite(v)]
+        if bad:
+            raise InvalidArgumentError(
+                f"observations of {variant!r} must be finite; index {bad[0]} is {batch[bad[0]]}"
+            )
+        with self._lock:
+            self._pending[variant] += batch
+            self._count[variant] += len(batch)
+            if variant == self.control:
+                self._control_sum += sum(batch)
+
+    def status(self) -> MonitorStatus:
+        """Feed what arrived since the last look to the sequential test, and decide."""
+        with self._lock:
+            a, b = self._pending[self.candidate], self._pending[self.control]
+            if a or b:
+                self._test.update(a, b)
+                self._pending = {self.control: [], self.candidate: []}
+            state = self._test.state
+            n_control, n_candidate = self._count[self.control], self._count[self.candidate]
+            control_mean = self._control_sum / n_control if n_control else math.nan
+        srm = self._srm(n_control, n_candidate)
+        threshold = (
+            self.threshold.absolute_for(control_mean, f"monitor of {self.candidate!r}")
+            if n_control
+            else math.nan
+        )
+        decision, reason = self._decide(state.decision, state.difference, state.interval, threshold, srm)
+        status = MonitorStatus(
+            decision,
+            reason,
+            state.difference,
+            state.interval,
+            state.p_value,
+            threshold,
+            n_control,
+            n_candidate,
+            srm,
+        )
+        if decision is not MonitorDecision.CONTINUE:
+            log.info("monitor decision", decision=decision.value, reason=reason, candidate=self.candidate)
+        return status
+
+    def _srm(self, n_control: int, n_candidate: int) -> float | None:
+        if n_control == 0 or n_candidate == 0:
+            return None
+        return sample_ratio_mismatch([n_control, n_candidate], self.weights).p_value
+
+    def _decide(
+        self,
+        sequential: Decision,
+        difference: float,
+        interval: tuple[float, float],
+        threshold: float,
+        srm: float | None,
+    ) -> tuple[MonitorDecision, str]:
+        if srm is not None and srm < self.srm_alpha:
+            return MonitorDecision.ROLL_BACK, (
+                f"sample ratio mismatch (p = {srm:.3g} < {self.srm_alpha:g}): the split departs from "
+                f"{self.weights}, so the comparison cannot be trusted"
+            )
+        beyond = math.isfinite(difference) and abs(difference) > threshold
+        if sequential is Decision.REGRESSED and beyond:
+            return MonitorDecision.ROLL_BACK, (
+                f"regressed: difference {difference:+.4g} beyond the threshold {threshold:.4g}, "
+                f"always-valid interval {interval[0]:.4g} .. {interval[1]:.4g}"
+            )
+        if sequential is Decision.IMPROVED and beyond:
+            return MonitorDecision.STOP, (
+                f"improved: difference {difference:+.4g} beyond the threshold {threshold:.4g}, "
+                f"always-valid interval {interval[0]:.4g} .. {interval[1]:.4g}"
+            )
+        if math.isfinite(threshold) and -threshold < interval[0] and interval[1] < threshold:
+            return MonitorDecision.STOP, (
+                f"equivalent: the always-valid interval {interval[0]:.4g} .. {interval[1]:.4g} lies "
+                f"within ± {threshold:.4g}"
+            )
+        seen = self._count[self.control] + self._count[self.candidate]
+        if self.max_samples is not None and seen >= self.max_samples:
+            return (
+                MonitorDecision.STOP,
+                f"inconclusive: {seen} observations reached max_samples without a decision",
+            )
+        return MonitorDecision.CONTINUE, "no decision yet"

@@ -1,0 +1,106 @@
+"""SampleStore: finished samples on disk, so an interrupted experiment resumes instead of re-measuring.
+
+One sqlite row per finished sample, committed as soon as it is measured. The file runs in WAL
+mode with `synchronous=NORMAL`: a committed row survives the process being killed (it is in
+the OS's buffers and the WAL), though not a power cut; several processes (ranks of a sharded
+evaluation on one host) may write the same file, each waiting up to `timeout_s` for the lock.
+Rows are keyed by (experiment, variant, key): `experiment` is a hash of everything that makes
+samples comparable (configuration and environment), `key` is a round number or an input hash.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torchhal.hal_core import ConfigurationError, telemetry
+
+log = telemetry.get_logger("torchhal.evaluation.store")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS samples (
+    experiment TEXT NOT NULL,
+    variant TEXT NOT NULL,
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    session TEXT NOT NULL,
+    written_at REAL NOT NULL,
+    PRIMARY KEY (experiment, variant, key)
+);
+CREATE TABLE IF NOT EXISTS experiments (
+    experiment TEXT PRIMARY KEY,
+    config TEXT NOT NULL,
+    created_at REAL NOT NULL
+);
+"""
+
+
+class SampleStore:
+    """Finished samples of experiments in one sqlite file. `session` tags the rows this process wrote."""
+
+    def __init__(self, path: str | Path, *, timeout_s: float = 60.0) -> None:
+        self.path = Path(path)
+        self.session = uuid.uuid4().hex[:12]
+        if not self.path.parent.exists():
+            raise ConfigurationError(f"sample store {self.path}: directory {self.path.parent} does not exist")
+        try:
+            self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
+            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.executescript(_SCHEMA)
+        except sqlite3.DatabaseError as exc:
+            raise ConfigurationError(f"sample store {self.path}: not a usable sqlite file: {exc}") from exc
+        if str(mode).lower() != "wal":
+            log.warning("sample store not in WAL mode", path=str(self.path), mode=mode)
+
+    def register(self, experiment: str, config: Mapping[str, Any]) -> None:
+        """Record what an experiment key stands for (kept from its first run)."""
+        self._db.execute(
+            "INSERT OR IGNORE INTO experiments VALUES (?, ?, ?)",
+            (experiment, json.dumps(config, sort_keys=True, default=str), time.time()),
+        )
+
+    def put(self, experiment: str, variant: str, key: str, value: Mapping[str, Any]) -> None:
+        """Write one finished sample now (its own transaction)."""
+        self.put_many(experiment, [(variant, key, value)])
+
+    def put_many(self, experiment: str, rows: Iterable[tuple[str, str, Mapping[str, Any]]]) -> None:
+        """Write finished samples in one transaction; a row with the same key is replaced."""
+        now = time.time()
+        data = [(experiment, v, k, json.dumps(value), self.session, now) for v, k, value in rows]
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?, ?, ?, ?, ?)", data)
+
+    def get(self, experiment: str, variant: str, key: str) -> dict[str, Any] | None:
+        row = self._db.execute(
+            "SELECT value FROM samples WHERE experiment = ? AND variant = ? AND key = ?",
+            (experiment, variant, key),
+        ).fetchone()
+        return None if row is None else dict(json.loads(row[0]))
+
+    def load(self, experiment: str) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every finished sample of `experiment`, by (variant, key)."""
+        rows = self._db.execute(
+            "SELECT variant, key, value FROM samples WHERE experiment = ?", (experiment,)
+        ).fetchall()
+        return {(variant, key): dict(json.loads(value)) for variant, key, value in rows}
+
+    def count(self, experiment: str) -> int:
+        return int(
+            self._db.execute("SELECT COUNT(*) FROM samples WHERE experiment = ?", (experiment,)).fetchone()[0]
+        )
+
+    def close(self) -> None:
+        self._db.close()
+
+    def __enter__(self) -> SampleStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,308 @@
+"""attention_varlen: attention over sequences packed along one token axis, as FlashAttention's varlen API.
+
+q (total_q, heads_q, dim), k and v (total_k, heads_kv, dim); sequence b owns query rows
+cu_seqlens_q[b]:cu_seqlens_q[b+1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b+1]. Each sequence
+is attended as the dense op would (bottom-right causal per sequence); tokens outside every
+sequence get zero output and zero gradients. Ops: `attention_varlen`, `attention_varlen_forward`
+-> (out, lse (heads_q, total_q) fp32) and `attention_varlen_backward`.
+
+The cu_seqlens values are checked when they are on the CPU. On an accelerator they are trusted,
+as FlashAttention trusts them: checking would read them back and synchronise every call. There
+`max_seqlen_*` must be at least every sequence's length, or that sequence's tail is not computed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from torchhal.hal_core import InvalidArgumentError, KernelRegistry
+from torchhal.kernels import attention as dense
+from torchhal.kernels import triton_attention
+from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
+from torchhal.kernels.autograd import AutogradSpec
+from torchhal.kernels.triton_rows import require_floating, unbound
+
+
+class VarlenSignature(NamedTuple):
+    dtype: torch.dtype
+    head_dim: int
+    v_head_dim: int
+    grouped: bool
+    causal: bool
+    seq_bucket: int  # bit length of max(max_seqlen_q, max_seqlen_k)
+    empty: bool
+
+
+def _check(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None,
+) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require_tensor(op, name, t)
+        require_rank(op, name, t, 3)
+    require_floating(op, "q", q)
+    require_same(op, "dtypes", q=q.dtype, k=k.dtype, v=v.dtype)
+    require_same(op, "devices", q=q.device, k=k.device, v=v.device)
+    require_same(op, "key and value heads", k=k.shape[1], v=v.shape[1])
+    require_same(op, "key and value token counts", k=k.shape[0], v=v.shape[0])
+    require_same(op, "query and key head dims", q=q.shape[2], k=k.shape[2])
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise InvalidArgumentError(
+            f"{op}: heads_q must be a multiple of heads_kv, got {q.shape[1]} and {k.shape[1]}"
+        )
+    dense.check_scale(op, scale)
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        require_tensor(op, name, cu)
+        require_rank(op, name, cu, 1)
+        if cu.dtype not in (torch.int32, torch.int64) or cu.shape[0] < 1:
+            raise InvalidArgumentError(
+                f"{op}: {name} must be a non-empty int32 or int64 tensor, "
+                f"got {cu.dtype} of shape {tuple(cu.shape)}"
+            )
+        require_same(op, f"devices of q and {name}", q=q.device, **{name: cu.device})
+    require_same(
+        op, "cu_seqlens lengths", cu_seqlens_q=cu_seqlens_q.shape[0], cu_seqlens_k=cu_seqlens_k.shape[0]
+    )
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+        if not isinstance(value, int) or value < 0:
+            raise InvalidArgumentError(f"{op}: {name} must be an int >= 0, got {value!r}")
+    if cu_seqlens_q.device.type == "cpu":
+        _check_offsets(op, "q", cu_seqlens_q, q.shape[0], max_seqlen_q)
+        _check_offsets(op, "k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+
+
+def _check_offsets(op: str, which: str, cu: torch.Tensor, total: int, max_seqlen: int) -> None:
+    lengths = cu.diff()
+    first, last = int(cu[0]), int(cu[-1])
+    if first != 0 or last > total or bool((lengths < 0).any()):
+        raise InvalidArgumentError(
+            f"{op}: cu_seqlens_{which} must rise from 0 to at most {total} tokens, got {cu.tolist()}"
+        )
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if longest > max_seqlen:
+        raise InvalidArgumentError(
+            f"{op}: max_seqlen_{which} must be >= the longest sequence {longest}, got {max_seqlen}"
+        )
+
+
+def _summary(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, causal: bool
+) -> VarlenSignature:
+    return VarlenSignature(
+        q.dtype,
+        q.shape[2],
+        v.shape[2],
+        q.shape[1] != k.shape[1],
+        bool(causal),
+        max(max_seqlen_q, max_seqlen_k).bit_length(),
+        0 in q.shape or 0 in k.shape or 0 in v.shape or max_seqlen_q == 0,
+    )
+
+
+def signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    scale: float | None = None,
+) -> VarlenSignature:
+    _check("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    return _summary(q, k, v, max_seqlen_q, max_seqlen_k, causal)
+
+
+def forward_signature(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    scale: float | None = None,
+) -> VarlenSignature:
+    _check("attention_varlen_forward", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    return _summary(q, k, v, max_seqlen_q, max_seqlen_k, causal)
+
+
+def backward_signature(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    scale: float | None = None,
+) -> VarlenSignature:
+    op = "attention_varlen_backward"
+    _check(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    dense.check_saved(op, q, v, grad_out, out, lse, lse_shape=(q.shape[1], q.shape[0]))
+    return _summary(q, k, v, max_seqlen_q, max_seqlen_k, causal)
+
+
+def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
+    return list(itertools.pairwise(cu.tolist()))
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """(tokens, heads, dim) -> (1, heads, tokens, dim), a view."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def reference_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense reference on each sequence in turn."""
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for (q0, q1), (k0, k1) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
+        o, s = dense.reference_forward(_dense(q[q0:q1]), _dense(k[k0:k1]), _dense(v[k0:k1]), causal, scale)
+        out[q0:q1] = o[0].transpose(0, 1)
+        lse[:, q0:q1] = s[0]
+    return out, lse
+
+
+def reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    out, _ = reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    return out
+
+
+def reference_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense reference backward on each sequence in turn."""
+    dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
+    for (q0, q1), (k0, k1) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
+        grads = dense.reference_backward(
+            _dense(grad_out[q0:q1]), _dense(q[q0:q1]), _dense(k[k0:k1]), _dense(v[k0:k1]),
+            _dense(out[q0:q1]), lse[:, q0:q1].unsqueeze(0), causal, scale,
+        )  # fmt: skip
+        dq[q0:q1], dk[k0:k1], dv[k0:k1] = (g[0].transpose(0, 1) for g in grads)
+    return dq, dk, dv
+
+
+def _forward_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+def _backward_fake(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _context(inputs: Sequence[Any], results: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    q, k, v, cu_q, cu_k, max_q, max_k, causal, scale = inputs
+    out, lse = results
+    return q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale
+
+
+AUTOGRAD = AutogradSpec(
+    op="attention_varlen",
+    forward="attention_varlen_forward",
+    backward="attention_varlen_backward",
+    forward_fake=_forward_fake,
+    backward_fake=_backward_fake,
+    differentiable=(0, 1, 2),
+    context=_context,
+)
+
+
+def register(registry: KernelRegistry) -> None:
+    registry.define_op(
+        "attention_varlen",
+        reference,
+        signature=signature,
+        doc="attention over packed variable-length sequences",
+    )
+    registry.register(
+        "attention_varlen", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
+        priority=20, bind=triton_attention.bind_varlen,
+    )  # fmt: skip
+    registry.define_op(
+        "attention_varlen_forward", reference_forward, signature=forward_signature,
+        doc="(out, lse) of attention_varlen",
+    )  # fmt: skip
+    registry.register(
+        "attention_varlen_forward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
+        priority=20, bind=triton_attention.bind_varlen_forward,
+    )  # fmt: skip
+    registry.define_op(
+        "attention_varlen_backward", reference_backward, signature=backward_signature,
+        doc="(dq, dk, dv) of attention_varlen",
+    )  # fmt: skip
+    registry.register(
+        "attention_varlen_backward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
+        priority=20, bind=triton_attention.bind_varlen_backward,
+    )  # fmt: skip

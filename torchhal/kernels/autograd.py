@@ -1,0 +1,156 @@
+"""Autograd and torch.library glue, written once for every differentiable op.
+
+A `DifferentiableOp` joins three registry ops (the plain op, its training forward, its
+backward) into one public function with three paths:
+
+- eager, no gradient needed: straight to `dispatch(spec.op, ...)`, a few µs of Python;
+- eager with autograd: a `torch.autograd.Function` whose forward dispatches `spec.forward` and
+  whose backward dispatches `spec.backward`, so backward kernels are selected (and fall back)
+  through the registry like any op;
+- under `torch.compile`: custom ops `<namespace>::<forward>` and `<namespace>::<backward>`,
+  opaque to Dynamo (their fake implementations give output metadata), with `register_autograd`
+  wiring the backward custom op, so `fullgraph=True` traces without a graph break.
+
+Contract for the registry ops of a spec: `forward` returns the op's outputs followed by any
+statistics the backward needs (`outputs` says how many are outputs); `backward` takes the
+output gradients followed by `spec.context(inputs, forward results)` and returns one gradient
+per input listed in `differentiable`. Every output is a fresh contiguous tensor (custom ops
+may not alias their inputs, and the fake implementations promise contiguous strides).
+Double backward is not supported: the backward ops are not themselves differentiable.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchhal.hal_core import UnsupportedError
+
+_SAVED = object()  # marks a context slot whose tensor went through ctx.save_for_backward
+
+Dispatch = Callable[..., Any]
+"""`dispatch(op, first_tensor, *rest)`: run registry op `op` on the device of its first tensor."""
+
+
+@dataclass(frozen=True)
+class AutogradSpec:
+    """How one op differentiates: which registry ops run forward and backward, and what is saved."""
+
+    op: str  # registry op for calls that need no gradient
+    forward: str  # registry op for the training forward: outputs, then saved statistics
+    backward: str  # registry op: (*output grads, *context) -> one grad per differentiable input
+    forward_fake: Callable[..., Any]  # typed prototype of `forward`: schema from annotations, fake body
+    backward_fake: Callable[..., Any]
+    differentiable: tuple[int, ...]  # positions of the inputs that get gradients, in backward's order
+    context: Callable[[Sequence[Any], Sequence[torch.Tensor]], tuple[Any, ...]]  # (inputs, results)
+    outputs: int = 1  # leading results of `forward` that are the op's outputs
+
+
+class DifferentiableOp:
+    """The public function of one op; see the module docstring for its three paths."""
+
+    def __init__(self, spec: AutogradSpec, dispatch: Dispatch, *, namespace: str = "torchhal") -> None:
+        self.spec = spec
+        self._dispatch = dispatch
+        self._input_names = tuple(inspect.signature(spec.forward_fake).parameters)
+        self._forward_op = self._custom_op(namespace, spec.forward, spec.forward_fake)
+        self._custom_op(namespace, spec.backward, spec.backward_fake)
+        self._forward_op.register_autograd(self._compiled_backward, setup_context=self._compiled_setup)
+        self._traced_forward = getattr(getattr(torch.ops, namespace), spec.forward).default
+        self._traced_backward = getattr(getattr(torch.ops, namespace), spec.backward).default
+        self._function = _function_class(self)
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.compiler.is_compiling():
+            self._check_differentiable(args)
+            return self._visible(_as_tuple(self._traced_forward(*args)))
+        if torch.is_grad_enabled() and _requires_grad(args):
+            self._check_differentiable(args)
+            return self._visible(self._function.apply(*args))
+        return self._dispatch(self.spec.op, *args)
+
+    def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:
+        schema = torch.library.infer_schema(fake, mutates_args=())
+
+        def impl(*args: Any) -> Any:
+            return self._dispatch(op, *args)
+
+        custom = torch.library.custom_op(f"{namespace}::{op}", impl, mutates_args=(), schema=schema)
+        custom.register_fake(fake)
+        return custom
+
+    def _check_differentiable(self, args: Sequence[Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        for pos, arg in enumerate(args):
+            if isinstance(arg, torch.Tensor) and arg.requires_grad and pos not in self.spec.differentiable:
+                wanted = ", ".join(self._input_names[i] for i in self.spec.differentiable)
+                raise UnsupportedError(
+                    f"{self.spec.op}: input {self._input_names[pos]!r} requires grad, but the op "
+                    f"differentiates only with respect to {wanted}; detach it"
+                )
+
+    def _visible(self, results: tuple[torch.Tensor, ...]) -> Any:
+        outputs = results[: self.spec.outputs]
+        return outputs[0] if self.spec.outputs == 1 else outputs
+
+    def _save(self, ctx: Any, inputs: Sequence[Any], results: tuple[torch.Tensor, ...]) -> None:
+        context = self.spec.context(inputs, results)
+        ctx.save_for_backward(*(c for c in context if isinstance(c, torch.Tensor)))
+        ctx.torchhal_context = tuple(_SAVED if isinstance(c, torch.Tensor) else c for c in context)
+        ctx.torchhal_inputs = len(inputs)
+
+    def _restore(self, ctx: Any) -> list[Any]:
+        tensors = iter(ctx.saved_tensors)
+        return [next(tensors) if c is _SAVED else c for c in ctx.torchhal_context]
+
+    def _input_grads(self, ctx: Any, grads: Any) -> tuple[torch.Tensor | None, ...]:
+        out: list[torch.Tensor | None] = [None] * ctx.torchhal_inputs
+        for pos, grad in zip(self.spec.differentiable, _as_tuple(grads), strict=True):
+            out[pos] = grad
+        return tuple(out)
+
+    def _compiled_setup(self, ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        self._save(ctx, inputs, _as_tuple(output))
+
+    def _compiled_backward(self, ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        context = self._restore(ctx)
+        return self._input_grads(ctx, self._traced_backward(*grads[: self.spec.outputs], *context))
+
+
+def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
+    """A torch.autograd.Function for `op` that dispatches forward and backward through the registry."""
+    spec = op.spec
+
+    def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
+        results = _as_tuple(op._dispatch(spec.forward, *args))
+        op._save(ctx, args, results)
+        ctx.mark_non_differentiable(*results[spec.outputs :])
+        return results
+
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        context = op._restore(ctx)
+        return op._input_grads(ctx, op._dispatch(spec.backward, *grads[: spec.outputs], *context))
+
+    # made with type() so autograd names the backward node after the op (e.g. rms_norm_functionBackward)
+    methods = {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(backward),
+        "__doc__": _function_class.__doc__,
+    }
+    return type(f"{spec.op}_function", (torch.autograd.Function,), methods)
+
+
+def _requires_grad(args: Sequence[Any]) -> bool:
+    for arg in args:  # a loop: cheaper than any() over a generator on this per-call path
+        if isinstance(arg, torch.Tensor) and arg.requires_grad:
+            return True
+    return False
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...]:
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)

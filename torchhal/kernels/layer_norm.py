@@ -1,0 +1,161 @@
+"""layer_norm(x, weight, bias, eps) over the last dimension, and its backward: references, Triton.
+
+y = (x - mean) / sqrt(var + eps) * weight + bias with the biased variance, as
+`torch.nn.functional.layer_norm` computes it, in fp32 (fp64 for fp64 inputs) and rounded once.
+`layer_norm_backward(dy, x, weight, eps) -> (dx, dweight, dbias)` recomputes mean and rstd from
+x. Layout rules are those of rms_norm: the Triton candidates take tensors they can index as
+(rows, hidden) with unit column stride, and unit-stride weight and bias.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from torchhal.hal_core import DeviceCapabilities, InvalidArgumentError, KernelRegistry, Unsupported
+from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
+from torchhal.kernels.autograd import AutogradSpec
+from torchhal.kernels.triton_rows import (
+    RowLaunch,
+    block_unsupported,
+    compute_dtype,
+    layout_unsupported,
+    require_floating,
+    row_stride,
+    triton_unsupported,
+    unbound,
+)
+
+
+class LayerNormSignature(NamedTuple):
+    dtype: torch.dtype
+    hidden: int
+    rows: bool  # every row tensor indexes as (rows, hidden); weight and bias have unit stride
+
+
+def _check(op: str, x: torch.Tensor, **params: torch.Tensor) -> None:
+    """x (..., hidden) and 1-D parameters (weight, and bias for the forward) of length hidden."""
+    require_tensor(op, "x", x)
+    for name, p in params.items():
+        require_tensor(op, name, p)
+        require_rank(op, name, p, 1)
+    weight = params["weight"]
+    if x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+        raise InvalidArgumentError(
+            f"{op}: x's last dimension must equal weight's length {weight.shape[0]}, "
+            f"got x shape {tuple(x.shape)}"
+        )
+    require_floating(op, "x", x)
+    require_same(op, "weight and bias lengths", **{k: p.shape[0] for k, p in params.items()})
+    require_same(op, "dtypes", x=x.dtype, **{k: p.dtype for k, p in params.items()})
+    require_same(op, "devices", x=x.device, **{k: p.device for k, p in params.items()})
+
+
+def _layout(params: Sequence[torch.Tensor], rows: Sequence[torch.Tensor]) -> bool:
+    return all(p.stride(0) == 1 for p in params) and all(row_stride(t) is not None for t in rows)
+
+
+def signature(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
+) -> LayerNormSignature:
+    _check("layer_norm", x, weight=weight, bias=bias)
+    return LayerNormSignature(x.dtype, weight.shape[0], _layout((weight, bias), (x,)))
+
+
+def backward_signature(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+) -> LayerNormSignature:
+    _check("layer_norm_backward", x, weight=weight)
+    require_tensor("layer_norm_backward", "dy", dy)
+    require_same("layer_norm_backward", "dy and x shapes", dy=tuple(dy.shape), x=tuple(x.shape))
+    require_same("layer_norm_backward", "dtypes", dy=dy.dtype, x=x.dtype)
+    require_same("layer_norm_backward", "devices", dy=dy.device, x=x.device)
+    return LayerNormSignature(x.dtype, weight.shape[0], _layout((weight,), (x, dy)))
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """torch.nn.functional.layer_norm in fp32 (fp64 for fp64), returning x's dtype."""
+    ct = compute_dtype(x.dtype)
+    y = torch.nn.functional.layer_norm(x.to(ct), (x.shape[-1],), weight.to(ct), bias.to(ct), eps)
+    return y.to(x.dtype).contiguous()
+
+
+def reference_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * weight; row sums for dweight, dbias."""
+    ct = compute_dtype(x.dtype)
+    x32, dy32 = x.to(ct), dy.to(ct)
+    diff = x32 - x32.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(diff.pow(2).mean(-1, keepdim=True) + eps)
+    xhat = diff * rstd
+    g = dy32 * weight.to(ct)
+    dx = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd
+    cols = x.shape[-1]
+    dweight = (dy32 * xhat).reshape(-1, cols).sum(0)
+    dbias = dy32.reshape(-1, cols).sum(0)
+    return dx.to(x.dtype).contiguous(), dweight.to(weight.dtype), dbias.to(weight.dtype)
+
+
+def triton_supports(caps: DeviceCapabilities, sig: LayerNormSignature) -> Unsupported | None:
+    verdict = triton_unsupported(caps, sig.dtype) or block_unsupported(sig.hidden)
+    return verdict or layout_unsupported(sig.rows)
+
+
+def _triton_forward(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
+    from torchhal.kernels import triton_norms
+
+    return functools.partial(triton_norms.layer_norm_forward, RowLaunch.from_caps(caps))
+
+
+def _triton_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, ...]]:
+    from torchhal.kernels import triton_norms
+
+    return functools.partial(triton_norms.layer_norm_backward, RowLaunch.from_caps(caps))
+
+
+def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    return x.new_empty(x.shape)
+
+
+def _backward_fake(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
+
+
+def _context(inputs: Sequence[Any], results: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    x, weight, _bias, eps = inputs
+    return x, weight, eps
+
+
+AUTOGRAD = AutogradSpec(
+    op="layer_norm",
+    forward="layer_norm",
+    backward="layer_norm_backward",
+    forward_fake=_fake,
+    backward_fake=_backward_fake,
+    differentiable=(0, 1, 2),
+    context=_context,
+)
+
+
+def register(registry: KernelRegistry) -> None:
+    registry.define_op("layer_norm", reference, signature=signature, doc="LayerNorm over the last dimension")
+    registry.register(
+        "layer_norm", "triton", unbound, provider=PROVIDER, supports=triton_supports, priority=20,
+        bind=_triton_forward,
+    )  # fmt: skip
+    registry.define_op(
+        "layer_norm_backward",
+        reference_backward,
+        signature=backward_signature,
+        doc="(dx, dweight, dbias) of layer_norm",
+    )
+    registry.register(
+        "layer_norm_backward", "triton", unbound, provider=PROVIDER, supports=triton_supports, priority=20,
+        bind=_triton_backward,
+    )  # fmt: skip

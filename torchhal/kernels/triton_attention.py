@@ -1,0 +1,210 @@
+"""The Triton FlashAttention candidates: what they accept, and their callables bound to a device.
+
+Kernels live in `triton_attention_kernels` (imported on first bind, as it imports triton);
+tile sizes come from `triton_attention_config.launch_configs(caps, ...)`, computed once per
+(device, head dim, dtype). The candidates take any strides and return contiguous tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from torchhal.hal_core import DeviceCapabilities, RejectionReason, Unsupported
+from torchhal.kernels.triton_attention_config import LaunchConfigs, launch_configs
+from torchhal.kernels.triton_rows import triton_unsupported
+
+if TYPE_CHECKING:
+    from torchhal.kernels.triton_attention_kernels import Problem
+
+MAX_HEAD_DIM = 256  # padded q/k/v tiles beyond this leave no registers for the scores
+INTERPRETER_BACKEND = "triton-interpreter"  # kernel backend the CPU adapter declares under TRITON_INTERPRET=1
+
+
+class Shapes(Protocol):
+    """What the predicate reads from the dense and varlen signatures alike."""
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def v_head_dim(self) -> int: ...
+    @property
+    def empty(self) -> bool: ...
+
+
+def supports(caps: DeviceCapabilities, sig: Shapes) -> Unsupported | None:
+    verdict = triton_unsupported(caps, sig.dtype)
+    if verdict is not None:
+        return verdict
+    if INTERPRETER_BACKEND in caps.kernel_backends and sig.dtype != torch.float32:
+        return Unsupported(
+            RejectionReason.DTYPE, f"the Triton interpreter computes fp32 only, got {sig.dtype}"
+        )
+    if sig.head_dim != sig.v_head_dim:
+        return Unsupported(RejectionReason.SHAPE, f"head dims differ: qk {sig.head_dim}, v {sig.v_head_dim}")
+    if sig.head_dim > MAX_HEAD_DIM:
+        return Unsupported(RejectionReason.SHAPE, f"head dim {sig.head_dim} > {MAX_HEAD_DIM}")
+    if sig.empty:
+        return Unsupported(RejectionReason.SHAPE, "an empty problem: nothing to launch")
+    return None
+
+
+class _Configs:
+    """Launch configurations of one device, made once per (padded head dim, element size)."""
+
+    def __init__(self, caps: DeviceCapabilities) -> None:
+        self._caps = caps
+        self._made: dict[tuple[int, int], LaunchConfigs] = {}
+
+    def of(self, q: torch.Tensor) -> LaunchConfigs:
+        from torchhal.kernels.triton_attention_kernels import padded_head_dim
+
+        key = (padded_head_dim(q.shape[-1]), q.element_size())
+        configs = self._made.get(key)
+        if configs is None:
+            configs = self._made[key] = launch_configs(self._caps, *key)
+        return configs
+
+
+def _dense(
+    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, window: Sequence[int] | None
+) -> Problem:
+    from torchhal.kernels.triton_attention_kernels import make_problem
+
+    band = None if window is None else (int(window[0]), int(window[1]))
+    return make_problem(
+        q, k, seq_q=q.shape[2], seq_k=k.shape[2], batch=q.shape[0], causal=causal, scale=scale, window=band
+    )
+
+
+def _packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float | None,
+) -> Problem:
+    from torchhal.kernels.triton_attention_kernels import make_problem
+
+    return make_problem(
+        q, k, seq_q=max_seqlen_q, seq_k=max_seqlen_k, batch=cu_seqlens_q.shape[0] - 1, causal=causal,
+        scale=scale, window=None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+    )  # fmt: skip
+
+
+def bind_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """attention_forward: (out, lse) for dense (batch, heads, seq, dim) tensors."""
+    from torchhal.kernels import triton_attention_kernels as kernels
+
+    configs = _Configs(caps)
+
+    def attention_forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = False,
+        scale: float | None = None,
+        window: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.forward(q, k, v, _dense(q, k, causal, scale, window), configs.of(q))
+
+    return attention_forward
+
+
+def bind_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
+    """attention (no gradient): the forward's output alone."""
+    forward = bind_forward(caps)
+
+    def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return forward(*args, **kwargs)[0]
+
+    return attention
+
+
+def bind_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """attention_backward: (dq, dk, dv) from the output gradient and the forward's out and lse."""
+    from torchhal.kernels import triton_attention_kernels as kernels
+
+    configs = _Configs(caps)
+
+    def attention_backward(
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        causal: bool = False,
+        scale: float | None = None,
+        window: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        problem = _dense(q, k, causal, scale, window)
+        return kernels.backward(grad_out, q, k, v, out, lse, problem, configs.of(q))
+
+    return attention_backward
+
+
+def bind_varlen_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """attention_varlen_forward: (out, lse) for packed (tokens, heads, dim) tensors."""
+    from torchhal.kernels import triton_attention_kernels as kernels
+
+    configs = _Configs(caps)
+
+    def attention_varlen_forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool = False,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        problem = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+        return kernels.forward(q, k, v, problem, configs.of(q))
+
+    return attention_varlen_forward
+
+
+def bind_varlen(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
+    forward = bind_varlen_forward(caps)
+
+    def attention_varlen(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return forward(*args, **kwargs)[0]
+
+    return attention_varlen
+
+
+def bind_varlen_backward(
+    caps: DeviceCapabilities,
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    from torchhal.kernels import triton_attention_kernels as kernels
+
+    configs = _Configs(caps)
+
+    def attention_varlen_backward(
+        grad_out: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        cu_seqlens_q: torch.Tensor,
+        cu_seqlens_k: torch.Tensor,
+        max_seqlen_q: int,
+        max_seqlen_k: int,
+        causal: bool = False,
+        scale: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        problem = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+        return kernels.backward(grad_out, q, k, v, out, lse, problem, configs.of(q))
+
+    return attention_varlen_backward

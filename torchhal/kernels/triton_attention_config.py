@@ -1,0 +1,99 @@
+"""Launch configurations for the Triton attention kernels, derived from a device's capabilities.
+
+No vendor names. Tile shapes follow from the head dim and element size; warps from the SIMD
+width (each lane holds about 64 fp32 accumulator elements); pipeline stages from the shared
+memory per block; the forward's query tile halves when the grid would leave compute units
+idle. This module does not import triton, so it can be read and tested where triton is absent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torchhal.hal_core import DeviceCapabilities
+
+SHARED_MEMORY_HEADROOM = 0.8  # Triton also spends shared memory on layout conversions
+ACCUMULATOR_ELEMENTS_PER_LANE = 64
+
+
+@dataclass(frozen=True, slots=True)
+class TileConfig:
+    """One launch: `block_m` query rows and `block_n` key rows per tile, warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfigs:
+    """Tiles for each kernel of one (device, head dim, dtype)."""
+
+    forward: TileConfig
+    forward_narrow: TileConfig  # half the query rows: for grids smaller than the device
+    backward_dq: TileConfig  # block_m query rows stay, block_n key rows stream
+    backward_dkdv: TileConfig  # block_n key rows stay, block_m query rows stream
+    compute_units: int
+
+    def forward_for(self, programs_at_full_width: int) -> TileConfig:
+        """The narrow tile when the full one leaves compute units without a program."""
+        return self.forward_narrow if programs_at_full_width < self.compute_units else self.forward
+
+
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    shared_memory: int
+    simd_width: int
+
+    def warps(self, accumulator_elements: int) -> int:
+        """Enough warps that each lane holds about 64 fp32 accumulator elements; 4 to 8."""
+        lanes = accumulator_elements // ACCUMULATOR_ELEMENTS_PER_LANE
+        return max(4, min(8, lanes // self.simd_width))
+
+    def stages(self, resident_bytes: int, per_stage_bytes: int, most: int) -> int:
+        """Pipeline depth that fits beside the tiles a program keeps resident; at least 1."""
+        return max(1, min(most, (self.shared_memory - resident_bytes) // per_stage_bytes))
+
+
+def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes: int) -> LaunchConfigs:
+    """Tiles for the forward, dq and dk/dv kernels on this device.
+
+    Tile shapes keep every kernel within 255 registers per lane without spills (ptxas reports
+    for sm_90 at padded head dims 32 to 256): fp16/bf16 take tensor-core sized tiles; fp32,
+    computed as IEEE fp32 without TF32, runs its dot products on the FMA units and gets small
+    tiles. A device that declares no shared memory (the CPU, through Triton's interpreter) has
+    no register or shared-memory budget to respect: it gets 64-row tiles, few enough to keep
+    the interpreter's per-tile overhead low, with unequal query and key tiles.
+    """
+    d, e = head_dim_padded, element_bytes
+    if caps.shared_memory_per_block_bytes is None:
+        tile = TileConfig(64, 32, 4, 1)
+        return LaunchConfigs(tile, tile, tile, TileConfig(32, 64, 4, 1), caps.compute_units)
+    budget = _Budget(int(caps.shared_memory_per_block_bytes * SHARED_MEMORY_HEADROOM), caps.simd_width)
+    # dk/dv keeps k, v and two accumulators resident: its query tile is the one that shrinks
+    # (to 16 rows at head dim 128) to stay within registers
+    if e <= 2:
+        fwd_m, fwd_n = (128, 64) if d <= 128 else (64, 32)
+        dq_m, dq_n = (128, 32) if d <= 128 else (64, 32)
+        kv_m, kv_n = (32, 128) if d <= 64 else (16, 128) if d <= 128 else (32, 32)
+        most = 3
+    else:
+        fwd_m, fwd_n = (32, 32) if d <= 64 else (16, 16)
+        dq_m, dq_n = (32, 16) if d <= 128 else (16, 16)
+        kv_m, kv_n = (32, 16) if d <= 128 else (16, 16)
+        most = 2
+
+    def forward(block_m: int) -> TileConfig:
+        stages = budget.stages(block_m * d * e, 2 * fwd_n * d * e, most)
+        return TileConfig(block_m, fwd_n, budget.warps(block_m * d), stages)
+
+    dq_stages = budget.stages(2 * dq_m * d * e, 2 * dq_n * d * e, most + 1)  # q and dO stay
+    kv_stages = budget.stages(2 * kv_n * d * e, 2 * kv_m * d * e, most)  # k and v stay
+    return LaunchConfigs(
+        forward=forward(fwd_m),
+        forward_narrow=forward(max(16, fwd_m // 2)),
+        backward_dq=TileConfig(dq_m, dq_n, budget.warps(dq_m * d), dq_stages),
+        backward_dkdv=TileConfig(kv_m, kv_n, budget.warps(2 * kv_n * d), kv_stages),  # dk and dv
+        compute_units=caps.compute_units,
+    )

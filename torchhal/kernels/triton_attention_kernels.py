@@ -1,0 +1,553 @@
+"""FlashAttention-2 in Triton: forward with online softmax, backward as a dq pass and a dk/dv pass.
+
+Imported only when a Triton candidate is bound (it imports triton at module level). One kernel
+set serves dense `(batch, heads, seq, dim)` tensors and packed variable-length `(tokens, heads,
+dim)` tensors: a `VARLEN` constexpr reads each sequence's start and length from `cu_seqlens`,
+and every tensor is addressed through its strides, so any layout is computed correctly (a
+non-unit stride on the head dim is slow, never wrong).
+
+Masking. Causal and sliding-window attention are one rule: with `offset = seq_k - seq_q`
+(bottom-right alignment), query i sees key j when `i + offset - left <= j <= i + offset + right`;
+causal is `right = 0`. Each program splits its loop into masked edge blocks and unmasked
+interior blocks (no per-element mask work there), and skips blocks no query of the tile sees.
+
+Numerics. Scores are scaled by `scale * log2(e)` and exponentiated with exp2; the row max and
+sum, the output and all gradients accumulate in fp32. The saved log-sum-exp is in natural log,
+-inf for a query that sees no key (its output is 0). The head dim is padded to a power of two
+(at least 16, tl.dot's minimum) with masked loads.
+
+Backward. The dq kernel runs first, once per query tile, and also computes delta = rowsum(dO*O)
+(the FA2 preprocessing step, fused). The dk/dv kernel then runs once per key tile and kv head,
+looping over the query heads of its group, so GQA/MQA gradients are summed in registers: no
+atomics, no expanded copies of k and v, deterministic results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from torchhal.hal_core import UnsupportedError
+from torchhal.kernels import triton_attention_interpreter
+from torchhal.kernels.triton_attention_config import LaunchConfigs
+
+LOG2E = 1.4426950408889634
+
+if triton_attention_interpreter.needs_fix():
+    triton_attention_interpreter.apply()
+
+
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """Sizes and masking rule shared by forward and backward launches."""
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    seq_q: int  # dense length, or max_seqlen_q for varlen
+    seq_k: int
+    head_dim: int
+    scale: float
+    window_left: int  # used when has_left
+    window_right: int  # used when has_right
+    has_left: bool
+    has_right: bool
+    cu_seqlens_q: torch.Tensor | None = None  # varlen only
+    cu_seqlens_k: torch.Tensor | None = None
+
+    @property
+    def varlen(self) -> bool:
+        return self.cu_seqlens_q is not None
+
+    @property
+    def head_dim_padded(self) -> int:
+        return padded_head_dim(self.head_dim)
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def make_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    seq_q: int,
+    seq_k: int,
+    batch: int,
+    causal: bool,
+    scale: float | None,
+    window: tuple[int, int] | None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> Problem:
+    """Fold causal and window into the (left, right) band; clamp it so int32 math cannot overflow."""
+    head_dim = q.shape[-1]
+    limit = seq_q + seq_k + 1  # a band wider than this masks nothing more
+    left = min(window[0], limit) if window is not None else limit
+    right = min(window[1], limit) if window is not None else limit
+    if causal:
+        right = 0
+    return Problem(
+        batch=batch,
+        heads_q=q.shape[1],  # (batch, heads, seq, dim) and packed (tokens, heads, dim) alike
+        heads_kv=k.shape[1],
+        seq_q=seq_q,
+        seq_k=seq_k,
+        head_dim=head_dim,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else float(scale),
+        window_left=left,
+        window_right=right,
+        has_left=window is not None,
+        has_right=causal or window is not None,
+        cu_seqlens_q=cu_seqlens_q,
+        cu_seqlens_k=cu_seqlens_k,
+    )
+
+
+# --------------------------------------------------------------------------- device code
+# Triton kernels keep their argument lists compact, one concern per line, so formatting is off here.
+# Strides travel as (batch, head, row, dim) tuples; `band` is (offset, left, right) with
+# offset = seq_k - seq_q of the current sequence.
+# fmt: off
+
+
+@triton.jit
+def _sequence(CU, b, dense_len, VARLEN: tl.constexpr):
+    """Start row and length of sequence b: from cu_seqlens when VARLEN, else (0, dense_len)."""
+    if VARLEN:
+        start = tl.load(CU + b)
+        length = tl.load(CU + b + 1) - start
+    else:
+        start = 0
+        length = dense_len
+    return start, length
+
+
+@triton.jit
+def _tile_base(Ptr, strides, b, h, row0):
+    """Row row0 of head h in batch b; int64 offsets, as large tensors overflow int32."""
+    return (Ptr + b.to(tl.int64) * strides[0] + h.to(tl.int64) * strides[1]
+            + tl.cast(row0, tl.int64) * strides[2])
+
+
+@triton.jit
+def _visible(offs_m, offs_n, seq_k, band, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """(queries, keys) mask of the keys each query sees: in range and inside the band."""
+    mask = offs_n[None, :] < seq_k
+    if HAS_RIGHT:
+        mask = mask & (offs_n[None, :] <= offs_m[:, None] + band[0] + band[2])
+    if HAS_LEFT:
+        mask = mask & (offs_n[None, :] >= offs_m[:, None] + band[0] - band[1])
+    return mask
+
+
+@triton.jit
+def _load_rows(base, rows, n_rows, strides, offs_d, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """A (rows, D_PAD) tile, zero outside; bounds are checked only where rows or padding may stray."""
+    ptrs = base + rows[:, None] * strides[2] + offs_d[None, :] * strides[3]
+    if CHECK_ROWS:
+        if HEAD_DIM == D_PAD:
+            tile = tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    else:
+        if HEAD_DIM == D_PAD:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_rows(base, tile, rows, n_rows, strides, offs_d, HEAD_DIM: tl.constexpr):
+    ptrs = base + rows[:, None] * strides[2] + offs_d[None, :] * strides[3]
+    mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
+    tl.store(ptrs, tile.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _split(lo, full_lo, full_hi, hi, BLOCK: tl.constexpr):
+    """Block starts, multiples of BLOCK: [lo, mid_lo) masked, [mid_lo, mid_hi) not, [mid_hi, hi) masked."""
+    hi = tl.maximum(hi, 0)
+    lo = (lo // BLOCK) * BLOCK
+    hi_ceil = ((hi + BLOCK - 1) // BLOCK) * BLOCK
+    mid_lo = tl.minimum(tl.maximum(((full_lo + BLOCK - 1) // BLOCK) * BLOCK, lo), hi_ceil)
+    mid_hi = tl.maximum((tl.maximum(full_hi, 0) // BLOCK) * BLOCK, mid_lo)
+    return lo, mid_lo, mid_hi, hi
+
+
+@triton.jit
+def _key_blocks(start_m, seq_q, seq_k, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key blocks of query tile start_m. Unmasked: every query of the tile sees all of the block,
+    which lies inside seq_k. Blocks no query of the tile sees are skipped."""
+    last_row = tl.minimum(start_m + BLOCK_M, seq_q) - 1
+    lo = 0
+    full_lo = 0
+    hi = seq_k
+    full_hi = seq_k
+    if HAS_RIGHT:
+        hi = tl.minimum(hi, last_row + band[0] + band[2] + 1)
+        full_hi = tl.minimum(full_hi, start_m + band[0] + band[2] + 1)
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + band[0] - band[1], 0)
+        full_lo = tl.maximum(last_row + band[0] - band[1], 0)
+    return _split(lo, full_lo, full_hi, hi, BLOCK_N)
+
+
+@triton.jit
+def _query_blocks(start_n, seq_q, seq_k, band, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query blocks of key tile start_n, split as _key_blocks splits key blocks. Unmasked blocks
+    also lie inside seq_q (their loads are unchecked); a partial key tile is masked throughout."""
+    lo = 0
+    full_lo = 0
+    hi = seq_q
+    full_hi = (seq_q // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - band[0] - band[2], 0)
+        full_lo = tl.maximum(start_n + BLOCK_N - 1 - band[0] - band[2], 0)
+    if HAS_LEFT:
+        hi = tl.minimum(hi, start_n + BLOCK_N - band[0] + band[1])
+        full_hi = tl.minimum(full_hi, start_n - band[0] + band[1] + 1)
+    full_hi = tl.where(start_n + BLOCK_N > seq_k, 0, full_hi)
+    return _split(lo, full_lo, full_hi, hi, BLOCK_M)
+
+
+@triton.jit
+def _log2_lse(LSE_row, rows, seq_q, stride):
+    """The saved natural-log LSE in the log2 domain; +inf past seq_q and for queries that saw no
+    key, so that exp2(s - lse) is 0 there."""
+    lse = tl.load(LSE_row + rows * stride, mask=rows < seq_q, other=float("inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+
+
+# ----- forward
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, offs_d, lo, hi, seq_k, band,
+               qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               PRECISION: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(K_base, offs_n, seq_k, k_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(_visible(offs_m, offs_n, seq_k, band, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if MASKED:  # a query with no key seen yet keeps p = 0 instead of exp2(-inf + inf)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_rows(V_base, offs_n, seq_k, v_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K,
+                     q_strides, k_strides, v_strides, o_strides, lse_strides,
+                     group, dense_seq_q, dense_seq_k, qk_scale, left, right,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                     VARLEN: tl.constexpr, REVERSE_M: tl.constexpr, PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if REVERSE_M:  # causal: the longest query tiles first, so short ones fill the tail of the wave
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seq_q = _sequence(CU_Q, b, dense_seq_q, VARLEN)
+    k_start, seq_k = _sequence(CU_K, b, dense_seq_k, VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m < seq_q:
+        hk = h // group
+        band = (seq_k - seq_q, left, right)
+        K_base = _tile_base(K, k_strides, b, hk, k_start)
+        V_base = _tile_base(V, v_strides, b, hk, k_start)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        Q_base = _tile_base(Q, q_strides, b, h, q_start)
+        q = _load_rows(Q_base, offs_m, seq_q, q_strides, offs_d, HEAD_DIM, D_PAD, True)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        lo, mid_lo, mid_hi, hi = _key_blocks(start_m, seq_q, seq_k, band, BLOCK_M, BLOCK_N,
+                                             HAS_LEFT, HAS_RIGHT)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, offs_d,
+                                   lo, mid_lo, seq_k, band, qk_scale,
+                                   BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, offs_d,
+                                   mid_lo, mid_hi, seq_k, band, qk_scale,
+                                   BLOCK_N, HEAD_DIM, D_PAD, False, HAS_LEFT, HAS_RIGHT, PRECISION)
+        acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, offs_d,
+                                   mid_hi, hi, seq_k, band, qk_scale,
+                                   BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+        empty = l_i == 0.0  # the query saw no key: output 0, lse -inf
+        l_safe = tl.where(empty, 1.0, l_i)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.math.log2(l_safe)) * 0.6931471805599453)
+        O_base = _tile_base(Out, o_strides, b, h, q_start)
+        _store_rows(O_base, acc / l_safe[:, None], offs_m, seq_q, o_strides, offs_d, HEAD_DIM)
+        lse_row = _tile_base(LSE, lse_strides, b, h, q_start)
+        tl.store(lse_row + offs_m * lse_strides[2], lse, mask=offs_m < seq_q)
+
+
+# ----- backward: dq, with delta = rowsum(dO * O) fused in
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, k_strides, v_strides, offs_m, offs_d, lo, hi, seq_k,
+              band, qk_scale, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+              MASKED: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr):
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_rows(K_base, offs_n, seq_k, k_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
+        v = _load_rows(V_base, offs_n, seq_k, v_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale - lse2[:, None])
+        if MASKED:
+            p = tl.where(_visible(offs_m, offs_n, seq_k, band, HAS_LEFT, HAS_RIGHT), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, Out, DO, LSE, Delta, DQ, CU_Q, CU_K,
+                        q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides, lse_strides,
+                        group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right,
+                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                        VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seq_q = _sequence(CU_Q, b, dense_seq_q, VARLEN)
+    k_start, seq_k = _sequence(CU_K, b, dense_seq_k, VARLEN)
+    if start_m < seq_q:
+        hk = h // group
+        band = (seq_k - seq_q, left, right)
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, D_PAD)
+        Q_base = _tile_base(Q, q_strides, b, h, q_start)
+        DO_base = _tile_base(DO, do_strides, b, h, q_start)
+        O_base = _tile_base(Out, o_strides, b, h, q_start)
+        q = _load_rows(Q_base, offs_m, seq_q, q_strides, offs_d, HEAD_DIM, D_PAD, True)
+        do = _load_rows(DO_base, offs_m, seq_q, do_strides, offs_d, HEAD_DIM, D_PAD, True)
+        o = _load_rows(O_base, offs_m, seq_q, o_strides, offs_d, HEAD_DIM, D_PAD, True)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        tl.store(_tile_base(Delta, lse_strides, b, h, q_start) + offs_m * lse_strides[2], delta,
+                 mask=offs_m < seq_q)
+        lse2 = _log2_lse(_tile_base(LSE, lse_strides, b, h, q_start), offs_m, seq_q, lse_strides[2])
+        K_base = _tile_base(K, k_strides, b, hk, k_start)
+        V_base = _tile_base(V, v_strides, b, hk, k_start)
+        dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+        lo, mid_lo, mid_hi, hi = _key_blocks(start_m, seq_q, seq_k, band, BLOCK_M, BLOCK_N,
+                                             HAS_LEFT, HAS_RIGHT)
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, k_strides, v_strides, offs_m, offs_d,
+                       lo, mid_lo, seq_k, band, qk_scale,
+                       BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, k_strides, v_strides, offs_m, offs_d,
+                       mid_lo, mid_hi, seq_k, band, qk_scale,
+                       BLOCK_N, HEAD_DIM, D_PAD, False, HAS_LEFT, HAS_RIGHT, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, k_strides, v_strides, offs_m, offs_d,
+                       mid_hi, hi, seq_k, band, qk_scale,
+                       BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+        DQ_base = _tile_base(DQ, dq_strides, b, h, q_start)
+        _store_rows(DQ_base, dq * scale, offs_m, seq_q, dq_strides, offs_d, HEAD_DIM)
+
+
+# ----- backward: dk and dv, summed over the query heads of each kv head
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_row, Delta_row, q_strides, do_strides, lse_stride,
+                offs_n, offs_d, lo, hi, seq_q, seq_k, band, qk_scale,
+                BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, MASKED: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, PRECISION: tl.constexpr):
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_rows(Q_base, offs_m, seq_q, q_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
+        lse2 = _log2_lse(LSE_row, offs_m, seq_q, lse_stride)
+        p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale - lse2[None, :])
+        if MASKED:
+            p_t = tl.where(tl.trans(_visible(offs_m, offs_n, seq_k, band, HAS_LEFT, HAS_RIGHT)), p_t, 0.0)
+        do = _load_rows(DO_base, offs_m, seq_q, do_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        delta = tl.load(Delta_row + offs_m * lse_stride, mask=offs_m < seq_q, other=0.0)
+        ds_t = p_t * (tl.dot(v, tl.trans(do), input_precision=PRECISION) - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
+                          q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, lse_strides,
+                          group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right,
+                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                          VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+    start_n = tl.program_id(0) * BLOCK_N
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, seq_q = _sequence(CU_Q, b, dense_seq_q, VARLEN)
+    k_start, seq_k = _sequence(CU_K, b, dense_seq_k, VARLEN)
+    if start_n < seq_k:
+        band = (seq_k - seq_q, left, right)
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D_PAD)
+        K_base = _tile_base(K, k_strides, b, hk, k_start)
+        V_base = _tile_base(V, v_strides, b, hk, k_start)
+        k = _load_rows(K_base, offs_n, seq_k, k_strides, offs_d, HEAD_DIM, D_PAD, True)
+        v = _load_rows(V_base, offs_n, seq_k, v_strides, offs_d, HEAD_DIM, D_PAD, True)
+        dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+        lo, mid_lo, mid_hi, hi = _query_blocks(start_n, seq_q, seq_k, band, BLOCK_M, BLOCK_N,
+                                               HAS_LEFT, HAS_RIGHT)
+        for g in range(group):
+            h = hk * group + g
+            Q_base = _tile_base(Q, q_strides, b, h, q_start)
+            DO_base = _tile_base(DO, do_strides, b, h, q_start)
+            LSE_row = _tile_base(LSE, lse_strides, b, h, q_start)
+            Delta_row = _tile_base(Delta, lse_strides, b, h, q_start)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_row, Delta_row, q_strides, do_strides,
+                                 lse_strides[2], offs_n, offs_d, lo, mid_lo, seq_q, seq_k, band, qk_scale,
+                                 BLOCK_M, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_row, Delta_row, q_strides, do_strides,
+                                 lse_strides[2], offs_n, offs_d, mid_lo, mid_hi, seq_q, seq_k, band, qk_scale,
+                                 BLOCK_M, HEAD_DIM, D_PAD, False, HAS_LEFT, HAS_RIGHT, PRECISION)
+            dk, dv = _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_row, Delta_row, q_strides, do_strides,
+                                 lse_strides[2], offs_n, offs_d, mid_hi, hi, seq_q, seq_k, band, qk_scale,
+                                 BLOCK_M, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+        DK_base = _tile_base(DK, dk_strides, b, hk, k_start)
+        DV_base = _tile_base(DV, dv_strides, b, hk, k_start)
+        _store_rows(DK_base, dk * scale, offs_n, seq_k, dk_strides, offs_d, HEAD_DIM)
+        _store_rows(DV_base, dv, offs_n, seq_k, dv_strides, offs_d, HEAD_DIM)
+
+
+# fmt: on
+
+
+# --------------------------------------------------------------------------- launchers
+
+MAX_GRID_YZ = 65535  # heads and batch run on grid axes 1 and 2
+
+
+def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
+    """(batch, head, row, dim) strides; packed tensors have no batch stride (rows carry it)."""
+    if varlen:
+        rows, heads, dim = t.stride()
+        return 0, heads, rows, dim
+    b, h, s, d = t.stride()
+    return b, h, s, d
+
+
+def _row_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
+    """LSE/delta strides: dense (batch, heads, seq); packed (heads, tokens)."""
+    if varlen:
+        heads, rows = lse.stride()
+        return 0, heads, rows
+    b, h, s = lse.stride()
+    return b, h, s
+
+
+def _check_grid(problem: Problem) -> None:
+    if problem.batch > MAX_GRID_YZ or problem.heads_q > MAX_GRID_YZ:
+        raise UnsupportedError(
+            f"triton attention: batch and heads must be <= {MAX_GRID_YZ} (grid axes), "
+            f"got batch {problem.batch}, heads {problem.heads_q}"
+        )
+
+
+def _common(problem: Problem, q: torch.Tensor) -> tuple[object, object, dict[str, object]]:
+    """cu_seqlens pointers (q itself stands in when dense: the kernel never reads it) and flags."""
+    cu_q = problem.cu_seqlens_q if problem.varlen else q
+    cu_k = problem.cu_seqlens_k if problem.varlen else q
+    flags: dict[str, object] = {
+        "HEAD_DIM": problem.head_dim,
+        "D_PAD": problem.head_dim_padded,
+        "HAS_LEFT": problem.has_left,
+        "HAS_RIGHT": problem.has_right,
+        "VARLEN": problem.varlen,
+        "PRECISION": "ieee" if q.dtype == torch.float32 else None,  # no tf32 behind an fp32 op
+    }
+    return cu_q, cu_k, flags
+
+
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, configs: LaunchConfigs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse), contiguous. Packed outputs start at zero: tokens outside any sequence read 0, lse -inf."""
+    _check_grid(problem)
+    varlen, device = problem.varlen, q.device
+    if varlen:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=device)
+        lse = torch.full((problem.heads_q, q.shape[0]), float("-inf"), device=device, dtype=torch.float32)
+    else:
+        out = torch.empty(q.shape, dtype=q.dtype, device=device)
+        lse = torch.empty(q.shape[:-1], device=device, dtype=torch.float32)
+    full_width = triton.cdiv(problem.seq_q, configs.forward.block_m) * problem.heads_q * problem.batch
+    tile = configs.forward_for(full_width)
+    cu_q, cu_k, flags = _common(problem, q)
+    _attn_fwd_kernel[(triton.cdiv(problem.seq_q, tile.block_m), problem.heads_q, problem.batch)](
+        q, k, v, out, lse, cu_q, cu_k,
+        _strides(q, varlen), _strides(k, varlen), _strides(v, varlen), _strides(out, varlen),
+        _row_strides(lse, varlen),
+        problem.heads_q // problem.heads_kv, problem.seq_q, problem.seq_k, problem.scale * LOG2E,
+        problem.window_left, problem.window_right,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, REVERSE_M=problem.has_right and not problem.has_left,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, **flags,
+    )  # fmt: skip
+    return out, lse
+
+
+def backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    problem: Problem,
+    configs: LaunchConfigs,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv), contiguous: the dq kernel (which also writes delta) first, then the dk/dv kernel."""
+    _check_grid(problem)
+    varlen = problem.varlen
+    lse = lse.contiguous()  # delta shares its strides; a no-op for the LSE the forwards return
+    delta = torch.empty_like(lse)
+    alloc = torch.zeros if varlen else torch.empty
+    dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    cu_q, cu_k, flags = _common(problem, q)
+    scalars = (
+        problem.heads_q // problem.heads_kv, problem.seq_q, problem.seq_k, problem.scale * LOG2E,
+        problem.scale, problem.window_left, problem.window_right,
+    )  # fmt: skip
+    q_s, k_s, v_s, do_s = (_strides(t, varlen) for t in (q, k, v, grad_out))
+    lse_s = _row_strides(lse, varlen)
+    tile = configs.backward_dq
+    _attn_bwd_dq_kernel[(triton.cdiv(problem.seq_q, tile.block_m), problem.heads_q, problem.batch)](
+        q, k, v, out, grad_out, lse, delta, dq, cu_q, cu_k,
+        q_s, k_s, v_s, _strides(out, varlen), do_s, _strides(dq, varlen), lse_s, *scalars,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **flags,
+    )  # fmt: skip
+    tile = configs.backward_dkdv
+    _attn_bwd_dkdv_kernel[(triton.cdiv(problem.seq_k, tile.block_n), problem.heads_kv, problem.batch)](
+        q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
+        q_s, k_s, v_s, do_s, _strides(dk, varlen), _strides(dv, varlen), lse_s, *scalars,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
+        **flags,
+    )  # fmt: skip
+    return dq, dk, dv

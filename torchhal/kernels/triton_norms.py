@@ -1,0 +1,177 @@
+"""Triton kernels for rms_norm and layer_norm, forward and backward; imported only when a candidate binds.
+
+Forward: one program per row, a block covering the row, statistics and the affine transform in
+fp32, one rounding to the output dtype. Backward: `RowLaunch.backward_programs` programs, each
+walking a contiguous run of rows; it recomputes the row statistics from x (the row is in
+registers anyway, so nothing is saved by the forward), writes dx, and accumulates its partial
+weight (and bias) gradient in fp32 registers; the partials are summed across programs after.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from torchhal.kernels.triton_rows import RowLaunch, next_power_of_2, row_stride
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+    tl.store(Y + row * n_cols + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rms_norm_bwd(
+    DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program, BLOCK: tl.constexpr
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    row = pid * rows_per_program
+    end = tl.minimum(row + rows_per_program, n_rows)
+    while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
+        r = row.to(tl.int64)
+        x = tl.load(X + r * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        dy = tl.load(DY + r * dy_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        xhat = x * rstd
+        g = dy * w
+        dx = (g - xhat * (tl.sum(g * xhat, axis=0) / n_cols)) * rstd
+        tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+        row += 1
+    tl.store(DW + pid * n_cols + cols, dw, mask=mask)
+
+
+@triton.jit
+def _layer_norm_fwd(X, W, B, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    b = tl.load(B + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    mean = tl.sum(x, axis=0) / n_cols
+    diff = tl.where(mask, x - mean, 0.0)
+    rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+    tl.store(Y + row * n_cols + cols, (diff * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_bwd(
+    DY, X, W, DX, DW, DB, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program, BLOCK: tl.constexpr
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK,), dtype=tl.float32)
+    db = tl.zeros((BLOCK,), dtype=tl.float32)
+    row = pid * rows_per_program
+    end = tl.minimum(row + rows_per_program, n_rows)
+    while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
+        r = row.to(tl.int64)
+        x = tl.load(X + r * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        dy = tl.load(DY + r * dy_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
+        mean = tl.sum(x, axis=0) / n_cols
+        diff = tl.where(mask, x - mean, 0.0)
+        rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+        xhat = diff * rstd
+        g = dy * w
+        mean_g = tl.sum(g, axis=0) / n_cols
+        mean_gx = tl.sum(g * xhat, axis=0) / n_cols
+        dx = (g - mean_g - xhat * mean_gx) * rstd
+        tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += dy * xhat
+        db += dy
+        row += 1
+    tl.store(DW + pid * n_cols + cols, dw, mask=mask)
+    tl.store(DB + pid * n_cols + cols, db, mask=mask)
+
+
+def _rows(x: torch.Tensor) -> tuple[int, int]:
+    cols = x.shape[-1]
+    return (x.numel() // cols if cols else 0), cols
+
+
+def _backward_grid(launch: RowLaunch, rows: int, warps: int) -> tuple[int, int]:
+    """(programs, rows per program) with no program left without rows."""
+    per_program = triton.cdiv(rows, launch.backward_programs(rows, warps))
+    return triton.cdiv(rows, per_program), per_program
+
+
+def rms_norm_forward(launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows, cols = _rows(x)
+    if rows == 0:
+        return y
+    block = next_power_of_2(cols)
+    _rms_norm_fwd[(rows,)](
+        x, weight, y, row_stride(x), cols, eps, BLOCK=block, num_warps=launch.warps(block, x.element_size())
+    )
+    return y
+
+
+def rms_norm_backward(
+    launch: RowLaunch, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows, cols = _rows(x)
+    if rows == 0:
+        return dx, torch.zeros_like(weight)
+    block = next_power_of_2(cols)
+    warps = launch.warps(block, x.element_size())
+    programs, per_program = _backward_grid(launch, rows, warps)
+    partial = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
+    _rms_norm_bwd[(programs,)](
+        dy, x, weight, dx, partial, row_stride(dy), row_stride(x), rows, cols, eps, per_program,
+        BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    return dx, partial.sum(0).to(weight.dtype)
+
+
+def layer_norm_forward(
+    launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> torch.Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows, cols = _rows(x)
+    if rows == 0:
+        return y
+    block = next_power_of_2(cols)
+    _layer_norm_fwd[(rows,)](
+        x, weight, bias, y, row_stride(x), cols, eps,
+        BLOCK=block, num_warps=launch.warps(block, x.element_size()),
+    )  # fmt: skip
+    return y
+
+
+def layer_norm_backward(
+    launch: RowLaunch, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    rows, cols = _rows(x)
+    if rows == 0:
+        return dx, torch.zeros_like(weight), torch.zeros_like(weight)
+    block = next_power_of_2(cols)
+    warps = launch.warps(block, x.element_size())
+    programs, per_program = _backward_grid(launch, rows, warps)
+    dw = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
+    db = torch.empty_like(dw)
+    _layer_norm_bwd[(programs,)](
+        dy, x, weight, dx, dw, db, row_stride(dy), row_stride(x), rows, cols, eps, per_program,
+        BLOCK=block, num_warps=warps,
+    )  # fmt: skip
+    return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)

@@ -1,0 +1,121 @@
+"""Host-side helpers shared by the row-wise ops (norms, gated activations, RoPE) and their Triton kernels.
+
+The kernels treat a tensor of shape (..., cols) as a (rows, cols) matrix with one row stride and
+unit column stride; `row_stride` says whether a tensor can be indexed that way. `RowLaunch` turns a
+device's capabilities into launch configurations. Nothing here imports triton, so the op modules
+can judge candidates on machines without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from torchhal.hal_core import DeviceCapabilities, Feature, RejectionReason, Unsupported, UnsupportedError
+
+TRITON_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
+MAX_THREADS_PER_PROGRAM = 1024  # the block-size limit of CUDA, HIP and SYCL alike
+VECTOR_BYTES = 16  # widest global load of one thread
+VECTORS_PER_THREAD = 2  # row elements each thread holds per tensor: two 16-byte vectors
+RESIDENT_THREADS_PER_UNIT = 1024  # backward programs per compute unit aim at this many threads
+MIN_ROWS_PER_PROGRAM = 8  # below this, a backward program's partial weight gradient costs more than it saves
+MAX_BLOCK = 32768  # one row per program: beyond this, registers spill
+ELEMENTWISE_BLOCK_BYTES = 8192  # per tensor per program of an element-wise kernel
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the references compute in: fp32, or fp64 for fp64 inputs (the tests' ground truth)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def require_floating(op: str, name: str, t: torch.Tensor) -> None:
+    if not t.dtype.is_floating_point:
+        raise UnsupportedError(f"{op}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def unbound(*args: object, **kwargs: object) -> None:
+    """The `fn` of a candidate that has `bind`: the registry runs bind(caps)'s callable instead."""
+    raise TypeError("this candidate runs only as bound to a device's capabilities (Candidate.bind)")
+
+
+def row_stride(t: torch.Tensor) -> int | None:
+    """Stride between rows when `t` (..., cols) can be indexed as (rows, cols) with unit column
+    stride; None when it cannot (then the Triton candidates turn the call down)."""
+    if t.dim() == 0 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+        return None
+    stride: int | None = None
+    span = 0
+    for size, step in zip(reversed(t.shape[:-1]), reversed(t.stride()[:-1]), strict=True):
+        if size == 1:
+            continue
+        if stride is not None and step != span:
+            return None
+        stride = step if stride is None else stride
+        span = step * size
+    return t.shape[-1] if stride is None else stride
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@functools.cache
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_unsupported(caps: DeviceCapabilities, dtype: torch.dtype) -> Unsupported | None:
+    """The device and dtype conditions every Triton candidate of these ops shares."""
+    if Feature.TRITON not in caps.features:
+        return Unsupported(RejectionReason.FEATURE, f"device {caps.name!r} does not declare Triton")
+    if not triton_installed():
+        return Unsupported(RejectionReason.FEATURE, "the triton package is not installed")
+    if dtype not in TRITON_DTYPES:
+        return Unsupported(RejectionReason.DTYPE, f"{dtype} is not one of fp32, bf16, fp16")
+    return None
+
+
+def block_unsupported(cols: int) -> Unsupported | None:
+    if next_power_of_2(cols) > MAX_BLOCK:
+        return Unsupported(RejectionReason.SHAPE, f"row length {cols} > {MAX_BLOCK}: one row per program")
+    return None
+
+
+def layout_unsupported(rows: bool) -> Unsupported | None:
+    if not rows:
+        return Unsupported(RejectionReason.LAYOUT, "rows need one row stride and unit column stride")
+    return None
+
+
+@dataclass(frozen=True)
+class RowLaunch:
+    """Launch configuration of the row kernels, from SIMD width and compute units (never per vendor)."""
+
+    simd_width: int
+    compute_units: int
+
+    @classmethod
+    def from_caps(cls, caps: DeviceCapabilities) -> RowLaunch:
+        return cls(caps.simd_width, caps.compute_units)
+
+    def warps(self, block: int, element_bytes: int) -> int:
+        """Warps so each thread holds VECTORS_PER_THREAD 16-byte vectors of a row of `block` elements."""
+        threads = block * element_bytes // (VECTOR_BYTES * VECTORS_PER_THREAD)
+        most = max(1, MAX_THREADS_PER_PROGRAM // self.simd_width)
+        return min(most, next_power_of_2(max(1, threads // self.simd_width)))
+
+    def elementwise(self, cols: int, element_bytes: int) -> tuple[int, int]:
+        """(block, warps) of an element-wise kernel tiling rows of `cols` elements."""
+        block = min(next_power_of_2(cols), ELEMENTWISE_BLOCK_BYTES // element_bytes)
+        return block, self.warps(block, element_bytes)
+
+    def backward_programs(self, rows: int, warps: int) -> int:
+        """Programs of a backward pass that accumulates a partial weight gradient per program: enough
+        to keep RESIDENT_THREADS_PER_UNIT threads on every unit, unless that leaves a program fewer
+        than MIN_ROWS_PER_PROGRAM rows (each program writes and the reduction reads one partial row)."""
+        per_unit = max(1, RESIDENT_THREADS_PER_UNIT // (warps * self.simd_width))
+        busy = self.compute_units * per_unit
+        return max(1, min(rows, busy, max(self.compute_units, rows // MIN_ROWS_PER_PROGRAM)))
