@@ -81,3 +81,6 @@ def run(console: Console) -> None:
     from torchhal.evaluation.demo import demo_section  # section 5: A/B with statistics
 
     demo_section(console, hal)
+    from torchhal.distributed.demo import demo_section as training_section  # section 6
+
+    training_section(console, hal)

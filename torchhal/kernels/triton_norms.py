@@ -113,7 +113,9 @@ def _backward_grid(launch: RowLaunch, rows: int, warps: int) -> tuple[int, int]:
     return triton.cdiv(rows, per_program), per_program
 
 
-def rms_norm_forward(launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_forward(
+    launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, cols = _rows(x)
     if rows == 0:
@@ -126,7 +128,7 @@ def rms_norm_forward(launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, e
 
 
 def rms_norm_backward(
-    launch: RowLaunch, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    launch: RowLaunch, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, cols = _rows(x)
@@ -144,7 +146,7 @@ def rms_norm_backward(
 
 
 def layer_norm_forward(
-    launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+    launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
 ) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, cols = _rows(x)
@@ -159,7 +161,7 @@ def layer_norm_forward(
 
 
 def layer_norm_backward(
-    launch: RowLaunch, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    launch: RowLaunch, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, cols = _rows(x)

@@ -1,0 +1,187 @@
+"""`init()`: join a training job on this rank's HAL device, with the backend its capabilities need.
+
+The process group itself is torch.distributed's, made by the HAL's `Communicator`; this module
+adds the choice of the local device (LOCAL_RANK among the best adapter's devices) and a store
+prefix, so that a job can rebuild its process group under a new generation (`prefix="gen1"`)
+over the same rendezvous store after a failure.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from torchhal.hal_core import ConfigurationError, Device, DeviceRequirements, telemetry
+from torchhal.hal_core.collectives import DEFAULT_TIMEOUT, Communicator, backend_for
+
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import Store
+
+    from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+log = telemetry.get_logger("torchhal.distributed")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """This rank's place in the job: who it is, which device it trains on, how it talks."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: Device
+    backend: str
+    hal: HardwareAbstractionLayer = field(repr=False)
+    communicator: Communicator = field(repr=False)
+    prefix: str | None = None
+    host: str = field(default_factory=socket.gethostname)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def report(self) -> dict[str, Any]:
+        """JSON-able facts about this rank, for logs and run reports."""
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_rank": self.local_rank,
+            "host": self.host,
+            "device": self.device.id,
+            "device_name": self.device.capabilities.name,
+            "simulated": self.device.simulated,
+            "backend": self.backend,
+            "prefix": self.prefix,
+        }
+
+    def shutdown(self) -> None:
+        """Destroy the process groups this context made (the default group too, if init made it)."""
+        self.communicator.destroy()
+
+
+def init(
+    hal: HardwareAbstractionLayer | None = None,
+    *,
+    device: Device | str | None = None,
+    requirements: DeviceRequirements | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    init_method: str | None = None,
+    store: Store | None = None,
+    prefix: str | None = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> DistContext:
+    """Initialise (or wrap) the default process group for this rank and return its context.
+
+    Rendezvous comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT) unless `init_method` or `store` is given. `device` defaults to the device of
+    index LOCAL_RANK among the devices of the adapter `hal.best_device(requirements)` belongs
+    to. `prefix` namespaces every key the process group writes in the rendezvous store, so a
+    group rebuilt after a failure (`prefix="gen2"`) never reads the keys of the one it replaces.
+    `hal` defaults to the process's default HAL, the one `torchhal.ops` dispatches through.
+    """
+    if hal is None:
+        from torchhal.ops import default_hal
+
+        hal = default_hal()
+    local = local_rank if local_rank is not None else _env_int("LOCAL_RANK", default=0)
+    if local < 0:
+        raise ConfigurationError(f"local_rank must be >= 0, got {local}")
+    dev = hal.device(device) if isinstance(device, str) else device
+    if dev is None:
+        dev = local_device(hal, local, requirements)
+    if prefix is not None:
+        store, init_method = _prefixed_store(prefix, store, init_method, rank, world_size, timeout), None
+    with telemetry.span("torchhal.distributed.init", device=dev.id, prefix=prefix):
+        comm = Communicator.create(
+            hal,
+            device=dev,
+            rank=rank,
+            world_size=world_size,
+            init_method=init_method,
+            store=store,
+            timeout=timeout,
+        )
+    ctx = DistContext(
+        rank=comm.rank,
+        world_size=comm.world_size,
+        local_rank=local,
+        device=dev,
+        backend=backend_for([dev]),
+        hal=hal,
+        communicator=comm,
+        prefix=prefix,
+    )
+    log.info("distributed initialised", **ctx.report())
+    return ctx
+
+
+def local_device(
+    hal: HardwareAbstractionLayer, local_rank: int, requirements: DeviceRequirements | None = None
+) -> Device:
+    """The device of index `local_rank` among the devices of the best device's adapter.
+
+    Devices whose tensors live in host memory (the CPU, simulated devices) may be shared by
+    several local ranks: the rank takes `local_rank % count`. Accelerators may not: more
+    local ranks than devices is a configuration error.
+    """
+    req = requirements or DeviceRequirements()
+    best = hal.best_device(req)
+    siblings = sorted(
+        (d for d in hal.devices() if d.adapter is best.adapter and not req.failures(d.capabilities)),
+        key=lambda d: d.index,
+    )
+    if local_rank < len(siblings):
+        chosen = siblings[local_rank]
+    elif best.torch_device.type == "cpu":
+        chosen = siblings[local_rank % len(siblings)]
+        log.info("host-memory device shared by several local ranks", device=chosen.id, local_rank=local_rank)
+    else:
+        raise ConfigurationError(
+            f"local rank {local_rank}: adapter {best.adapter.name!r} has {len(siblings)} matching "
+            f"device(s) {[d.id for d in siblings]}; start at most {len(siblings)} processes per node"
+        )
+    log.info("device chosen for local rank", device=chosen.id, local_rank=local_rank)
+    return chosen
+
+
+def _prefixed_store(
+    prefix: str,
+    store: Store | None,
+    init_method: str | None,
+    rank: int | None,
+    world_size: int | None,
+    timeout: timedelta,
+) -> Store:
+    """`store` (or the store torch's rendezvous makes from `init_method`/env://) under `prefix`."""
+    if not prefix or "/" in prefix:
+        raise ConfigurationError(f"prefix must be a non-empty name without '/', got {prefix!r}")
+    if store is not None and init_method is not None:
+        raise ConfigurationError("init_method and store: give one, not both")
+    if store is None:
+        url = init_method or "env://"
+        r = rank if rank is not None else _env_int("RANK", default=-1)
+        w = world_size if world_size is not None else _env_int("WORLD_SIZE", default=-1)
+        try:
+            store, _, _ = next(dist.rendezvous(url, r, w, timeout=timeout))
+        except (RuntimeError, ValueError) as exc:
+            raise ConfigurationError(
+                f"rendezvous through {url} for prefix {prefix!r} (rank {r}, world size {w}) failed: {exc}"
+            ) from exc
+    return dist.PrefixStore(prefix + "/", store)
+
+
+def _env_int(name: str, *, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None

@@ -1,0 +1,199 @@
+"""`train()`: a small training loop with a span per step and a structlog line every few steps.
+
+Each step: forward under the policy's autocast, backward (through the gradient scaler for
+fp16), an optional explicit gradient sync (heterogeneous runs), unscale and clip, optimizer
+step. Ops inside run with `ctx.hal.use(ctx.device)` active, so `torchhal.ops` dispatch to this
+rank's device (a simulated ASIC included). Step time is host wall time after the device
+synchronised; tokens counts this rank's tokens (the first tensor of each batch).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from torchhal.hal_core import InvalidArgumentError, telemetry
+
+if TYPE_CHECKING:
+    from torchhal.distributed.init import DistContext
+    from torchhal.distributed.precision import PrecisionPolicy
+
+log = telemetry.get_logger("torchhal.distributed.train")
+
+Batch = Any
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    step: int
+    loss: float
+    step_time_s: float
+    tokens: int
+    tokens_per_s: float
+    grad_norm: float | None  # before clipping; None when not clipping
+    scale: float | None = None  # the gradient scaler's scale after the step (fp16)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Batch],
+    *,
+    steps: int,
+    ctx: DistContext,
+    policy: PrecisionPolicy,
+    clip_grad_norm: float | None = None,
+    scaler: torch.amp.GradScaler | None = None,
+    loss_fn: LossFn | None = None,
+    grad_sync: Callable[[nn.Module], None] | None = None,
+    on_step: Callable[[StepStats], None] | None = None,
+    log_every: int = 10,
+    first_step: int = 0,
+) -> list[StepStats]:
+    """Run `steps` optimizer steps over `batches`; return each step's statistics.
+
+    A batch is a tensor or a tuple of tensors on `ctx.device`; `loss_fn(model, batch)` returns
+    the scalar loss (default: `model(*batch)`). `grad_sync(model)` runs after backward, for
+    gradients synchronised outside DDP/FSDP. `first_step` numbers the steps of a resumed run.
+    """
+    if steps < 0:
+        raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise InvalidArgumentError(f"train: clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
+    if log_every < 1:
+        raise InvalidArgumentError(f"train: log_every must be >= 1, got {log_every}")
+    if policy.uses_grad_scaler and scaler is None:
+        raise InvalidArgumentError(
+            f"train: precision policy {policy.name!r} needs a gradient scaler (pass prepared.scaler)"
+        )
+    compute_loss = loss_fn or _call_model
+    stats: list[StepStats] = []
+    source = iter(batches)
+    model.train()
+    with ctx.hal.use(ctx.device):
+        for step in range(first_step, first_step + steps):
+            try:
+                batch = next(source)
+            except StopIteration:
+                raise InvalidArgumentError(
+                    f"train: batches ran out after {step - first_step} of {steps} steps"
+                ) from None
+            _check_batch(batch, ctx)
+            with telemetry.span("torchhal.train.step", step=step, rank=ctx.rank) as span:
+                result = _step(
+                    model,
+                    optimizer,
+                    batch,
+                    step,
+                    ctx,
+                    policy,
+                    clip_grad_norm,
+                    scaler,
+                    compute_loss,
+                    grad_sync,
+                )
+                span.set_attribute("loss", result.loss)
+                span.set_attribute("step_time_s", result.step_time_s)
+                span.set_attribute("tokens_per_s", result.tokens_per_s)
+                if result.grad_norm is not None:
+                    span.set_attribute("grad_norm", result.grad_norm)
+                if (step - first_step) % log_every == 0 or step == first_step + steps - 1:
+                    log.info("train step", rank=ctx.rank, device=ctx.device.id, **result.as_dict())
+            stats.append(result)
+            if on_step is not None:
+                on_step(result)
+    return stats
+
+
+def _step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    step: int,
+    ctx: DistContext,
+    policy: PrecisionPolicy,
+    clip: float | None,
+    scaler: torch.amp.GradScaler | None,
+    compute_loss: LossFn,
+    grad_sync: Callable[[nn.Module], None] | None,
+) -> StepStats:
+    start = time.perf_counter()
+    with policy.autocast():
+        loss = compute_loss(model, batch)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise InvalidArgumentError(f"train: the loss must be a scalar tensor, got {_describe(loss)}")
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if grad_sync is not None:
+        grad_sync(model)
+    norm = None
+    if clip is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        norm = _as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    value = float(loss.detach())
+    ctx.device.synchronize()
+    elapsed = time.perf_counter() - start
+    tokens = _tokens(batch)
+    return StepStats(
+        step=step,
+        loss=value,
+        step_time_s=elapsed,
+        tokens=tokens,
+        tokens_per_s=tokens / elapsed if elapsed > 0 else math.inf,
+        grad_norm=norm,
+        scale=None if scaler is None else float(scaler.get_scale()),
+    )
+
+
+def _call_model(model: nn.Module, batch: Batch) -> torch.Tensor:
+    out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+    return out  # type: ignore[no-any-return]
+
+
+def _tensors(batch: Batch) -> Sequence[torch.Tensor]:
+    items = batch if isinstance(batch, (tuple, list)) else (batch,)
+    return [t for t in items if isinstance(t, torch.Tensor)]
+
+
+def _tokens(batch: Batch) -> int:
+    tensors = _tensors(batch)
+    return tensors[0].numel() if tensors else 0
+
+
+def _check_batch(batch: Batch, ctx: DistContext) -> None:
+    """Batches must already be on the rank's device: nothing is moved behind the caller's back."""
+    want = ctx.device.torch_device
+    for t in _tensors(batch):
+        if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
+            raise InvalidArgumentError(
+                f"train: a batch tensor is on {t.device}, but rank {ctx.rank} trains on "
+                f"{ctx.device.id} ({want}); move batches there explicitly"
+            )
+
+
+def _as_float(norm: torch.Tensor) -> float:
+    """A gradient norm as a number; FSDP2 returns a replicated DTensor."""
+    full = getattr(norm, "full_tensor", None)
+    return float(full() if callable(full) else norm)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

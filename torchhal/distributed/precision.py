@@ -1,0 +1,161 @@
+"""Mixed-precision policy from device capabilities: bf16, else fp16 with a gradient scaler, else fp32.
+
+A low-precision format is chosen only where the device both stores it and computes it faster
+than fp32: it declares matrix units (`Feature.TENSOR_CORES`) or a declared peak for the format
+above its fp32 peak. A host CPU that stores bf16 but has neither trains in fp32, because
+autocast there costs time and buys nothing. The choice and its reason are logged, counted and
+carried in the policy's report; a format the device lacks is refused, never substituted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from torchhal.hal_core import Device, DeviceCapabilities, DType, Feature, UnsupportedError, telemetry
+
+log = telemetry.get_logger("torchhal.distributed.precision")
+
+PolicyName = Literal["bf16", "fp16", "fp32"]
+_FORMATS: dict[str, tuple[DType, torch.dtype]] = {
+    "bf16": (DType.BF16, torch.bfloat16),
+    "fp16": (DType.FP16, torch.float16),
+    "fp32": (DType.FP32, torch.float32),
+}
+STRATEGIES = ("ddp", "fsdp", "local")
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """How a model trains on one device: compute dtype, reduction dtype, scaler, and why.
+
+    Parameters and optimizer state stay fp32. Under DDP (and `local`) the forward runs in
+    `torch.autocast(compute_dtype)`; under FSDP2 the same policy is FSDP's
+    `MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=fp32)` and no autocast.
+    """
+
+    name: PolicyName
+    compute_dtype: torch.dtype
+    device_type: str  # torch device type, for autocast and the gradient scaler
+    reason: str
+    reduce_dtype: torch.dtype = torch.float32
+    strategy: str | None = None  # set by prepare()
+
+    @property
+    def uses_grad_scaler(self) -> bool:
+        """fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range."""
+        return self.name == "fp16"
+
+    def for_strategy(self, strategy: str) -> PrecisionPolicy:
+        if strategy not in STRATEGIES:
+            raise UnsupportedError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        return dataclasses.replace(self, strategy=strategy)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The forward's autocast context: none for fp32, and none under FSDP (it casts params)."""
+        if self.name == "fp32" or self.strategy == "fsdp":
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.compute_dtype)
+
+    def fsdp_policy(self) -> Any:
+        """FSDP2's MixedPrecisionPolicy for this policy (fp32: no casting at all)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.name == "fp32":
+            return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy(param_dtype=self.compute_dtype, reduce_dtype=self.reduce_dtype)
+
+    def grad_scaler(self) -> torch.amp.GradScaler | None:
+        """A fresh GradScaler for fp16 on this device type; None when no scaling is needed."""
+        if not self.uses_grad_scaler:
+            return None
+        return torch.amp.GradScaler(self.device_type)
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "policy": self.name,
+            "compute_dtype": _dtype_name(self.compute_dtype),
+            "reduce_dtype": _dtype_name(self.reduce_dtype),
+            "param_dtype": "float32",
+            "grad_scaler": self.uses_grad_scaler,
+            "autocast": self.name != "fp32" and self.strategy != "fsdp",
+            "device_type": self.device_type,
+            "strategy": self.strategy,
+            "reason": self.reason,
+        }
+
+
+def choose_precision(device: Device, *, prefer: PolicyName | None = None) -> PrecisionPolicy:
+    """The policy for training on `device`; `prefer` asks for one format (refused if unsupported)."""
+    policy = _from_capabilities(device) if prefer is None else _requested(device, prefer)
+    telemetry.count("torchhal.distributed.precision", policy=policy.name, device=device.id)
+    log.info("precision policy chosen", device=device.id, policy=policy.name, reason=policy.reason)
+    return policy
+
+
+def _requested(device: Device, name: str) -> PrecisionPolicy:
+    if name not in _FORMATS:
+        raise UnsupportedError(f"precision must be one of {sorted(_FORMATS)}, got {name!r}")
+    fmt = _FORMATS[name][0]
+    caps = device.capabilities
+    if fmt not in caps.dtypes:
+        declared = ", ".join(sorted(d.value for d in caps.dtypes))
+        raise UnsupportedError(
+            f"precision {name!r} on {device.id}: the device does not declare {fmt.value} "
+            f"(declared dtypes: {declared})"
+        )
+    return _policy(device, name, f"requested; {device.id} declares {fmt.value}")
+
+
+def _from_capabilities(device: Device) -> PrecisionPolicy:
+    caps = device.capabilities
+    passed_over = []
+    for name in ("bf16", "fp16"):
+        fmt = _FORMATS[name][0]
+        if fmt not in caps.dtypes:
+            passed_over.append(f"{name}: not declared")
+            continue
+        faster = _faster_than_fp32(caps, fmt)
+        if faster is None:
+            passed_over.append(f"{name}: declared, but no matrix units or declared peak above fp32")
+            continue
+        reason = f"{device.id} declares {fmt.value} and {faster}"
+        if passed_over:
+            reason += f" (passed over: {'; '.join(passed_over)})"
+        return _policy(device, name, reason)
+    if DType.FP32 not in caps.dtypes:
+        declared = ", ".join(sorted(d.value for d in caps.dtypes))
+        raise UnsupportedError(
+            f"training on {device.id}: needs bf16, fp16 or fp32; the device declares {declared}"
+        )
+    return _policy(device, "fp32", f"{device.id}: fp32 ({'; '.join(passed_over)})")
+
+
+def _faster_than_fp32(caps: DeviceCapabilities, fmt: DType) -> str | None:
+    """Why `fmt` computes faster than fp32 on this device, or None when nothing says it does."""
+    if caps.has(Feature.TENSOR_CORES):
+        return "matrix units (tensor_cores)"
+    peaks = caps.declared_peaks
+    if peaks is not None and peaks.tflops.get(fmt, 0.0) > peaks.tflops.get(DType.FP32, float("inf")):
+        return (
+            f"a declared {fmt.value} peak of {peaks.tflops[fmt]:g} TFLOP/s above fp32's "
+            f"{peaks.tflops[DType.FP32]:g} ({peaks.source})"
+        )
+    return None
+
+
+def _policy(device: Device, name: str, reason: str) -> PrecisionPolicy:
+    return PrecisionPolicy(
+        name=name,  # type: ignore[arg-type]
+        compute_dtype=_FORMATS[name][1],
+        device_type=device.torch_device.type,
+        reason=reason,
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
