@@ -250,3 +250,38 @@ def test_out_of_memory_in_a_kernel_is_raised_not_fallen_back(hal):
     with pytest.raises(DeviceOutOfMemoryError, match="requested 1073741824 bytes"):
         hal.kernels.call("rms_norm", hal.device("cpu"), torch.randn(2, 4), torch.randn(4))
     assert hal.kernels.fallback_counts == {}
+
+
+def test_seen_arguments_skip_validation_but_new_layouts_are_validated(hal):
+    calls = []
+    opdef = hal.kernels.op("rms_norm")
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return opdef.signature(*args, **kwargs)
+
+    hal.kernels._ops["rms_norm"] = type(opdef)(opdef.name, opdef.reference, counting, opdef.doc)
+    cpu = hal.device("cpu")
+    w = torch.randn(32)
+    for _ in range(3):
+        hal.kernels.call("rms_norm", cpu, torch.randn(6, 32), w)
+    assert len(calls) == 1  # same dtypes, shapes, strides, devices: validated once
+    hal.kernels.call("rms_norm", cpu, torch.randn(32, 6).t(), w)
+    assert len(calls) == 2  # new strides: validated again
+    with pytest.raises(InvalidArgumentError):
+        hal.kernels.call("rms_norm", cpu, torch.randn(6, 31), w)  # new shape, and invalid: refused
+
+
+def test_ops_whose_signature_reads_contents_validate_every_call(settings):
+    hal = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1"))
+    calls = []
+    hal.kernels.define_op(
+        "scale_by_first",
+        lambda t: t * t[0],
+        signature=lambda t: calls.append(1) or (t.dtype, bool(t[0] > 0)),
+        memoize=False,
+    )
+    t = torch.rand(4) + 0.1
+    hal.kernels.call("scale_by_first", hal.device("cpu"), t)
+    hal.kernels.call("scale_by_first", hal.device("cpu"), t)
+    assert len(calls) == 2

@@ -16,6 +16,8 @@ from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.errors import (
     InvalidArgumentError,
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from torchhal.hal_core.device import Device
 
 log = telemetry.get_logger("torchhal.kernels")
+SEEN_LIMIT = 4096  # remembered argument layouts per op before the memo starts over
 
 REFERENCE = "reference"
 
@@ -92,6 +95,9 @@ class OpDef:
     reference: Callable[..., Any]
     signature: Callable[..., Hashable]
     doc: str = ""
+    # The signature depends only on the arguments' dtypes, shapes, strides, devices and scalar
+    # values, never on tensor contents: calls can then skip validation for arguments seen before.
+    memoize: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +129,8 @@ class KernelRegistry:
     _ops: dict[str, OpDef] = field(default_factory=dict)
     _candidates: dict[str, list[Candidate]] = field(default_factory=dict)
     _cache: dict[str, dict[tuple[str, Hashable], Selection]] = field(default_factory=dict)
+    # per op: (device id, argument key) -> selection, for arguments already validated
+    _seen: dict[str, dict[tuple[str, Hashable], Selection]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     fallback_counts: dict[str, int] = field(default_factory=dict)
 
@@ -133,13 +141,16 @@ class KernelRegistry:
         *,
         signature: Callable[..., Hashable],
         doc: str = "",
+        memoize: bool = True,
     ) -> None:
-        """Define an op with its reference implementation, which is also its last candidate."""
+        """Define an op with its reference implementation, which is also its last candidate.
+        `memoize=False` for an op whose signature reads tensor contents (e.g. offsets)."""
         if name in self._ops:
             raise TorchHALError(f"op {name!r} is already defined (by {self._ops[name].reference!r})")
-        self._ops[name] = OpDef(name, reference, signature, doc)
+        self._ops[name] = OpDef(name, reference, signature, doc, memoize)
         self._candidates[name] = [Candidate(name, REFERENCE, "torchhal", reference, None, -math.inf)]
         self._cache[name] = {}
+        self._seen[name] = {}
 
     def register(
         self,
@@ -161,6 +172,7 @@ class KernelRegistry:
             self._candidates[op].append(candidate)
             self._candidates[op].sort(key=lambda c: (-c.priority, c.name))
             self._cache[op].clear()
+            self._seen[op].clear()
         return candidate
 
     def ops(self) -> tuple[str, ...]:
@@ -186,13 +198,32 @@ class KernelRegistry:
         return self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args, kwargs)
 
     def call(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Any:
-        """Run `op` on `device` with the selected candidate, falling back if it raises."""
+        """Run `op` on `device` with the selected candidate, falling back if it raises.
+
+        Arguments whose dtypes, shapes, strides, devices and scalars were validated before go
+        straight to their selection; anything else is validated by the op's signature first."""
         try:
             opdef = self._ops[op]
         except KeyError:
             raise UnknownOpError(op, self._ops) from None
-        sig = opdef.signature(*args, **kwargs)
-        selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args, kwargs)
+        seen = self._seen[op]
+        key: tuple[str, Hashable] | None = None
+        selection = None
+        if opdef.memoize:
+            try:
+                key = (device.id, _argument_key(args, kwargs))
+                selection = seen.get(key)
+            except TypeError:  # an unhashable argument: validate every time
+                key = None
+        if selection is None:
+            sig = opdef.signature(*args, **kwargs)
+            selection = self._cache[op].get((device.id, sig)) or self._select(
+                op, device, sig, (), args, kwargs
+            )
+            if key is not None:
+                if len(seen) >= SEEN_LIMIT:
+                    seen.clear()  # bounded: many distinct shapes re-validate, never grow memory
+                seen[key] = selection
         try:
             return selection.fn(*args, **kwargs)
         except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
@@ -202,7 +233,7 @@ class KernelRegistry:
 
     def clear_cache(self) -> None:
         with self._lock:
-            for cache in self._cache.values():
+            for cache in (*self._cache.values(), *self._seen.values()):
                 cache.clear()
 
     def _opdef(self, op: str) -> OpDef:
@@ -264,6 +295,7 @@ class KernelRegistry:
         )
         with self._lock:
             self._cache[op][(device.id, sig)] = selection
+            self._seen[op].clear()  # a demotion replaces a selection that remembered arguments point to
         return selection
 
     def _by_measurement(
@@ -335,6 +367,19 @@ class KernelRegistry:
                 failures.append(exc)
 
 
+def _argument_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """What a signature may depend on: each tensor's dtype, shape, strides and device; scalars as
+    they are. Hashing it raises TypeError for an unhashable argument (the caller then validates)."""
+    tensor = torch.Tensor
+    key = [(a.dtype, a.shape, a.stride(), a.device) if isinstance(a, tensor) else a for a in args]
+    if kwargs:
+        key += [
+            (k, (v.dtype, v.shape, v.stride(), v.device) if isinstance(v, tensor) else v)
+            for k, v in kwargs.items()
+        ]
+    return tuple(key)
+
+
 def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]:
     return candidate.bind(caps) if candidate.bind is not None else candidate.fn
 
@@ -342,6 +387,4 @@ def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]
 def _not_a_kernel_fault(exc: Exception) -> bool:
     """Bad arguments and exhausted memory are the caller's to see: another kernel would not help,
     and on a device that accounts memory a host fallback would hide the out-of-memory."""
-    import torch
-
     return isinstance(exc, (InvalidArgumentError, MemoryError, torch.OutOfMemoryError))

@@ -285,6 +285,7 @@ def register(registry: KernelRegistry) -> None:
         reference,
         signature=signature,
         doc="attention over packed variable-length sequences",
+        memoize=False,  # the signature validates cu_seqlens' contents
     )
     registry.register(
         "attention_varlen", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
@@ -292,7 +293,7 @@ def register(registry: KernelRegistry) -> None:
     )  # fmt: skip
     registry.define_op(
         "attention_varlen_forward", reference_forward, signature=forward_signature,
-        doc="(out, lse) of attention_varlen",
+        doc="(out, lse) of attention_varlen", memoize=False,
     )  # fmt: skip
     registry.register(
         "attention_varlen_forward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
@@ -300,7 +301,7 @@ def register(registry: KernelRegistry) -> None:
     )  # fmt: skip
     registry.define_op(
         "attention_varlen_backward", reference_backward, signature=backward_signature,
-        doc="(dq, dk, dv) of attention_varlen",
+        doc="(dq, dk, dv) of attention_varlen", memoize=False,
     )  # fmt: skip
     registry.register(
         "attention_varlen_backward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
