@@ -68,7 +68,7 @@ CASES = [  # (batch, heads_q, heads_kv, seq_q, seq_k, dim, causal, scale, window
     pytest.param(1, 4, 1, 113, 203, 64, True, None, None, id="mqa-causal-113x203-d64"),
     pytest.param(1, 2, 2, 113, 203, 80, False, 0.3, None, id="mha-full-113x203-d80-scale"),
     pytest.param(1, 2, 1, 203, 113, 32, True, None, None, id="causal-203x113-rows-without-keys"),
-    pytest.param(1, 2, 2, 97, 97, 32, False, None, (16, 8), id="window-16-8"),
+    pytest.param(1, 2, 2, 97, 97, 32, False, -0.4, (16, 8), id="window-16-8-negative-scale"),
     pytest.param(1, 4, 2, 113, 203, 32, True, None, (40, 0), id="causal-window-40"),
 ]
 

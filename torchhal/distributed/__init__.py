@@ -38,3 +38,22 @@ __all__ = [
     "train",
     "transformer_blocks",
 ]
+
+from torchhal.distributed.checkpoint import (  # noqa: E402  (fault tolerance, appended)
+    CheckpointError,
+    CheckpointInfo,
+    Checkpointer,
+    latest_valid,
+)
+from torchhal.distributed.elastic import ElasticJob  # noqa: E402
+from torchhal.distributed.health import HealthMonitor, NonFiniteError  # noqa: E402
+
+__all__ += [
+    "CheckpointError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "ElasticJob",
+    "HealthMonitor",
+    "NonFiniteError",
+    "latest_valid",
+]

@@ -24,6 +24,7 @@ atomics, no expanded copies of k and v, deterministic results.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -113,6 +114,8 @@ def make_problem(
 # Triton kernels keep their argument lists compact, one concern per line, so formatting is off here.
 # Strides travel as (batch, head, row, dim) tuples; `band` is (offset, left, right) with
 # offset = seq_k - seq_q of the current sequence.
+# Lengths, group size and band are runtime values (no recompile per sequence length).
+_RUNTIME = ("group", "dense_seq_q", "dense_seq_k", "left", "right")
 # fmt: off
 
 
@@ -239,15 +242,17 @@ def _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, o
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(K_base, offs_n, seq_k, k_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
-            s = tl.where(_visible(offs_m, offs_n, seq_k, band, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+            qk = tl.where(_visible(offs_m, offs_n, seq_k, band, HAS_LEFT, HAS_RIGHT), qk, float("-inf"))
+        # qk_scale > 0 (the kernel negates q for a negative scale), so scaling the row max equals
+        # the max of the scaled row, and p below is one fused multiply-add per score
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         if MASKED:  # a query with no key seen yet keeps p = 0 instead of exp2(-inf + inf)
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_use = m_new
-        p = tl.math.exp2(s - m_use[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_rows(V_base, offs_n, seq_k, v_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
@@ -256,10 +261,10 @@ def _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, o
     return acc, l_i, m_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME)
 def _attn_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K,
                      q_strides, k_strides, v_strides, o_strides, lse_strides,
-                     group, dense_seq_q, dense_seq_k, qk_scale, left, right,
+                     group, dense_seq_q, dense_seq_k, q_sign, qk_scale, left, right,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                      VARLEN: tl.constexpr, REVERSE_M: tl.constexpr, PRECISION: tl.constexpr):
@@ -280,6 +285,7 @@ def _attn_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K,
         offs_d = tl.arange(0, D_PAD)
         Q_base = _tile_base(Q, q_strides, b, h, q_start)
         q = _load_rows(Q_base, offs_m, seq_q, q_strides, offs_d, HEAD_DIM, D_PAD, True)
+        q = (q * q_sign).to(Q.dtype.element_ty)  # exact: the sign of the scale moves onto q
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -323,7 +329,7 @@ def _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, k_strides, v_strides, offs
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME)
 def _attn_bwd_dq_kernel(Q, K, V, Out, DO, LSE, Delta, DQ, CU_Q, CU_K,
                         q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides, lse_strides,
                         group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right,
@@ -391,7 +397,7 @@ def _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_row, Delta_row, q_strides, do
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_RUNTIME)
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
                           q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, lse_strides,
                           group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right,
@@ -485,6 +491,15 @@ def _common(problem: Problem, q: torch.Tensor) -> tuple[object, object, dict[str
     return cu_q, cu_k, flags
 
 
+def _on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
+    """Triton launches on the current device: make it the tensors' one (torch >= 2.8 has a
+    vendor-neutral way; older torch keeps the caller's current device, as set_device sets it)."""
+    choose = getattr(torch.accelerator, "device_index", None) if hasattr(torch, "accelerator") else None
+    if t.device.index is None or choose is None:
+        return contextlib.nullcontext()
+    return choose(t.device.index)  # type: ignore[no-any-return]
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, configs: LaunchConfigs
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -500,11 +515,30 @@ def forward(
     full_width = triton.cdiv(problem.seq_q, configs.forward.block_m) * problem.heads_q * problem.batch
     tile = configs.forward_for(full_width)
     cu_q, cu_k, flags = _common(problem, q)
+    with _on_device_of(q):
+        _launch_forward(q, k, v, out, lse, cu_q, cu_k, problem, tile, flags)
+    return out, lse
+
+
+def _launch_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_q: object,
+    cu_k: object,
+    problem: Problem,
+    tile: TileConfig,
+    flags: dict[str, object],
+) -> None:
+    varlen = problem.varlen
     _attn_fwd_kernel[(triton.cdiv(problem.seq_q, tile.block_m), problem.heads_q, problem.batch)](
         q, k, v, out, lse, cu_q, cu_k,
         _strides(q, varlen), _strides(k, varlen), _strides(v, varlen), _strides(out, varlen),
         _row_strides(lse, varlen),
-        problem.heads_q // problem.heads_kv, problem.seq_q, problem.seq_k, problem.scale * LOG2E,
+        problem.heads_q // problem.heads_kv, problem.seq_q, problem.seq_k,
+        math.copysign(1.0, problem.scale), abs(problem.scale) * LOG2E,
         problem.window_left, problem.window_right,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, REVERSE_M=problem.has_right and not problem.has_left,
         num_warps=tile.num_warps, num_stages=tile.num_stages, **flags,
