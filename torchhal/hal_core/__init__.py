@@ -39,6 +39,7 @@ from torchhal.hal_core.errors import (
 )
 from torchhal.hal_core.hookspecs import hookimpl
 from torchhal.hal_core.kernels import Candidate, KernelRegistry, RejectionReason, Selection, Unsupported
+from torchhal.hal_core.recorded import RecordedProbe
 
 __all__ = [
     "HAL_API_VERSION",
@@ -70,6 +71,7 @@ __all__ = [
     "NoDeviceMatchesError",
     "PluginError",
     "ProbeResult",
+    "RecordedProbe",
     "RejectionReason",
     "Selection",
     "Topology",

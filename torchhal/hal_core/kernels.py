@@ -10,13 +10,12 @@ signature) is exactly as valid as a fresh one, and cached dispatch is two dict l
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.errors import (
@@ -29,6 +28,8 @@ from torchhal.hal_core.errors import (
 from torchhal.hal_core.tuning import Tuner
 
 if TYPE_CHECKING:
+    import torch
+
     from torchhal.hal_core.capabilities import DeviceCapabilities
     from torchhal.hal_core.device import Device
 
@@ -367,10 +368,18 @@ class KernelRegistry:
                 failures.append(exc)
 
 
+@functools.cache
+def _tensor_type() -> type[torch.Tensor]:
+    """torch.Tensor, imported on first dispatch: importing hal_core does not import torch."""
+    import torch
+
+    return torch.Tensor
+
+
 def _argument_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     """What a signature may depend on: each tensor's dtype, shape, strides and device; scalars as
     they are. Hashing it raises TypeError for an unhashable argument (the caller then validates)."""
-    tensor = torch.Tensor
+    tensor = _tensor_type()
     key = [(a.dtype, a.shape, a.stride(), a.device) if isinstance(a, tensor) else a for a in args]
     if kwargs:
         key += [
@@ -387,4 +396,6 @@ def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]
 def _not_a_kernel_fault(exc: Exception) -> bool:
     """Bad arguments and exhausted memory are the caller's to see: another kernel would not help,
     and on a device that accounts memory a host fallback would hide the out-of-memory."""
+    import torch
+
     return isinstance(exc, (InvalidArgumentError, MemoryError, torch.OutOfMemoryError))
