@@ -39,14 +39,14 @@ __all__ = [
     "transformer_blocks",
 ]
 
-from torchhal.distributed.checkpoint import (  # noqa: E402  (fault tolerance, appended)
+from torchhal.distributed.checkpoint import (
+    Checkpointer,
     CheckpointError,
     CheckpointInfo,
-    Checkpointer,
     latest_valid,
 )
-from torchhal.distributed.elastic import ElasticJob  # noqa: E402
-from torchhal.distributed.health import HealthMonitor, NonFiniteError  # noqa: E402
+from torchhal.distributed.elastic import ElasticJob
+from torchhal.distributed.health import HealthMonitor, NonFiniteError
 
 __all__ += [
     "CheckpointError",

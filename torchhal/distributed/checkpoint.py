@@ -1,0 +1,336 @@
+"""Checkpoints through torch.distributed.checkpoint (DCP), committed atomically and verified on load.
+
+DCP writes the model and optimizer shards (`get_state_dict` gives DDP's plain tensors or FSDP2's
+DTensors, so a checkpoint saved at one world size loads at another, resharded). torchhal adds
+what makes a checkpoint safe to resume from after a crash:
+- a step is written under `<dir>/.step_<n>.tmp/` and renamed to `<dir>/step_<n>/` only after
+  every rank finished, with `manifest.json` (step, world size, sha256 of every file) written last,
+  so a directory named `step_<n>` is complete;
+- `latest_valid(dir)` walks back from the newest step to the newest one whose manifest verifies,
+  logging and counting every one it skips (truncated, edited, incomplete);
+- each rank's RNG states (torch's CPU generator and its device's, asked through the device type
+  the HAL reports) sit beside the shards in `rng_rank<r>.pt`, so a resumed run draws the same
+  random numbers as an uninterrupted one;
+- only the newest `keep` checkpoints are kept.
+`step` is the number of optimizer steps completed: resume with `train(first_step=step)`. The
+directory must be storage every rank sees (DCP's file writer and the commit both assume it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from torchhal.hal_core import ConfigurationError, InvalidArgumentError, TorchHALError, telemetry
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from torchhal.distributed.init import DistContext
+    from torchhal.hal_core import Device
+
+log = telemetry.get_logger("torchhal.distributed.checkpoint")
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^\.step_(\d+)\.tmp$")
+
+
+class CheckpointError(TorchHALError, RuntimeError):
+    """A checkpoint is missing, incomplete or corrupt, or cannot be applied to the model."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete, verified checkpoint."""
+
+    step: int
+    path: Path
+    world_size: int
+
+
+def step_dir(directory: Path | str, step: int) -> Path:
+    return Path(directory) / f"step_{step}"
+
+
+def verify(path: Path | str) -> CheckpointInfo:
+    """The checkpoint at `path` if its manifest verifies every file; else CheckpointError saying why."""
+    path = Path(path)
+    manifest = path / MANIFEST
+    try:
+        meta = json.loads(manifest.read_text())
+        step, world, files = int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: no {MANIFEST} (incomplete)") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path}: unreadable {MANIFEST}: {exc}") from None
+    if ".metadata" not in files:
+        raise CheckpointError(f"checkpoint {path}: the manifest lists no DCP .metadata file")
+    for name, want in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {name} listed in the manifest is missing")
+        got = _sha256(file)
+        if got != want:
+            raise CheckpointError(
+                f"checkpoint {path}: file {name} has sha256 {got[:12]}..., the manifest says {want[:12]}..."
+            )
+    return CheckpointInfo(step, path, world)
+
+
+def latest_valid(directory: Path | str) -> CheckpointInfo | None:
+    """The newest checkpoint under `directory` that verifies; each newer one skipped is logged and counted."""
+    for step, path in sorted(_steps(Path(directory)), reverse=True):
+        try:
+            return verify(path)
+        except CheckpointError as exc:
+            log.warning("checkpoint skipped", path=str(path), step=step, reason=str(exc))
+            telemetry.count("torchhal.checkpoint.skipped")
+    return None
+
+
+class Checkpointer:
+    """Saves and restores one training job's checkpoints under `directory`.
+
+    Collective: every rank makes one (it creates a gloo group of all ranks, so DCP's planning and
+    torchhal's commit never interleave with training collectives, even while an async save runs
+    in the background) and calls `save`/`wait`/`load`/`close` at the same points. Without a
+    default process group it works in this process alone.
+    """
+
+    def __init__(
+        self,
+        directory: Path | str,
+        ctx: DistContext | None = None,
+        *,
+        keep: int = 3,
+        timeout: timedelta | None = None,
+    ) -> None:
+        if keep < 1:
+            raise InvalidArgumentError(f"Checkpointer: keep must be >= 1, got {keep}")
+        self.directory = Path(directory)
+        self.keep = keep
+        self.device = ctx.device if ctx is not None else None
+        self._group: dist.ProcessGroup | None = None
+        if dist.is_initialized():
+            limit = timeout or (ctx.communicator.timeout if ctx is not None else None)
+            self._group = dist.new_group(backend="gloo", timeout=limit)
+        self.rank = dist.get_rank() if self._group is not None else 0
+        self.world_size = dist.get_world_size() if self._group is not None else 1
+        self._alone = self._group is None  # no process group: DCP reads and writes in this process only
+        self._pending: tuple[int, Path, Future[Any]] | None = None
+        if self.rank == 0:
+            self.directory.mkdir(parents=True, exist_ok=True)
+
+    # -- save ----------------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        blocking: bool = True,
+    ) -> CheckpointInfo | None:
+        """Checkpoint the state after `step` optimizer steps. `blocking=False` uses `dcp.async_save`:
+        the state is staged now and written in the background; the next `save`, `wait` or `load`
+        commits it. Returns the committed checkpoint (None while an async save is in flight)."""
+        if step < 0:
+            raise InvalidArgumentError(f"Checkpointer.save: step must be >= 0, got {step}")
+        self.wait()
+        tmp = self.directory / f".step_{step}.tmp"
+        if self.rank == 0 and tmp.exists():
+            log.warning("stale temporary checkpoint removed", path=str(tmp))
+            shutil.rmtree(tmp)
+        self._barrier()
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save(rng_state(self.device), tmp / f"rng_rank{self.rank}.pt")
+        state = _training_state(model, optimizer, scaler, step)
+        with telemetry.span("torchhal.checkpoint.save", step=step, blocking=blocking, rank=self.rank):
+            if blocking:
+                dcp.save(state, checkpoint_id=tmp, process_group=self._group, no_dist=self._alone)
+                return self._commit(step, tmp)
+            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, no_dist=self._alone)
+            self._pending = (step, tmp, _as_future(future))
+        log.info("async checkpoint staged", step=step, rank=self.rank)
+        return None
+
+    def wait(self) -> CheckpointInfo | None:
+        """Finish and commit the async save in flight, if any."""
+        if self._pending is None:
+            return None
+        step, tmp, future = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as exc:
+            raise CheckpointError(f"async checkpoint of step {step} into {tmp} failed: {exc}") from exc
+        return self._commit(step, tmp)
+
+    def _commit(self, step: int, tmp: Path) -> CheckpointInfo:
+        """After every rank wrote its files: manifest last, rename into place, prune old steps."""
+        self._barrier()
+        final = step_dir(self.directory, step)
+        if self.rank == 0:
+            files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+            meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "files": files}
+            (tmp / MANIFEST).write_text(json.dumps(meta, indent=1, sort_keys=True))
+            if final.exists():
+                log.warning("existing checkpoint of the same step replaced", path=str(final))
+                shutil.rmtree(final)
+            tmp.rename(final)
+            self._prune(step)
+        self._barrier()
+        log.info("checkpoint committed", step=step, path=str(final), rank=self.rank)
+        telemetry.count("torchhal.checkpoint.saved")
+        return CheckpointInfo(step, final, self.world_size)
+
+    def _prune(self, newest: int) -> None:
+        steps = sorted(_steps(self.directory), reverse=True)
+        for step, path in steps[self.keep :]:
+            shutil.rmtree(path)
+            log.info("old checkpoint removed", step=step, path=str(path), keep=self.keep)
+        for child in self.directory.iterdir():
+            match = _TMP_DIR.match(child.name)
+            if match and int(match.group(1)) < newest:
+                shutil.rmtree(child)
+                log.info("abandoned temporary checkpoint removed", path=str(child))
+
+    # -- load ----------------------------------------------------------------------------------
+
+    def load(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        scaler: torch.amp.GradScaler | None = None,
+        path: Path | str | None = None,
+    ) -> CheckpointInfo | None:
+        """Restore the newest valid checkpoint (or `path`) into `model`, `optimizer`, `scaler` and the
+        RNGs; None when there is none. Rank 0 chooses, so every rank loads the same step."""
+        self.wait()
+        chosen: list[Any] = [None]
+        if self.rank == 0:
+            chosen[0] = verify(path) if path is not None else latest_valid(self.directory)
+        if self._group is not None:
+            dist.broadcast_object_list(chosen, src=0, group=self._group)
+        info: CheckpointInfo | None = chosen[0]
+        if info is None:
+            log.info("no valid checkpoint to resume from", directory=str(self.directory))
+            return None
+        state = _training_state(model, optimizer, scaler, info.step)
+        with telemetry.span("torchhal.checkpoint.load", step=info.step, rank=self.rank):
+            dcp.load(state, checkpoint_id=info.path, process_group=self._group, no_dist=self._alone)
+            set_state_dict(
+                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
+        if scaler is not None:
+            if "scaler" not in state:
+                raise CheckpointError(f"checkpoint {info.path} holds no gradient scaler state")
+            scaler.load_state_dict(state["scaler"])
+        if int(state["step"]) != info.step:
+            raise CheckpointError(f"checkpoint {info.path}: holds step {state['step']}, manifest {info.step}")
+        self._restore_rng(info)
+        log.info("checkpoint loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
+        return info
+
+    def _restore_rng(self, info: CheckpointInfo) -> None:
+        file = info.path / f"rng_rank{self.rank}.pt"
+        if info.world_size != self.world_size or not file.is_file():
+            log.warning(
+                "RNG states not restored: the checkpoint was saved at another world size",
+                saved_world_size=info.world_size,
+                world_size=self.world_size,
+                rank=self.rank,
+            )
+            telemetry.count("torchhal.checkpoint.rng_not_restored")
+            return
+        set_rng_state(torch.load(file, weights_only=True), self.device)
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Commit a pending async save and destroy the checkpoint group."""
+        self.wait()
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None
+
+    def _barrier(self) -> None:
+        if self._group is not None:
+            dist.barrier(group=self._group)
+
+
+def rng_state(device: Device | None) -> dict[str, Any]:
+    """torch's CPU generator state, plus `device`'s generator when its tensors live off the host."""
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if device is not None and device.torch_device.type != "cpu":
+        module = torch.get_device_module(device.torch_device.type)
+        state["device_type"] = device.torch_device.type
+        state["device"] = module.get_rng_state(device.index)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: Device | None) -> None:
+    torch.set_rng_state(state["cpu"])
+    saved = state.get("device_type")
+    here = device.torch_device.type if device is not None and device.torch_device.type != "cpu" else None
+    if saved != here:
+        raise ConfigurationError(
+            f"RNG state: saved for device type {saved or 'host only'}, restoring on {here or 'host only'}"
+        )
+    if device is not None and here is not None:
+        torch.get_device_module(here).set_rng_state(state["device"], device.index)
+
+
+def _training_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, step: int
+) -> dict[str, Any]:
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state, "step": step}
+    if scaler is not None:
+        state["scaler"] = scaler.state_dict()
+    return state
+
+
+def _steps(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = []
+    for child in directory.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return found
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _as_future(result: Any) -> Future[Any]:
+    """`dcp.async_save` returns a Future, or (newer torch, some stagers) a response holding one."""
+    if isinstance(result, Future):
+        return result
+    upload = getattr(result, "upload_completion", None)
+    if isinstance(upload, Future):
+        return upload
+    raise CheckpointError(f"dcp.async_save returned {type(result).__name__}, which holds no Future")
