@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from torchhal.hal_core.errors import InvalidArgumentError
 from torchhal.hal_core.hal import active_hal
+from torchhal.kernels import attention as _attention
+from torchhal.kernels import attention_varlen as _attention_varlen
 from torchhal.kernels import layer_norm as _layer_norm
 from torchhal.kernels import rms_norm as _rms_norm
 from torchhal.kernels import rope as _rope
@@ -60,6 +62,8 @@ _LAYER_NORM = DifferentiableOp(_layer_norm.AUTOGRAD, _dispatch)
 _SWIGLU = DifferentiableOp(_swiglu.SWIGLU_AUTOGRAD, _dispatch)
 _GEGLU = DifferentiableOp(_swiglu.GEGLU_AUTOGRAD, _dispatch)
 _ROPE = DifferentiableOp(_rope.AUTOGRAD, _dispatch)
+_ATTENTION = DifferentiableOp(_attention.AUTOGRAD, _dispatch)
+_ATTENTION_VARLEN = DifferentiableOp(_attention_varlen.AUTOGRAD, _dispatch)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -96,4 +100,23 @@ def attention(
     scale: float | None = None,
     window: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    return _dispatch("attention", q, k, v, causal=causal, scale=scale, window=window)  # type: ignore[no-any-return]
+    """softmax(q k^T * scale) v in SDPA's layout; GQA/MQA, bottom-right causal, sliding window."""
+    return _ATTENTION(q, k, v, causal, scale, window)  # type: ignore[no-any-return]
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention over packed sequences: q (total_q, heads_q, dim), offsets in cu_seqlens."""
+    return _ATTENTION_VARLEN(  # type: ignore[no-any-return]
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
+    )

@@ -106,7 +106,8 @@ def gpu_hal() -> HardwareAbstractionLayer:
     """The HAL with every installed plugin, for the GPU tests: its cuda:0 must declare Triton."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU")
-    hal = HardwareAbstractionLayer(plugins=[RowOpKernels], settings=Settings())
+    # autotune off: these tests check the Triton candidates themselves, whatever is fastest
+    hal = HardwareAbstractionLayer(plugins=[RowOpKernels], settings=Settings(autotune="off"))
     try:
         device = hal.device_for_tensor(torch.empty(0, device="cuda"))
     except DeviceNotFoundError:

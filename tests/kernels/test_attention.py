@@ -21,6 +21,7 @@ from torchhal.hal_core import (
 from torchhal.kernels import attention, sdpa_backends, triton_attention
 from torchhal.kernels.autograd import DifferentiableOp
 
+FLASH, CUDNN = sdpa_backends.FLASH_BACKEND, sdpa_backends.CUDNN_BACKEND
 NAMESPACE = "torchhal_test_attention"  # custom ops of this module, apart from torchhal.ops' and conftest's
 
 
@@ -70,6 +71,7 @@ CASES = [  # (batch, heads_q, heads_kv, seq_q, seq_k, dim, causal, scale, window
     pytest.param(1, 2, 1, 203, 113, 32, True, None, None, id="causal-203x113-rows-without-keys"),
     pytest.param(1, 2, 2, 97, 97, 32, False, -0.4, (16, 8), id="window-16-8-negative-scale"),
     pytest.param(1, 4, 2, 113, 203, 32, True, None, (40, 0), id="causal-window-40"),
+    pytest.param(1, 2, 1, 37, 50, 16, True, 0.0, None, id="zero-scale-uniform"),
 ]
 
 
@@ -304,26 +306,26 @@ def _sig(dtype=torch.bfloat16, dim=64, causal=False, square=True, window=None, s
     ("supports", "sig", "backends", "reason"),
     [
         (sdpa_backends.flash_supports, _sig(), (), RejectionReason.FEATURE),
-        (sdpa_backends.flash_supports, _sig(), ("flash-attention",), None),
+        (sdpa_backends.flash_supports, _sig(), (FLASH,), None),
         (
             sdpa_backends.flash_supports,
             _sig(dtype=torch.float32),
-            ("flash-attention",),
+            (FLASH,),
             RejectionReason.DTYPE,
         ),
         (
             sdpa_backends.flash_supports,
             _sig(causal=True, square=False),
-            ("flash-attention",),
+            (FLASH,),
             RejectionReason.SHAPE,
         ),
-        (sdpa_backends.flash_supports, _sig(window=(4, 4)), ("flash-attention",), RejectionReason.SHAPE),
-        (sdpa_backends.flash_supports, _sig(stride_dim=2), ("flash-attention",), RejectionReason.LAYOUT),
-        (sdpa_backends.flash_supports, _sig(dim=264), ("flash-attention",), RejectionReason.SHAPE),
-        (sdpa_backends.cudnn_supports, _sig(), ("cudnn",), None),
-        (sdpa_backends.cudnn_supports, _sig(), ("flash-attention",), RejectionReason.FEATURE),
-        (sdpa_backends.cudnn_supports, _sig(dim=256), ("cudnn",), RejectionReason.SHAPE),
-        (sdpa_backends.cudnn_supports, _sig(dim=60), ("cudnn",), RejectionReason.SHAPE),
+        (sdpa_backends.flash_supports, _sig(window=(4, 4)), (FLASH,), RejectionReason.SHAPE),
+        (sdpa_backends.flash_supports, _sig(stride_dim=2), (FLASH,), RejectionReason.LAYOUT),
+        (sdpa_backends.flash_supports, _sig(dim=264), (FLASH,), RejectionReason.SHAPE),
+        (sdpa_backends.cudnn_supports, _sig(), (CUDNN,), None),
+        (sdpa_backends.cudnn_supports, _sig(), (FLASH,), RejectionReason.FEATURE),
+        (sdpa_backends.cudnn_supports, _sig(dim=256), (CUDNN,), RejectionReason.SHAPE),
+        (sdpa_backends.cudnn_supports, _sig(dim=60), (CUDNN,), RejectionReason.SHAPE),
     ],
 )
 def test_sdpa_backend_predicates(supports, sig, backends, reason):

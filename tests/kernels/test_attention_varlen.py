@@ -46,8 +46,8 @@ def plain_ops(plain_hal):
     _OPS.hal = None
 
 
-def _offsets(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+def _offsets(lengths, dtype=torch.int32):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
 
 
 def _packed(lens_q, lens_k, heads_q, heads_kv, dim, spare_q=0):
@@ -84,8 +84,10 @@ def test_triton_varlen_forward_and_gradients_within_pytorch_error(
 
 
 def test_varlen_matches_the_dense_op_on_each_sequence(ops):
+    """Also with int64 offsets (FlashAttention takes int32; both index the same)."""
     lens_q, lens_k = [29, 45], [45, 33]
-    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 32, spare_q=2)
+    q, k, v, _, _ = _packed(lens_q, lens_k, 4, 2, 32, spare_q=2)
+    cu_q, cu_k = _offsets(lens_q, torch.int64), _offsets(lens_k, torch.int64)
     grad_out = torch.randn(q.shape)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = ops.varlen(*leaves, cu_q, cu_k, max(lens_q), max(lens_k), True, 0.2)

@@ -308,15 +308,20 @@ class KernelRegistry:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> tuple[list[Candidate], tuple[tuple[str, float], ...]]:
-        """Valid candidates reordered fastest first (priority order breaks ties and failures)."""
+        """Valid candidates reordered fastest first (priority order breaks ties and failures).
+        The reference is the ground truth, not a contender: it stays last, unmeasured (it may
+        materialise what the fast kernels avoid, e.g. a seq² score matrix)."""
         assert self.tuner is not None
-        by_name = {c.qualified_name: c for c in valid}
+        contenders = [c for c in valid if c.name != REFERENCE]
+        if len(contenders) < 2:
+            return valid, ()
+        by_name = {c.qualified_name: c for c in contenders}
         remembered = self.tuner.recall(device, op, sig)
         if remembered in by_name:
             return [by_name[remembered]] + [c for c in valid if c.qualified_name != remembered], ()
         caps = device.capabilities
         timings = self.tuner.measure(
-            device, [(c.qualified_name, _bound(c, caps)) for c in valid], args, kwargs
+            device, [(c.qualified_name, _bound(c, caps)) for c in contenders], args, kwargs
         )
         order = [by_name[name] for name, ms in timings if math.isfinite(ms)]
         order += [c for c in valid if c not in order]

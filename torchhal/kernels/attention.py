@@ -184,8 +184,8 @@ def _scores(
     causal: bool,
     scale: float | None,
     window: Sequence[int] | None,
-) -> tuple[torch.Tensor, torch.Tensor | None, float]:
-    """Scaled scores in the compute dtype (keys repeated per query group), the mask, the scale."""
+) -> tuple[torch.Tensor, float]:
+    """Scaled, masked scores in the compute dtype (keys repeated per query group), and the scale."""
     ct = compute_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -193,7 +193,7 @@ def _scores(
     mask = allowed_keys(q.shape[2], k.shape[2], causal, window, q.device)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return scores, mask, scale
+    return scores, scale
 
 
 def reference_forward(
@@ -205,7 +205,7 @@ def reference_forward(
     window: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) in fp32 (fp64 for fp64 inputs) with explicit masks; out in q's dtype."""
-    scores = _scores(q, k, causal, scale, window)[0]
+    scores, _ = _scores(q, k, causal, scale, window)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - _finite(lse).unsqueeze(-1))  # rows with no visible key: exp(-inf) = 0
     groups = q.shape[1] // k.shape[1]
@@ -237,7 +237,7 @@ def reference_backward(
     window: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention's backward in plain PyTorch: P = exp(S - lse), dS = P * (dP - rowsum(dO * O))."""
-    scores, _, scale = _scores(q, k, causal, scale, window)
+    scores, scale = _scores(q, k, causal, scale, window)
     ct = scores.dtype
     probs = torch.exp(scores - _finite(lse.to(ct)).unsqueeze(-1))
     groups = q.shape[1] // k.shape[1]

@@ -8,9 +8,18 @@ plugin's hooks are, so `torchhal.hal_core` never imports this package. Each op m
 from __future__ import annotations
 
 from torchhal.hal_core import KernelRegistry, hookimpl
-from torchhal.kernels import attention, layer_norm, matmul, rms_norm, rope, swiglu
+from torchhal.kernels import (
+    attention,
+    attention_varlen,
+    layer_norm,
+    matmul,
+    rms_norm,
+    rope,
+    sdpa_backends,
+    swiglu,
+)
 
-OP_MODULES = (matmul, rms_norm, layer_norm, swiglu, rope, attention)
+OP_MODULES = (matmul, rms_norm, layer_norm, swiglu, rope, attention, attention_varlen, sdpa_backends)
 
 
 @hookimpl

@@ -1,8 +1,9 @@
 """PyTorch SDPA pinned to one backend (FlashAttention-2 or cuDNN) as extra `attention` candidates.
 
 Vendor-neutral in form: they use only `torch.nn.attention`. A device offers a backend by
-listing it in `DeviceCapabilities.kernel_backends` ("flash-attention", "cudnn"); its adapter
-knows whether its torch build and architecture have it. The predicates add what each backend
+listing it in `DeviceCapabilities.kernel_backends` ("flash-attention", "cudnn-attention"); its
+adapter knows whether its torch build, libraries and architecture have it (PyTorch's flash and
+cuDNN attention need sm_80 or newer; cuDNN attention needs cuDNN 9). The predicates add what each backend
 computes as the `attention` op defines it: fp16/bf16, equal q/k/v head dims within the
 backend's limit, unit stride along the head dim, no sliding window, and causal only when
 seq_q == seq_k (SDPA's causal mask is top-left aligned, the op's bottom-right). They serve the
@@ -21,7 +22,7 @@ from torchhal.kernels._checks import PROVIDER
 from torchhal.kernels.attention import AttentionSignature
 
 FLASH_BACKEND = "flash-attention"  # kernel_backends entry of devices with SDPA's flash kernels
-CUDNN_BACKEND = "cudnn"
+CUDNN_BACKEND = "cudnn-attention"
 FLASH_MAX_HEAD_DIM = 256
 CUDNN_MAX_HEAD_DIM = 128  # 256 needs cuDNN >= 9.10 on sm_90 only; the predicate keeps to what all have
 CUDNN_HEAD_DIM_MULTIPLE = 8

@@ -243,16 +243,17 @@ def _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, o
         offs_n = start_n + tl.arange(0, BLOCK_N)
         k = _load_rows(K_base, offs_n, seq_k, k_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if MASKED:
-            qk = tl.where(_visible(offs_m, offs_n, seq_k, band, HAS_LEFT, HAS_RIGHT), qk, float("-inf"))
-        # qk_scale > 0 (the kernel negates q for a negative scale), so scaling the row max equals
-        # the max of the scaled row, and p below is one fused multiply-add per score
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        if MASKED:  # a query with no key seen yet keeps p = 0 instead of exp2(-inf + inf)
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
+        if MASKED:  # scale before masking: -inf * 0 would be NaN for a zero scale
+            visible = _visible(offs_m, offs_n, seq_k, band, HAS_LEFT, HAS_RIGHT)
+            s = tl.where(visible, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: p = 0, not NaN
+            p = tl.math.exp2(s - m_use[:, None])
+        else:  # qk_scale >= 0 (a negative scale moved onto q), so the scaled row max is the max of
+            # the scaled row, and p is one fused multiply-add per score
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             m_use = m_new
-        p = tl.math.exp2(qk * qk_scale - m_use[:, None])
+            p = tl.math.exp2(qk * qk_scale - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_rows(V_base, offs_n, seq_k, v_strides, offs_d, HEAD_DIM, D_PAD, MASKED)
@@ -516,33 +517,16 @@ def forward(
     tile = configs.forward_for(full_width)
     cu_q, cu_k, flags = _common(problem, q)
     with _on_device_of(q):
-        _launch_forward(q, k, v, out, lse, cu_q, cu_k, problem, tile, flags)
-    return out, lse
-
-
-def _launch_forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    cu_q: object,
-    cu_k: object,
-    problem: Problem,
-    tile: TileConfig,
-    flags: dict[str, object],
-) -> None:
-    varlen = problem.varlen
-    _attn_fwd_kernel[(triton.cdiv(problem.seq_q, tile.block_m), problem.heads_q, problem.batch)](
-        q, k, v, out, lse, cu_q, cu_k,
-        _strides(q, varlen), _strides(k, varlen), _strides(v, varlen), _strides(out, varlen),
-        _row_strides(lse, varlen),
-        problem.heads_q // problem.heads_kv, problem.seq_q, problem.seq_k,
-        math.copysign(1.0, problem.scale), abs(problem.scale) * LOG2E,
-        problem.window_left, problem.window_right,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, REVERSE_M=problem.has_right and not problem.has_left,
-        num_warps=tile.num_warps, num_stages=tile.num_stages, **flags,
-    )  # fmt: skip
+        _attn_fwd_kernel[(triton.cdiv(problem.seq_q, tile.block_m), problem.heads_q, problem.batch)](
+            q, k, v, out, lse, cu_q, cu_k,
+            _strides(q, varlen), _strides(k, varlen), _strides(v, varlen), _strides(out, varlen),
+            _row_strides(lse, varlen),
+            problem.heads_q // problem.heads_kv, problem.seq_q, problem.seq_k,
+            math.copysign(1.0, problem.scale), abs(problem.scale) * LOG2E,
+            problem.window_left, problem.window_right,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, REVERSE_M=problem.has_right and not problem.has_left,
+            num_warps=tile.num_warps, num_stages=tile.num_stages, **flags,
+        )  # fmt: skip
     return out, lse
 
 
@@ -570,18 +554,18 @@ def backward(
     )  # fmt: skip
     q_s, k_s, v_s, do_s = (_strides(t, varlen) for t in (q, k, v, grad_out))
     lse_s = _row_strides(lse, varlen)
-    tile = configs.backward_dq
-    _attn_bwd_dq_kernel[(triton.cdiv(problem.seq_q, tile.block_m), problem.heads_q, problem.batch)](
-        q, k, v, out, grad_out, lse, delta, dq, cu_q, cu_k,
-        q_s, k_s, v_s, _strides(out, varlen), do_s, _strides(dq, varlen), lse_s, *scalars,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **flags,
-    )  # fmt: skip
-    tile = configs.backward_dkdv
-    _attn_bwd_dkdv_kernel[(triton.cdiv(problem.seq_k, tile.block_n), problem.heads_kv, problem.batch)](
-        q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
-        q_s, k_s, v_s, do_s, _strides(dk, varlen), _strides(dv, varlen), lse_s, *scalars,
-        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps, num_stages=tile.num_stages,
-        **flags,
-    )  # fmt: skip
+    dq_tile, kv_tile = configs.backward_dq, configs.backward_dkdv
+    with _on_device_of(q):
+        _attn_bwd_dq_kernel[(triton.cdiv(problem.seq_q, dq_tile.block_m), problem.heads_q, problem.batch)](
+            q, k, v, out, grad_out, lse, delta, dq, cu_q, cu_k,
+            q_s, k_s, v_s, _strides(out, varlen), do_s, _strides(dq, varlen), lse_s, *scalars,
+            BLOCK_M=dq_tile.block_m, BLOCK_N=dq_tile.block_n, num_warps=dq_tile.num_warps,
+            num_stages=dq_tile.num_stages, **flags,
+        )  # fmt: skip
+        _attn_bwd_dkdv_kernel[(triton.cdiv(problem.seq_k, kv_tile.block_n), problem.heads_kv, problem.batch)](
+            q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
+            q_s, k_s, v_s, do_s, _strides(dk, varlen), _strides(dv, varlen), lse_s, *scalars,
+            BLOCK_M=kv_tile.block_m, BLOCK_N=kv_tile.block_n, num_warps=kv_tile.num_warps,
+            num_stages=kv_tile.num_stages, **flags,
+        )  # fmt: skip
     return dq, dk, dv

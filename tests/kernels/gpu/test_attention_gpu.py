@@ -1,0 +1,200 @@
+"""Triton FlashAttention on an NVIDIA GPU in bf16 and fp16: FlashAttention's shape sweep under its
+rule (error vs fp64 at most 2x, gradients 3x, PyTorch's own error in the same precision), GQA/MQA,
+sliding windows, varlen against dense, torch.compile with inductor, and the SDPA backend candidates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from torchhal.kernels import attention, attention_varlen, plugin, sdpa_backends
+from torchhal.kernels.autograd import DifferentiableOp
+from torchhal.testing import tolerance
+
+pytestmark = pytest.mark.gpu
+
+NAMESPACE = "torchhal_test_attention_gpu"
+SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (2048, 2048)]
+HEAD_DIMS_BF16 = [32, 64, 80, 96, 128, 256]
+HEAD_DIMS_FP16 = [64, 128]
+
+
+def torch_math(q, k, v, causal=False, scale=None, window=None):
+    """Attention as plain PyTorch computes it in the inputs' own precision (FlashAttention's
+    `attention_ref(upcast=False)`): the baseline whose error the kernel's is held to, and in
+    fp64 the truth. Queries that see no key give 0, as the op defines."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = torch.matmul(q * scale, k.transpose(-1, -2))
+    mask = attention.allowed_keys(q.shape[2], k.shape[2], causal, window, q.device)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None:
+        probs = probs.masked_fill(~mask.any(-1, keepdim=True), 0.0)
+    return torch.matmul(probs, v)
+
+
+def _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, dtype):
+    return (
+        torch.randn(batch, heads_q, seq_q, dim, device="cuda", dtype=dtype),
+        torch.randn(batch, heads_kv, seq_k, dim, device="cuda", dtype=dtype),
+        torch.randn(batch, heads_kv, seq_k, dim, device="cuda", dtype=dtype),
+    )
+
+
+class _Ops:
+    def __init__(self) -> None:
+        self.hal = None
+        self.attention = DifferentiableOp(attention.AUTOGRAD, self.dispatch, namespace=NAMESPACE)
+        self.varlen = DifferentiableOp(attention_varlen.AUTOGRAD, self.dispatch, namespace=NAMESPACE)
+
+    def dispatch(self, op, first, *args):
+        return self.hal.kernels.call(op, self.hal.device_for_tensor(first), first, *args)
+
+
+_OPS = _Ops()
+
+
+@pytest.fixture
+def ops(gpu_hal):
+    if attention_varlen not in plugin.OP_MODULES and "attention_varlen" not in gpu_hal.kernels.ops():
+        attention_varlen.register(gpu_hal.kernels)
+    _OPS.hal = gpu_hal
+    yield _OPS
+    _OPS.hal = None
+
+
+def _check(ops, check_op, args):
+    """Forward and gradients through the autograd glue, after checking the registry picks Triton."""
+    q, k, v = args[:3]
+    device = ops.hal.device_for_tensor(q)
+    out, lse = attention.reference_forward(*args)
+    assert ops.hal.kernels.select("attention_forward", device, *args).candidate.name == "triton"
+    backward_args = (out, q, k, v, out, lse, *args[3:])
+    assert ops.hal.kernels.select("attention_backward", device, *backward_args).candidate.name == "triton"
+    check_op(ops.attention, torch_math, args, (torch.randn_like(out),), (0, 1, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dim", HEAD_DIMS_BF16)
+@pytest.mark.parametrize(("seq_q", "seq_k"), SEQLENS)
+def test_bf16_shape_sweep(ops, check_op, seq_q, seq_k, dim, causal):
+    args = (*_qkv(2, 6, 6, seq_q, seq_k, dim, torch.bfloat16), causal, None, None)
+    _check(ops, check_op, args)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dim", HEAD_DIMS_FP16)
+@pytest.mark.parametrize(("seq_q", "seq_k"), SEQLENS)
+def test_fp16_shape_sweep(ops, check_op, seq_q, seq_k, dim, causal):
+    args = (*_qkv(2, 6, 6, seq_q, seq_k, dim, torch.float16), causal, None, None)
+    _check(ops, check_op, args)
+
+
+@pytest.mark.parametrize(
+    ("heads_q", "heads_kv", "causal", "scale", "window"),
+    [
+        (8, 2, True, None, None),
+        (8, 1, False, 0.5, None),
+        (8, 2, False, None, (256, 64)),
+        (4, 4, True, None, (511, 0)),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_heads_scale_and_windows(ops, check_op, heads_q, heads_kv, causal, scale, window, dtype):
+    args = (*_qkv(2, heads_q, heads_kv, 1000, 1537, 128, dtype), causal, scale, window)
+    _check(ops, check_op, args)
+
+
+def test_transposed_layout(ops, check_op):
+    """(batch, seq, heads, dim) views, as a projection's output reshaped without a copy."""
+    q, k, v = (
+        torch.randn(2, 777, 8, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(3)
+    )
+    _check(ops, check_op, (q, k, v, True, None, None))
+
+
+def _offsets(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+
+def _dense(t, start, stop):
+    """Rows start:stop of a packed (tokens, heads, dim) tensor as a dense (1, heads, rows, dim) view."""
+    return t[start:stop].transpose(0, 1).unsqueeze(0)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_varlen_matches_dense_per_sequence(ops, candidate, causal):
+    """Sequences of 300, 1, 1029 and 64 queries against 517, 77, 1029 and 0 keys (the last sees none)."""
+    lens_q, lens_k = [300, 1, 1029, 64], [517, 77, 1029, 0]
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    q = torch.randn(sum(lens_q), 8, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fixed = (cu_q, cu_k, max(lens_q), max(lens_k), causal, None)
+    out, lse = candidate(ops.hal, "attention_varlen_forward", "triton", q, k, v, *fixed)(q, k, v, *fixed)
+    grad_out = torch.randn_like(out)
+    backward = candidate(ops.hal, "attention_varlen_backward", "triton", grad_out, q, k, v, out, lse, *fixed)
+    dq, dk, dv = backward(grad_out, q, k, v, out, lse, *fixed)
+    first = (_dense(q, 0, 300), _dense(k, 0, 517), _dense(v, 0, 517), causal)
+    dense_forward = candidate(ops.hal, "attention_forward", "triton", *first)
+    o_first, lse_first = dense_forward(*first)
+    dense_backward = candidate(
+        ops.hal,
+        "attention_backward",
+        "triton",
+        _dense(grad_out, 0, 300),
+        *first[:3],
+        o_first,
+        lse_first,
+        causal,
+    )
+    for b in range(3):  # the sequences with keys
+        q0, q1, k0, k1 = int(cu_q[b]), int(cu_q[b + 1]), int(cu_k[b]), int(cu_k[b + 1])
+        qkv = (_dense(q, q0, q1), _dense(k, k0, k1), _dense(v, k0, k1))
+        o_b, lse_b = dense_forward(*qkv, causal)
+        torch.testing.assert_close(out[q0:q1], o_b[0].transpose(0, 1), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(lse[:, q0:q1], lse_b[0], rtol=1e-5, atol=1e-5)
+        grads = dense_backward(_dense(grad_out, q0, q1), *qkv, o_b, lse_b, causal)
+        for packed, dense, (start, stop) in zip(
+            (dq, dk, dv), grads, ((q0, q1), (k0, k1), (k0, k1)), strict=True
+        ):
+            torch.testing.assert_close(packed[start:stop], dense[0].transpose(0, 1), rtol=2e-2, atol=2e-2)
+    assert torch.count_nonzero(out[cu_q[3] :]) == 0 and torch.isneginf(lse[:, cu_q[3] :]).all()
+    assert torch.count_nonzero(dq[cu_q[3] :]) == 0
+
+
+def test_compile_with_inductor(ops):
+    """The custom ops inside one torch.compile(fullgraph=True) graph, forward and backward, against eager."""
+    torch._dynamo.reset()
+    q, k, v = (t.requires_grad_(True) for t in _qkv(2, 8, 2, 1024, 1024, 128, torch.bfloat16))
+
+    def block(q, k, v):
+        return ops.attention(q, k * 2, v, True, None, None).float().square().mean()
+
+    eager = torch.autograd.grad(block(q, k, v), (q, k, v))
+    compiled = torch.compile(block, fullgraph=True)
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    for g, e in zip(got, eager, strict=True):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [("sdpa_flash", sdpa_backends.FLASH_BACKEND), ("sdpa_cudnn", sdpa_backends.CUDNN_BACKEND)],
+)
+def test_sdpa_backend_candidates(gpu_hal, candidate, name, backend):
+    device = gpu_hal.device_for_tensor(torch.empty(0, device="cuda"))
+    if backend not in device.capabilities.kernel_backends:
+        pytest.skip(f"{device.id} does not list kernel backend {backend!r}")
+    if name not in {c.name for c in gpu_hal.kernels.candidates("attention")}:
+        sdpa_backends.register(gpu_hal.kernels)
+    args = (*_qkv(2, 8, 2, 1024, 1024, 128, torch.bfloat16), True)
+    got = candidate(gpu_hal, "attention", name, *args)(*args)
+    truth = torch_math(*(t.double() for t in args[:3]), True)
+    same = torch_math(*args)
+    bound = 2 * (same.double() - truth).abs().max() + tolerance.floor(truth, got.dtype)
+    assert (got.double() - truth).abs().max() <= bound
