@@ -42,7 +42,8 @@ def test_inputs_fit_the_op_signature_and_reference(
         assert all(t.dtype == dtype for t in typed.args[:2] if isinstance(t, torch.Tensor)), typed.label
         core_registry.signature(op, *typed.args, **typed.kwargs)
         outputs = _tensors(core_registry.op(op).reference(*typed.args, **typed.kwargs))
-        assert all(bool(t.isfinite().all()) for t in outputs), typed.label
+        # -inf is a valid log-sum-exp for a query that sees no key; NaN and +inf never are
+        assert all(bool((t.isfinite() | t.isneginf()).all()) for t in outputs), typed.label
         assert any(bool((t != 0).any()) for t in outputs), typed.label
 
 

@@ -191,6 +191,19 @@ def _attention_varlen(g: torch.Generator) -> list[Case]:
     ]
 
 
+def _attention_varlen_backward(g: torch.Generator) -> list[Case]:
+    """Varlen cases with a random output gradient in front (forward results added by `_saved`)."""
+    return [Case(c.label, (_randn(g, *c.args[0].shape), *c.args), c.kwargs) for c in _attention_varlen(g)]
+
+
+def _saved_attention_varlen_forward(case: Case, dtype: torch.dtype, registry: KernelRegistry) -> Case:
+    """(grad_out, q, k, v, offsets...) cast, then out and lse from the forward's reference, in the
+    backward's order: grad_out, q, k, v, out, lse, offsets and lengths."""
+    grad_out, q, k, v, *rest = cast(case, dtype).args
+    out, lse = registry.op("attention_varlen_forward").reference(q, k, v, *rest, **case.kwargs)
+    return Case(case.label, (grad_out, q, k, v, out, lse, *rest), case.kwargs)
+
+
 def _linear_cross_entropy(g: torch.Generator) -> list[Case]:
     import torch
 
@@ -227,12 +240,15 @@ CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases
     "attention_forward": _attention,
     "attention_backward": _attention_backward,
     "attention_varlen": _attention_varlen,
+    "attention_varlen_forward": _attention_varlen,
+    "attention_varlen_backward": _attention_varlen_backward,
     "linear_cross_entropy": _linear_cross_entropy,
 }
 
 
 FINISH: dict[str, Callable[[Case, torch.dtype, KernelRegistry], Case]] = {  # default: cast
     "attention_backward": _saved_attention_forward,
+    "attention_varlen_backward": _saved_attention_varlen_forward,
 }
 
 
