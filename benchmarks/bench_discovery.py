@@ -1,9 +1,11 @@
 """Time of the first `HardwareAbstractionLayer()` discovery, after `import torch`.
 
 Each sample is a fresh interpreter (imports and entry-point scans are cold per process, as a
-user sees them). Two figures per sample: from just after `import torch` to devices listed,
-with `import torchhal` included ("import+discover"), and the discovery alone, after torchhal's
-modules are imported ("discover"). Peer: the same interpreter's `import torch` time.
+user sees them). Bytecode caching is on, as for a user (PYTHONDONTWRITEBYTECODE, which some
+sandboxes set, is removed for the samples), and one warm-up sample writes the caches first.
+Two figures per sample: from just after `import torch` to devices listed, with `import torchhal`
+included ("import+discover"), and the discovery alone, after torchhal's modules are imported
+("discover"). Peer: the same interpreter's `import torch` time.
 Usage: python benchmarks/bench_discovery.py [--samples 15] [--out results.json]
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -32,10 +35,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=15)
     parser.add_argument("--out")
     args = parser.parse_args()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     rows = []
-    for _ in range(args.samples):
-        out = subprocess.run([sys.executable, "-c", SAMPLE], capture_output=True, text=True, check=True)
+    for _ in range(args.samples + 1):
+        out = subprocess.run(
+            [sys.executable, "-c", SAMPLE], capture_output=True, text=True, check=True, env=env
+        )
         rows.append(json.loads(out.stdout))
+    rows = rows[1:]  # the warm-up wrote the bytecode caches
     plugins = sorted(ep.name for ep in importlib.metadata.entry_points(group="torchhal.adapters"))
     summary = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),

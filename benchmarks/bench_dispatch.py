@@ -50,7 +50,10 @@ def overhead(op: Callable[[], object], direct: Callable[[], object]) -> dict[str
     }
 
 
-def cases(hal: torchhal.HardwareAbstractionLayer) -> dict[str, tuple[Callable[[], object], Callable[[], object]]]:
+Case = tuple[Callable[[], object], Callable[[], object]]
+
+
+def cases(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     cpu = hal.device("cpu")
     x, w = torch.randn(4, 64), torch.randn(64)
     q = k = v = torch.randn(1, 2, 8, 16)
@@ -88,8 +91,10 @@ def main() -> None:
     print(f"{'case':<32}{'ops µs':>10}{'direct µs':>11}{'overhead µs':>13}{'IQR':>8}")
     for key, row in results.items():
         if isinstance(row, dict):
-            print(f"{key:<32}{row['ops_us']:>10.2f}{row['direct_us']:>11.2f}{row['overhead_us']:>13.2f}"
-                  f"{row['overhead_spread_us']:>8.2f}")
+            print(
+                f"{key:<32}{row['ops_us']:>10.2f}{row['direct_us']:>11.2f}{row['overhead_us']:>13.2f}"
+                f"{row['overhead_spread_us']:>8.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -17,3 +17,6 @@ for b in "${benches[@]}"; do
   timeout 240 python3 "benchmarks/$b.py" 2>&1 | tee "$OUT/$b.log" | tail -60
 done
 [ "$what" = attention ] || timeout 90 python3 benchmarks/bench_harness_vs_do_bench.py --out "$OUT/harness_vs_do_bench.json" 2>&1 | tee "$OUT/harness_vs_do_bench.log" | tail -15
+if [ "$what" = attention ]; then
+  python3 benchmarks/bench_dispatch.py --out "$OUT/dispatch.json" 2>&1 | tail -6
+fi

@@ -22,7 +22,10 @@ pytestmark = [
 def smi(query: str) -> list[list[str]]:
     out = subprocess.run(
         ["nvidia-smi", f"--query-gpu={query}", "--format=csv,noheader,nounits"],
-        capture_output=True, text=True, check=True, timeout=30,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
     ).stdout
     return [[field.strip() for field in line.split(",")] for line in out.strip().splitlines()]
 
