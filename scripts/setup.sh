@@ -12,4 +12,6 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 .venv/bin/python -c 'import torch' 2>/dev/null || "${pip[@]}" torch==2.13.0
 extras=""
 [ "${1:-}" = "dev" ] && extras="[dev]"
-"${pip[@]}" -e ".${extras}" plugins/nvidia plugins/amd plugins/intel plugins/simasic
+"${pip[@]}" -e ".${extras}"
+# The plugins depend on torchhal, which is not on PyPI: install them once it is installed here.
+"${pip[@]}" plugins/nvidia plugins/amd plugins/intel plugins/simasic
