@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gpu_capabilities import device_capabilities
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -47,35 +48,6 @@ TOKENS = 16 * 1024
 HIDDEN = 2048
 SEQLENS = [512, 1024, 2048, 4096, 8192, 16384]
 PEERS = ("sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "eager", "compiled")
-
-
-def device_capabilities() -> tuple[Any, str]:
-    """The HAL's capabilities of cuda:0 when a plugin declares Triton on it, else torch's facts."""
-    from torchhal import HardwareAbstractionLayer
-    from torchhal.hal_core import DeviceCapabilities, DeviceNotFoundError, DType, Feature
-
-    try:
-        caps = HardwareAbstractionLayer().device_for_tensor(torch.empty(0, device=DEVICE)).capabilities
-        if Feature.TRITON in caps.features:
-            return caps, f"HAL device {caps.adapter}:{caps.index}"
-    except DeviceNotFoundError:
-        pass
-    props = torch.cuda.get_device_properties(0)
-    caps = DeviceCapabilities(
-        vendor="nvidia",
-        adapter="bench_attention",
-        device_type="cuda",
-        index=0,
-        name=props.name,
-        arch=f"sm_{props.major}{props.minor}",
-        compute_units=props.multi_processor_count,
-        simd_width=getattr(props, "warp_size", 32),
-        memory_bytes=props.total_memory,
-        dtypes=frozenset({DType.FP32, DType.BF16, DType.FP16}),
-        features=frozenset({Feature.TRITON}),
-        shared_memory_per_block_bytes=getattr(props, "shared_memory_per_block_optin", None),
-    )
-    return caps, "torch.cuda.get_device_properties (no torchhal plugin declares Triton on cuda:0)"
 
 
 def flops(batch: int, heads: int, seqlen: int, dim: int, causal: bool) -> float:
@@ -332,7 +304,7 @@ def main() -> int:
         return 2
     import triton
 
-    caps, caps_source = device_capabilities()
+    caps, caps_source = device_capabilities("bench_attention")
     from torchhal.kernels.triton_attention_config import launch_configs
 
     started = time.perf_counter()

@@ -36,40 +36,13 @@ from typing import Any
 import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
+from gpu_capabilities import device_capabilities
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 SHAPES = [(4096, 2048), (32768, 4096), (8192, 16384)]  # (rows, hidden); rope: tokens, heads x HEAD_DIM
 HEAD_DIM = 128
 OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope")
-
-
-def device_capabilities() -> tuple[Any, str]:
-    """The HAL's capabilities of cuda:0 when a plugin declares Triton on it, else torch's facts."""
-    from torchhal import HardwareAbstractionLayer
-    from torchhal.hal_core import DeviceCapabilities, DeviceNotFoundError, DType, Feature
-
-    try:
-        caps = HardwareAbstractionLayer().device_for_tensor(torch.empty(0, device=DEVICE)).capabilities
-        if Feature.TRITON in caps.features:
-            return caps, f"HAL device {caps.adapter}:{caps.index}"
-    except DeviceNotFoundError:
-        pass
-    props = torch.cuda.get_device_properties(0)
-    caps = DeviceCapabilities(
-        vendor="nvidia",
-        adapter="bench_norms",
-        device_type="cuda",
-        index=0,
-        name=props.name,
-        arch=f"sm_{props.major}{props.minor}",
-        compute_units=props.multi_processor_count,
-        simd_width=getattr(props, "warp_size", 32),
-        memory_bytes=props.total_memory,
-        dtypes=frozenset({DType.FP32, DType.BF16, DType.FP16}),
-        features=frozenset({Feature.TRITON}),
-    )
-    return caps, "torch.cuda.get_device_properties (no torchhal plugin declares Triton on cuda:0)"
 
 
 def row_ops_registry() -> Any:
@@ -293,7 +266,7 @@ def main() -> int:
         print("bench_norms: needs a CUDA device; none is available", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    caps, caps_source = device_capabilities()
+    caps, caps_source = device_capabilities("bench_norms")
     registry = row_ops_registry()
     ours = torchhal_ops(registry, caps)
     peers: dict[str, dict[str, Callable[..., Any]]] = {"eager": EAGER}
