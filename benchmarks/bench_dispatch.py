@@ -1,9 +1,12 @@
 """Dispatch overhead of `torchhal.ops.<op>` over calling the selected implementation directly.
 
-Both paths run the same candidate on the same tiny tensors (so the kernel itself is cheap and
-the difference is the dispatch: device lookup, argument validation, cached selection).
-Measured interleaved (A B A B ...) in batches; reports the median per-call difference, with
-telemetry unconfigured and with an in-memory exporter configured.
+Both paths run the same candidate on the same tiny tensors, so the difference is the dispatch
+(compile and autograd checks, argument memo, cached selection). Three kinds of case: the real
+CPU kernels; a no-op candidate registered above every other (the kernel costs nothing, so the
+figure is the dispatch alone, free of the kernel's own timing noise); and, where a GPU is
+present, the selected GPU kernels on tiny GPU tensors. Measured interleaved (A B A B ...) in
+batches; reports the median per-call difference, with telemetry unconfigured and with an
+in-memory exporter configured.
 Usage: python benchmarks/bench_dispatch.py [--out results.json]
 """
 
@@ -20,7 +23,7 @@ from datetime import datetime, timezone
 import torch
 
 import torchhal
-from torchhal.hal_core import telemetry
+from torchhal.hal_core import KernelRegistry, hookimpl, telemetry
 
 CALLS = 20_000
 ROUNDS = 15
@@ -53,17 +56,29 @@ def overhead(op: Callable[[], object], direct: Callable[[], object]) -> dict[str
 Case = tuple[Callable[[], object], Callable[[], object]]
 
 
-def cases(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
-    cpu = hal.device("cpu")
-    x, w = torch.randn(4, 64), torch.randn(64)
-    q = k = v = torch.randn(1, 2, 8, 16)
-    norm = hal.kernels.select("rms_norm", cpu, x, w).fn
-    attn = hal.kernels.select("attention", cpu, q, k, v, causal=True).fn
+class NoopKernels:
+    """A candidate per op that returns its first input: dispatch is then all there is to time."""
+
+    @staticmethod
+    @hookimpl
+    def torchhal_register_kernels(registry: KernelRegistry) -> None:
+        registry.register("rms_norm", "noop", lambda x, w, eps: x, provider="bench", priority=1e9)
+        registry.register(
+            "attention", "noop", lambda q, k, v, causal, scale, window: q, provider="bench", priority=1e9
+        )
+
+
+def cases(hal: torchhal.HardwareAbstractionLayer, device: str) -> dict[str, Case]:
+    dev = hal.device(device)
+    x, w = torch.randn(4, 64, device=device), torch.randn(64, device=device)
+    q = k = v = torch.randn(1, 2, 8, 16, device=device)
+    norm = hal.kernels.select("rms_norm", dev, x, w).fn
+    attn = hal.kernels.select("attention", dev, q, k, v, causal=True).fn
     return {
-        "rms_norm": (lambda: torchhal.ops.rms_norm(x, w), lambda: norm(x, w)),
+        "rms_norm": (lambda: torchhal.ops.rms_norm(x, w), lambda: norm(x, w, 1e-6)),
         "attention": (
             lambda: torchhal.ops.attention(q, k, v, causal=True),
-            lambda: attn(q, k, v, causal=True, scale=None, window=None),
+            lambda: attn(q, k, v, True, None, None),
         ),
     }
 
@@ -73,8 +88,11 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    hal = torchhal.HardwareAbstractionLayer()
-    torchhal.ops.set_default_hal(hal)
+    hals = {
+        "cpu": torchhal.HardwareAbstractionLayer(),
+        "noop": torchhal.HardwareAbstractionLayer(plugins=[NoopKernels]),
+    }
+    targets = [("cpu", "cpu"), ("noop", "cpu")] + ([("cpu", "cuda")] if torch.cuda.is_available() else [])
     results: dict[str, object] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread",
@@ -83,16 +101,19 @@ def main() -> None:
     }
     for mode in ("unconfigured", "memory-exporter"):
         telemetry.configure(exporter="none" if mode == "unconfigured" else "memory")
-        for name, (op, direct) in cases(hal).items():
-            results[f"{name}/{mode}"] = overhead(op, direct)
+        for kernels, device in targets:
+            torchhal.ops.set_default_hal(hals[kernels])
+            label = "noop" if kernels == "noop" else device
+            for name, (op, direct) in cases(hals[kernels], device).items():
+                results[f"{name}/{label}/{mode}"] = overhead(op, direct)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
-    print(f"{'case':<32}{'ops µs':>10}{'direct µs':>11}{'overhead µs':>13}{'IQR':>8}")
+    print(f"{'case':<36}{'ops µs':>10}{'direct µs':>11}{'overhead µs':>13}{'IQR':>8}")
     for key, row in results.items():
         if isinstance(row, dict):
             print(
-                f"{key:<32}{row['ops_us']:>10.2f}{row['direct_us']:>11.2f}{row['overhead_us']:>13.2f}"
+                f"{key:<36}{row['ops_us']:>10.2f}{row['direct_us']:>11.2f}{row['overhead_us']:>13.2f}"
                 f"{row['overhead_spread_us']:>8.2f}"
             )
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from torchhal.hal_core.errors import InvalidArgumentError
 from torchhal.hal_core.hal import active_hal
 from torchhal.kernels import attention as _attention
 from torchhal.kernels import attention_varlen as _attention_varlen
@@ -42,15 +41,8 @@ def set_default_hal(hal: HardwareAbstractionLayer | None) -> None:
     _default = hal
 
 
-def _dispatch(op: str, first: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-    hal = active_hal() or _default or default_hal()
-    try:
-        device = hal.device_for_tensor(first)
-    except AttributeError:
-        raise InvalidArgumentError(
-            f"{op}: the first argument must be a torch.Tensor, got {type(first).__name__}"
-        ) from None
-    return hal.kernels.call(op, device, first, *args, **kwargs)
+def _dispatch(op: str, *args: Any) -> Any:
+    return (active_hal() or _default or default_hal()).dispatch(op, *args)
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

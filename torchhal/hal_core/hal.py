@@ -18,7 +18,7 @@ from torchhal.hal_core.adapter import HAL_API_VERSION, VendorAdapter
 from torchhal.hal_core.adapters.cpu import CPUAdapter
 from torchhal.hal_core.capabilities import DeviceRequirements, DType, Topology
 from torchhal.hal_core.device import Device
-from torchhal.hal_core.errors import DeviceNotFoundError, NoDeviceMatchesError
+from torchhal.hal_core.errors import DeviceNotFoundError, InvalidArgumentError, NoDeviceMatchesError
 from torchhal.hal_core.kernels import KernelRegistry
 from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
 from torchhal.hal_core.settings import Settings
@@ -70,13 +70,12 @@ class _Discovered:
         self.diagnostics = tuple(loader.diagnostics)
         self.devices = tuple(Device(a.adapter, caps) for a in active for caps in a.devices)
         self.by_id = {d.id: d for d in self.devices}
-        self.by_torch: dict[tuple[str, int | None], Device] = {}
+        self.by_torch: dict[torch.device, Device] = {}
         for dev in self.devices:
             # Tensors route to the device that natively owns their torch device; devices under a
             # namespace of their own (a simulated ASIC in host memory) are reached through `use()`.
-            tdev = dev.torch_device
             if dev.adapter.namespace is None:
-                self.by_torch.setdefault((tdev.type, tdev.index), dev)
+                self.by_torch.setdefault(dev.torch_device, dev)
 
 
 class HardwareAbstractionLayer:
@@ -162,10 +161,29 @@ class HardwareAbstractionLayer:
         if active is not None and active[0] is self and active[1].torch_device.type == tdev.type:
             return active[1]
         state = self._state or self._discovered()
-        dev = state.by_torch.get((tdev.type, tdev.index))
+        dev = state.by_torch.get(tdev)
         if dev is None:
             raise DeviceNotFoundError(str(tdev), state.by_id)
         return dev
+
+    def dispatch(self, op: str, *args: Any) -> Any:
+        """Run registry op `op` on the device of its first argument (or the `use()` device).
+
+        What `torchhal.ops` calls: the device is looked up only for argument layouts the registry
+        has not seen under the same `use()` override."""
+        if self._state is None:
+            self._discovered()
+        active = _active.get()
+        route = active[1] if active is not None and active[0] is self else None
+        return self._kernels.dispatch(op, route, self._locate, *args)
+
+    def _locate(self, op: str, first: Any) -> Device:
+        try:
+            return self.device_for_tensor(first)
+        except AttributeError:
+            raise InvalidArgumentError(
+                f"{op}: the first argument must be a torch.Tensor, got {type(first).__name__}"
+            ) from None
 
     @contextlib.contextmanager
     def use(self, device: Device | str) -> Iterator[Device]:

@@ -10,7 +10,6 @@ signature) is exactly as valid as a fresh one, and cached dispatch is two dict l
 from __future__ import annotations
 
 import enum
-import functools
 import math
 import threading
 from collections.abc import Callable, Hashable, Iterable
@@ -69,6 +68,7 @@ class Unsupported:
 
 
 Predicate = Callable[["DeviceCapabilities", Any], "Unsupported | None"]
+Locate = Callable[[str, Any], "Device"]  # (op, first argument) -> the device to run on
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,8 +130,8 @@ class KernelRegistry:
     _ops: dict[str, OpDef] = field(default_factory=dict)
     _candidates: dict[str, list[Candidate]] = field(default_factory=dict)
     _cache: dict[str, dict[tuple[str, Hashable], Selection]] = field(default_factory=dict)
-    # per op: (device id, argument key) -> selection, for arguments already validated
-    _seen: dict[str, dict[tuple[str, Hashable], Selection]] = field(default_factory=dict)
+    # per memoised op: (route, *argument keys) -> (device, selection), for arguments already validated
+    _seen: dict[str, dict[tuple[Hashable, ...], tuple[Device, Selection]]] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     fallback_counts: dict[str, int] = field(default_factory=dict)
 
@@ -151,7 +151,8 @@ class KernelRegistry:
         self._ops[name] = OpDef(name, reference, signature, doc, memoize)
         self._candidates[name] = [Candidate(name, REFERENCE, "torchhal", reference, None, -math.inf)]
         self._cache[name] = {}
-        self._seen[name] = {}
+        if memoize:
+            self._seen[name] = {}
 
     def register(
         self,
@@ -173,7 +174,7 @@ class KernelRegistry:
             self._candidates[op].append(candidate)
             self._candidates[op].sort(key=lambda c: (-c.priority, c.name))
             self._cache[op].clear()
-            self._seen[op].clear()
+            self._seen.get(op, {}).clear()
         return candidate
 
     def ops(self) -> tuple[str, ...]:
@@ -199,32 +200,43 @@ class KernelRegistry:
         return self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args, kwargs)
 
     def call(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Any:
-        """Run `op` on `device` with the selected candidate, falling back if it raises.
+        """Run `op` on `device` with the selected candidate, falling back if it raises."""
+        return self.dispatch(op, device, lambda _op, _first: device, *args, **kwargs)
 
-        Arguments whose dtypes, shapes, strides, devices and scalars were validated before go
-        straight to their selection; anything else is validated by the op's signature first."""
-        try:
-            opdef = self._ops[op]
-        except KeyError:
-            raise UnknownOpError(op, self._ops) from None
-        seen = self._seen[op]
-        key: tuple[str, Hashable] | None = None
-        selection = None
-        if opdef.memoize:
+    def dispatch(self, op: str, route: Hashable, locate: Locate, *args: Any, **kwargs: Any) -> Any:
+        """`call` for a caller that finds the device from the arguments (what `torchhal.ops` does).
+
+        Arguments whose dtypes, shapes, strides, devices and scalars were validated before under the
+        same `route` (what else decides the device, e.g. a `use()` override) go straight to their
+        selection: no validation and no device lookup. Anything else is validated, and its device
+        found by `locate(op, first_argument)`."""
+        seen = self._seen.get(op)  # None for an unknown op and for an op that is never memoised
+        key: tuple[Hashable, ...] | None = None
+        hit = None
+        if seen is not None and not kwargs:  # keyword calls (not the ops' path) validate every time
+            tensor = _TENSOR or _tensor_type()
+            parts: list[Hashable] = [route]
+            for a in args:  # inline, not a helper: every op call runs this loop
+                # what a signature may depend on: each tensor's dtype, shape, strides and device
+                parts.append((a.dtype, a.shape, a.stride(), a.device) if isinstance(a, tensor) else a)
+            key = tuple(parts)
             try:
-                key = (device.id, _argument_key(args, kwargs))
-                selection = seen.get(key)
+                hit = seen.get(key)
             except TypeError:  # an unhashable argument: validate every time
                 key = None
-        if selection is None:
+        if hit is None:
+            opdef = self._opdef(op)
+            device = locate(op, args[0] if args else None)
             sig = opdef.signature(*args, **kwargs)
             selection = self._cache[op].get((device.id, sig)) or self._select(
                 op, device, sig, (), args, kwargs
             )
-            if key is not None:
+            if key is not None and seen is not None:
                 if len(seen) >= SEEN_LIMIT:
                     seen.clear()  # bounded: many distinct shapes re-validate, never grow memory
-                seen[key] = selection
+                seen[key] = device, selection
+        else:
+            device, selection = hit
         try:
             return selection.fn(*args, **kwargs)
         except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
@@ -234,8 +246,10 @@ class KernelRegistry:
 
     def clear_cache(self) -> None:
         with self._lock:
-            for cache in (*self._cache.values(), *self._seen.values()):
-                cache.clear()
+            for selections in self._cache.values():
+                selections.clear()
+            for memo in self._seen.values():
+                memo.clear()
 
     def _opdef(self, op: str) -> OpDef:
         try:
@@ -296,7 +310,7 @@ class KernelRegistry:
         )
         with self._lock:
             self._cache[op][(device.id, sig)] = selection
-            self._seen[op].clear()  # a demotion replaces a selection that remembered arguments point to
+            self._seen.get(op, {}).clear()  # a demotion replaces selections the memo points to
         return selection
 
     def _by_measurement(
@@ -373,25 +387,15 @@ class KernelRegistry:
                 failures.append(exc)
 
 
-@functools.cache
+_TENSOR: type[torch.Tensor] | None = None  # torch.Tensor, bound on first dispatch (hal_core imports no torch)
+
+
 def _tensor_type() -> type[torch.Tensor]:
-    """torch.Tensor, imported on first dispatch: importing hal_core does not import torch."""
+    global _TENSOR
     import torch
 
-    return torch.Tensor
-
-
-def _argument_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """What a signature may depend on: each tensor's dtype, shape, strides and device; scalars as
-    they are. Hashing it raises TypeError for an unhashable argument (the caller then validates)."""
-    tensor = _tensor_type()
-    key = [(a.dtype, a.shape, a.stride(), a.device) if isinstance(a, tensor) else a for a in args]
-    if kwargs:
-        key += [
-            (k, (v.dtype, v.shape, v.stride(), v.device) if isinstance(v, tensor) else v)
-            for k, v in kwargs.items()
-        ]
-    return tuple(key)
+    _TENSOR = torch.Tensor
+    return _TENSOR
 
 
 def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]:

@@ -31,9 +31,14 @@ import torch
 from torchhal.hal_core import UnsupportedError
 
 _SAVED = object()  # marks a context slot whose tensor went through ctx.save_for_backward
+# Bound once: every op call runs them. `_any_requires_grad` is what torch.library's own autograd
+# glue (torch/_library/autograd.py) asks; one C call instead of a Python loop over the arguments.
+_is_compiling = torch.compiler.is_compiling
+_is_grad_enabled = torch.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
 
 Dispatch = Callable[..., Any]
-"""`dispatch(op, first_tensor, *rest)`: run registry op `op` on the device of its first tensor."""
+"""`dispatch(op, *args)`: run registry op `op` on the device of its first tensor."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +70,10 @@ class DifferentiableOp:
         self._function = _function_class(self)
 
     def __call__(self, *args: Any) -> Any:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             self._check_differentiable(args)
             return self._visible(_as_tuple(self._traced_forward(*args)))
-        if torch.is_grad_enabled() and _requires_grad(args):
+        if _is_grad_enabled() and _any_requires_grad(*args):
             self._check_differentiable(args)
             return self._visible(self._function.apply(*args))
         return self._dispatch(self.spec.op, *args)
@@ -143,13 +148,6 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
         "__doc__": _function_class.__doc__,
     }
     return type(f"{spec.op}_function", (torch.autograd.Function,), methods)
-
-
-def _requires_grad(args: Sequence[Any]) -> bool:
-    for arg in args:  # a loop: cheaper than any() over a generator on this per-call path
-        if isinstance(arg, torch.Tensor) and arg.requires_grad:
-            return True
-    return False
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:
