@@ -5,6 +5,9 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -66,6 +69,30 @@ def test_unconfigured_spans_are_no_ops():
     telemetry.configure(exporter="none")
     with telemetry.span("nothing") as span:
         assert not span.is_recording()
+
+
+def test_spans_go_to_the_application_provider_once_it_sets_one():
+    """Unconfigured torchhal spans cost a branch; an application's own global provider, set after
+    torchhal's first span (OpenTelemetry allows it once per process, hence the subprocess), gets them."""
+    script = """
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from torchhal.hal_core import telemetry
+with telemetry.span("before") as span:
+    assert not span.is_recording()
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+with telemetry.span("after", op="x", skipped=None):
+    pass
+(done,) = exporter.get_finished_spans()
+assert done.name == "after" and dict(done.attributes) == {"op": "x"}, done
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHHAL_", "OTEL_"))}
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
 
 
 def test_bad_exporter_is_refused():

@@ -104,11 +104,40 @@ def test_h100_sxm_capabilities():
         Feature.ECC,
     }
     assert caps.collective_backends == ("nccl", "gloo")
-    assert caps.kernel_backends == ("cublas", "cudnn", "triton")
+    # cuDNN 9.19 was recorded; whether the build had FlashAttention was not (no flash-attention)
+    assert caps.kernel_backends == ("cublas", "cudnn", "triton", "cudnn-attention")
     assert caps.shared_memory_per_block_bytes == 227 * 1024  # the opt-in maximum on sm_90
     assert caps.l2_cache_bytes == 50 * 2**20
     assert caps.uuid == "GPU-81c4e271-5333-6e61-4c4b-e3fd481427dc"
     assert caps.pci_bus_id == "00000000:00:06.0" and caps.driver_version == "580.159.04"
+
+
+@pytest.mark.parametrize(
+    ("major", "libraries", "expected"),
+    [
+        (9, {"cudnn": 91002, "flash_attention": True}, ("flash-attention", "cudnn-attention")),
+        (8, {"cudnn": 90100, "flash_attention": False}, ("cudnn-attention",)),
+        (8, {"cudnn": 8902, "flash_attention": True}, ("flash-attention",)),  # cuDNN 8: no fused attention
+        (7, {"cudnn": 91002, "flash_attention": True}, ()),  # Volta: neither SDPA kernel
+    ],
+)
+def test_sdpa_attention_backends_follow_architecture_build_and_cudnn(major, libraries, expected):
+    facts = load("nvidia-h100-sxm")
+    facts["libraries"] = {"triton": False, **libraries}
+    facts["devices"][0]["properties"]["major"] = major
+    (caps,) = adapter(facts).discover()
+    assert caps.kernel_backends == ("cublas", "cudnn", *expected)
+
+
+def test_the_adapter_registers_sdpa_candidates_that_only_its_devices_accept():
+    facts = load("nvidia-h100-sxm")
+    facts["libraries"] = {"cudnn": 91002, "triton": False, "flash_attention": True}
+    hal = HardwareAbstractionLayer(adapters=[adapter(facts)], settings=NO_AUTOLOAD)
+    names = {c.qualified_name for c in hal.kernels.candidates("attention")}
+    assert {"nvidia/sdpa_flash", "nvidia/sdpa_cudnn"} <= names
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+    rejected = {r.candidate: r for r in hal.kernels.select("attention", hal.device("cpu"), q, q, q).rejected}
+    assert "does not list kernel backend 'flash-attention'" in rejected["nvidia/sdpa_flash"].detail
 
 
 def test_h100_declared_peaks_are_the_sxm_datasheet_dense_figures():

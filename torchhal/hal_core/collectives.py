@@ -155,6 +155,7 @@ class Communicator:
         self._owns_group = owns_group
         self._children: list[Communicator] = []
         self._refused: dict[str, str] = {}  # fused collectives the backend refused, with its reason
+        self._accepted_dtypes: set[torch.dtype] = set()  # passed the device's dtype check already
         self._destroyed = False
 
     @classmethod
@@ -543,13 +544,16 @@ class Communicator:
         if not isinstance(tensor, torch.Tensor):
             raise InvalidArgumentError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
         want = self.device.torch_device
-        if tensor.device.type != want.type or (want.index is not None and tensor.device.index != want.index):
+        where = tensor.device
+        if where != want and not (where.type == want.type and want.index is None):
             raise InvalidArgumentError(
-                f"{name}: tensor is on {tensor.device}, but this communicator's device is "
+                f"{name}: tensor is on {where}, but this communicator's device is "
                 f"{self.device.id} ({want}); copy it there explicitly"
             )
-        if DType.from_torch(tensor.dtype) is not None:  # formats torchhal does not track go to the backend
-            self.device.require_dtype(tensor.dtype, what=name)
+        if tensor.dtype not in self._accepted_dtypes:
+            if DType.from_torch(tensor.dtype) is not None:  # untracked formats go to the backend
+                self.device.require_dtype(tensor.dtype, what=name)
+            self._accepted_dtypes.add(tensor.dtype)
         if in_place and not tensor.is_contiguous():
             raise InvalidArgumentError(
                 f"{name}: writes the tensor in place, so it must be contiguous; got shape "

@@ -15,11 +15,10 @@ from torchhal.kernels import (
     matmul,
     rms_norm,
     rope,
-    sdpa_backends,
     swiglu,
 )
 
-OP_MODULES = (matmul, rms_norm, layer_norm, swiglu, rope, attention, attention_varlen, sdpa_backends)
+OP_MODULES = (matmul, rms_norm, layer_norm, swiglu, rope, attention, attention_varlen)
 
 
 @hookimpl

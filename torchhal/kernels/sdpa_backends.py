@@ -106,7 +106,9 @@ def cudnn_supports(caps: DeviceCapabilities, sig: AttentionSignature) -> Unsuppo
 
 
 def register(registry: KernelRegistry, *, provider: str = PROVIDER, priority: float = 15) -> None:
-    """Add both as `attention` candidates (after `attention.register` defined the op)."""
+    """Add both as `attention` candidates (after `attention.register` defined the op). Called by
+    the vendor adapters whose devices can list these backends (the NVIDIA adapter), not by the core:
+    a vendor's library candidates are its plugin's to register."""
     registry.register(
         "attention", "sdpa_flash", sdpa_flash, provider=provider, supports=flash_supports, priority=priority
     )

@@ -18,6 +18,7 @@ from torchhal.hal_core import (
     Feature,
     HealthReport,
     HealthStatus,
+    KernelRegistry,
     Link,
     MemoryInfo,
     ProbeResult,
@@ -37,6 +38,8 @@ TF32_BF16_FROM = (8, 0)  # Ampere
 FP8_FROM = (8, 9)  # Ada and Hopper: OCP e4m3/e5m2, not the fnuz variants
 TENSOR_CORES_FROM = (7, 0)  # Volta
 NVML_ECC_ENABLED = 1
+SDPA_ATTENTION_FROM = (8, 0)  # PyTorch's flash and cuDNN attention kernels need Ampere or newer
+CUDNN_ATTENTION_VERSION = 90000  # cuDNN 9: the fused attention graphs SDPA's cuDNN backend builds
 
 
 class NvidiaAdapter(VendorAdapter):
@@ -47,6 +50,13 @@ class NvidiaAdapter(VendorAdapter):
     def __init__(self, probe: Any = None) -> None:
         """`probe`: anything with CudaProbe's methods; the live runtime by default. No device work."""
         self.runtime_probe = probe if probe is not None else CudaProbe()
+
+    def register_kernels(self, registry: KernelRegistry) -> None:
+        """PyTorch SDPA pinned to its flash and cuDNN backends as `attention` candidates; each device
+        offers them through `kernel_backends` (see `_attention_backends`)."""
+        from torchhal.kernels import sdpa_backends
+
+        sdpa_backends.register(registry, provider=self.name)
 
     def probe(self) -> ProbeResult:
         build = self.runtime_probe.runtime()
@@ -95,6 +105,7 @@ class NvidiaAdapter(VendorAdapter):
             ("cublas",)
             + (("cudnn",) if libraries["cudnn"] else ())
             + (("triton",) if libraries["triton"] else ())
+            + _attention_backends(cc, libraries)
         )
         return DeviceCapabilities(
             vendor=self.vendor,
@@ -199,3 +210,14 @@ def _dtypes(cc: tuple[int, int]) -> frozenset[DType]:
     if cc >= FP8_FROM:
         dtypes |= {DType.FP8_E4M3, DType.FP8_E5M2}
     return frozenset(dtypes)
+
+
+def _attention_backends(cc: tuple[int, int], libraries: dict[str, Any]) -> tuple[str, ...]:
+    """SDPA's fused attention kernels this device can run: FlashAttention where the torch build has
+    it (`flash_attention`; recordings made before it was read lack the key and get none), cuDNN
+    attention with cuDNN 9 or newer."""
+    if cc < SDPA_ATTENTION_FROM:
+        return ()
+    flash = ("flash-attention",) if libraries.get("flash_attention") else ()
+    cudnn = ("cudnn-attention",) if (libraries.get("cudnn") or 0) >= CUDNN_ATTENTION_VERSION else ()
+    return flash + cudnn

@@ -56,11 +56,16 @@ class CudaProbe:
         return bool(torch.cuda.is_available())
 
     def libraries(self) -> dict[str, Any]:
-        """Kernel libraries this process could use: cuDNN's version, whether Triton is installed."""
+        """Kernel libraries this process could use: cuDNN's version, whether Triton is installed,
+        whether this torch build has its FlashAttention kernels."""
         import torch
 
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        return {"cudnn": cudnn, "triton": importlib.util.find_spec("triton") is not None}
+        return {
+            "cudnn": cudnn,
+            "triton": importlib.util.find_spec("triton") is not None,
+            "flash_attention": bool(torch.backends.cuda.is_flash_attention_available()),
+        }
 
     def device_count(self) -> int:
         import torch
