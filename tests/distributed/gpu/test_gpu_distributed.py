@@ -1,5 +1,6 @@
-"""On a host with 2 GPUs: the example under torchrun (DDP and FSDP2 over the GPUs' backend), the
-all-reduce benchmark against raw torch.distributed, and the ~1B Llama scaling benchmark."""
+"""On a host with 2 GPUs: the example under torchrun trains with DDP and with FSDP2 over the GPUs'
+backend (NCCL), in bf16, one rank a GPU. Speed (all-reduce overhead, scaling, recovery time) is
+measured by the benchmarks that benchmarks/gpu_distributed.sh runs, not asserted here."""
 
 from __future__ import annotations
 
@@ -64,26 +65,3 @@ def test_example_trains_on_two_gpus(tmp_path, strategy):
         assert report["prepared"]["precision"]["policy"] == "bf16"
         losses = [s["loss"] for s in report["steps"]]
         assert losses[-1] < 0.5 * losses[0], losses
-
-
-def test_allreduce_through_the_hal_is_within_two_percent_of_raw(tmp_path):
-    out = tmp_path / "allreduce.json"
-    torchrun(
-        "benchmarks/bench_allreduce.py", "--max-mib", "256", "--rounds", "8", "--out", str(out), timeout=300
-    )
-    results = json.loads(out.read_text())["results"]
-    assert [r["mib"] for r in results] == [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    assert all(r["hal_busbw_gbps"] > 0 and r["raw_busbw_gbps"] > 0 for r in results)
-    large = [r["overhead_pct"] for r in results if r["mib"] >= 64]
-    assert max(large) <= 2.0, f"the issue's goal: overhead <= 2% (got {large} for 64-256 MiB)"
-
-
-def test_llama_1b_scales_to_two_gpus_and_fsdp_needs_less_memory(tmp_path):
-    pytest.importorskip("transformers", reason="the scaling benchmark builds its Llama with transformers")
-    out = tmp_path / "scaling.json"
-    torchrun("benchmarks/bench_train_scaling.py", "--steps", "6", "--out", str(out), timeout=300)
-    phases = json.loads(out.read_text())["phases"]
-    assert 0.9e9 < phases["ddp"]["parameters"] < 1.2e9
-    assert phases["fsdp"]["peak_memory_gib_max"] < phases["ddp"]["peak_memory_gib_max"]
-    for name in ("ddp", "fsdp"):
-        assert phases[name]["scaling_efficiency"] >= 0.9, f"the issue's goal: >= 90% ({name}: {phases[name]})"
