@@ -2,7 +2,7 @@
 # Distributed benchmarks on a 2-GPU host (through the device tool; wheels from
 # benchmarks/build_device_wheels.sh): all-reduce bus bandwidth HAL vs raw, DDP/FSDP2 scaling of a
 # ~1B Llama, recovery time from a killed rank; and the GPU tests of the distributed package.
-# Usage: bash benchmarks/gpu_distributed.sh [tests|allreduce|training|all] NVLink multicast stays off (the host's rule).
+# NVLink multicast stays off (the host's rule). Usage: bash benchmarks/gpu_distributed.sh [tests|allreduce|training|all]
 set -uo pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
