@@ -8,6 +8,7 @@ export TORCHHAL_CACHE_DIR=$OUT/cache
 OUT=${OUT:-/tmp/out}
 nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
 nvidia-smi topo -m
+python3 -m torchhal_nvidia.probe "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), recorded by benchmarks/gpu_foundation.sh on $(date -u +%F)" > "$OUT/probe_record.json"
 python3 -m torchhal info --json > "$OUT/info.json"
 COLUMNS=160 python3 -m torchhal info
 python3 -m pytest -q -m gpu tests/gpu tests/plugins -p no:cacheprovider 2>&1 | tail -15
