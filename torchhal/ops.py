@@ -12,6 +12,7 @@ from torchhal.hal_core.hal import active_hal
 from torchhal.kernels import attention as _attention
 from torchhal.kernels import attention_varlen as _attention_varlen
 from torchhal.kernels import layer_norm as _layer_norm
+from torchhal.kernels import linear_cross_entropy as _linear_cross_entropy
 from torchhal.kernels import rms_norm as _rms_norm
 from torchhal.kernels import rope as _rope
 from torchhal.kernels import swiglu as _swiglu
@@ -112,3 +113,28 @@ def attention_varlen(
     return _ATTENTION_VARLEN(  # type: ignore[no-any-return]
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
     )
+
+
+_LINEAR_CROSS_ENTROPY = DifferentiableOp(_linear_cross_entropy.AUTOGRAD, _dispatch)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    label_smoothing: float = 0.0,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T + bias, target, ...) without materialising the logits.
+
+    hidden (..., H), weight (V, H), bias (V,) or None, target (...) of class indices; reduction
+    "mean" (over tokens not ignored), "sum" or "none". Fused: the training forward walks the
+    tokens in chunks and computes the gradients as it goes (see torchhal.kernels.linear_cross_entropy).
+    """
+    args = _linear_cross_entropy.public_arguments(
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction
+    )
+    return _LINEAR_CROSS_ENTROPY(*args)  # type: ignore[no-any-return]

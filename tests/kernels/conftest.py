@@ -166,7 +166,7 @@ class RowOps:
 
     def dispatch(self, op: str, first: torch.Tensor, *args: Any) -> Any:
         assert self.hal is not None, "use the `ops` or `plain_ops` fixture"
-        return self.hal.kernels.call(op, self.hal.device_for_tensor(first), first, *args)
+        return self.hal.dispatch(op, first, *args)
 
 
 _ROW_OPS = RowOps()  # custom ops are process-wide: made once

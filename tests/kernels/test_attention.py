@@ -33,7 +33,7 @@ class AttentionOps:
         self.attention = DifferentiableOp(attention.AUTOGRAD, self.dispatch, namespace=NAMESPACE)
 
     def dispatch(self, op, first, *args):
-        return self.hal.kernels.call(op, self.hal.device_for_tensor(first), first, *args)
+        return self.hal.dispatch(op, first, *args)
 
 
 _OPS = AttentionOps()  # custom ops are process-wide: made once

@@ -20,7 +20,7 @@ class VarlenOps:
         self.dense = DifferentiableOp(attention.AUTOGRAD, self.dispatch, namespace=NAMESPACE)
 
     def dispatch(self, op, first, *args):
-        return self.hal.kernels.call(op, self.hal.device_for_tensor(first), first, *args)
+        return self.hal.dispatch(op, first, *args)
 
 
 _OPS = VarlenOps()

@@ -12,13 +12,23 @@ from torchhal.kernels import (
     attention,
     attention_varlen,
     layer_norm,
+    linear_cross_entropy,
     matmul,
     rms_norm,
     rope,
     swiglu,
 )
 
-OP_MODULES = (matmul, rms_norm, layer_norm, swiglu, rope, attention, attention_varlen)
+OP_MODULES = (
+    matmul,
+    rms_norm,
+    layer_norm,
+    swiglu,
+    rope,
+    attention,
+    attention_varlen,
+    linear_cross_entropy,
+)
 
 
 @hookimpl

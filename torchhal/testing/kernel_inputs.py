@@ -224,6 +224,39 @@ def _linear_cross_entropy(g: torch.Generator) -> list[Case]:
     ]
 
 
+def _linear_cross_entropy_backward(g: torch.Generator) -> list[Case]:
+    """A random grad_loss in front of the forward's inputs (the forward's results added by `_saved`):
+    a scalar for "mean" and "sum", one per token for "none" (whose backward recomputes)."""
+    import torch
+
+    made = [
+        Case(c.label, (torch.randn((), generator=g), *c.args), c.kwargs) for c in _linear_cross_entropy(g)
+    ]
+    tokens, hidden, vocab = 7, 24, 37
+    target = torch.randint(0, vocab, (tokens,), generator=g)
+    target[2] = -100
+    inputs = (_randn(g, tokens, hidden), _randn(g, vocab, hidden, scale=1 / math.sqrt(hidden)), target)
+    made.append(
+        Case(
+            "7 tokens, vocab 37, bias, reduction none, smoothing 0.05",
+            (_randn(g, tokens), *inputs, _randn(g, vocab)),
+            {"reduction": "none", "label_smoothing": 0.05},
+        )
+    )
+    return made
+
+
+def _saved_linear_cross_entropy_forward(case: Case, dtype: torch.dtype, registry: KernelRegistry) -> Case:
+    """(grad_loss, hidden, weight, target[, bias]) cast, then the backward's arguments as autograd
+    passes them: the forward reference's gradients, and the inputs only for "none" (else None)."""
+    grad_loss, hidden, weight, target, *rest = cast(case, dtype).args
+    bias = rest[0] if rest else None
+    kwargs = dict(case.kwargs)
+    _, *grads = registry.op("linear_cross_entropy_forward").reference(hidden, weight, target, bias, **kwargs)
+    saved = (hidden, weight, target, bias) if kwargs.get("reduction") == "none" else (None,) * 4
+    return Case(case.label, (grad_loss, *grads, *saved), kwargs)
+
+
 CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases per op
     "matmul": _matmul,
     "rms_norm": _rms_norm,
@@ -243,12 +276,15 @@ CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases
     "attention_varlen_forward": _attention_varlen,
     "attention_varlen_backward": _attention_varlen_backward,
     "linear_cross_entropy": _linear_cross_entropy,
+    "linear_cross_entropy_forward": _linear_cross_entropy,
+    "linear_cross_entropy_backward": _linear_cross_entropy_backward,
 }
 
 
 FINISH: dict[str, Callable[[Case, torch.dtype, KernelRegistry], Case]] = {  # default: cast
     "attention_backward": _saved_attention_forward,
     "attention_varlen_backward": _saved_attention_varlen_forward,
+    "linear_cross_entropy_backward": _saved_linear_cross_entropy_forward,
 }
 
 

@@ -53,7 +53,7 @@ class _Ops:
         self.varlen = DifferentiableOp(attention_varlen.AUTOGRAD, self.dispatch, namespace=NAMESPACE)
 
     def dispatch(self, op, first, *args):
-        return self.hal.kernels.call(op, self.hal.device_for_tensor(first), first, *args)
+        return self.hal.dispatch(op, first, *args)
 
 
 _OPS = _Ops()

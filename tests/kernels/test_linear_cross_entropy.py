@@ -1,0 +1,444 @@
+"""linear_cross_entropy: the chunked Triton forward and backward (CPU interpreter, fp32) against the
+fp64 reference under FlashAttention's rule, torch's semantics (ignore_index, label smoothing, all
+ignored), the chunk plan, bad input, and the custom ops under torch.compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchhal.hal_core import DeclaredPeaks, DeviceCapabilities, DType, InvalidArgumentError, UnsupportedError
+from torchhal.kernels import linear_cross_entropy as lce
+from torchhal.kernels.autograd import DifferentiableOp
+from torchhal.kernels.triton_rows import RowLaunch
+from torchhal.testing import tolerance
+
+NAMESPACE = "torchhal_test_lce"  # custom ops of this module, apart from torchhal.ops' and conftest's
+TOKENS, WIDTH, VOCAB = 37, 23, 203
+SMALL_CHUNKS = lce.ChunkPlan(RowLaunch(simd_width=32, compute_units=2), min_rows=4)  # 37 tokens: 10 chunks
+
+
+class LinearCrossEntropyOps:
+    """`linear_cross_entropy` as torchhal.ops makes it (autograd glue over the registry), on a chosen HAL."""
+
+    def __init__(self) -> None:
+        self.hal = None
+        self.op = DifferentiableOp(lce.AUTOGRAD, self.dispatch, namespace=NAMESPACE)
+
+    def dispatch(self, op, first, *args):
+        return self.hal.dispatch(op, first, *args)
+
+    def __call__(
+        self, hidden, weight, target, bias=None, *, ignore_index=-100, label_smoothing=0.0, reduction="mean"
+    ):
+        args = lce.public_arguments(hidden, weight, target, bias, ignore_index, label_smoothing, reduction)
+        return self.op(*args)
+
+
+_OPS = LinearCrossEntropyOps()  # custom ops are process-wide: made once
+
+
+@pytest.fixture
+def fused(triton_hal):
+    _OPS.hal = triton_hal
+    yield _OPS
+    _OPS.hal = None
+
+
+@pytest.fixture
+def plain_fused(plain_hal):
+    _OPS.hal = plain_hal
+    yield _OPS
+    _OPS.hal = None
+
+
+def _inputs(tokens=TOKENS, width=WIDTH, vocab=VOCAB, *, bias=True, ignored=0.2, batch=()):
+    """Fresh random inputs: logits of a few units (weight ~ 2 / sqrt(width)), some tokens ignored."""
+    hidden = torch.randn(*batch, tokens, width)
+    weight = torch.randn(vocab, width) * (2 / math.sqrt(width))
+    target = torch.randint(0, vocab, (*batch, tokens))
+    target[torch.rand(target.shape) < ignored] = -100
+    return hidden, weight, target, (0.5 * torch.randn(vocab) if bias else None)
+
+
+def _run(fn, hidden, weight, target, bias, dtype, grad_loss, **kwargs):
+    """(loss, grads of hidden, weight and bias) of fn on leaf copies in `dtype` (target unchanged)."""
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (hidden, weight)]
+    if bias is not None:
+        leaves.append(bias.detach().to(dtype).requires_grad_(True))
+    loss = fn(leaves[0], leaves[1], target, leaves[2] if bias is not None else None, **kwargs)
+    grads = torch.autograd.grad(loss, leaves, grad_loss.to(loss.dtype))
+    return loss.detach(), grads
+
+
+def _reference(hidden, weight, target, bias=None, **kwargs):
+    return lce.reference(hidden, weight, target, bias, **kwargs)
+
+
+def _assert_within(what, got, same, truth, factor):
+    """|got - truth| <= factor x |PyTorch in got's dtype - truth| + torchhal.testing.tolerance's floor."""
+    assert got.dtype == same.dtype and got.shape == truth.shape, f"{what}: {got.dtype} {tuple(got.shape)}"
+    error = (got.double() - truth.double()).abs().max().item() if got.numel() else 0.0
+    base = (same.double() - truth.double()).abs().max().item() if got.numel() else 0.0
+    bound = factor * base + tolerance.floor(truth.double(), got.dtype)
+    assert error <= bound, (
+        f"{what}: error {error:.3g} > {factor} x PyTorch's {base:.3g} + floor = {bound:.3g}"
+    )
+
+
+def assert_op_within_pytorch_error(fn, hidden, weight, target, bias, grad_loss, **kwargs):
+    """Loss (2x) and gradients (3x) of `fn` against the reference in fp64, bounded by the error of the
+    reference run with autograd in the inputs' dtype."""
+    got = _run(fn, hidden, weight, target, bias, hidden.dtype, grad_loss, **kwargs)
+    same = _run(_reference, hidden, weight, target, bias, hidden.dtype, grad_loss, **kwargs)
+    truth = _run(_reference, hidden, weight, target, bias, torch.float64, grad_loss, **kwargs)
+    _assert_within("loss", got[0], same[0], truth[0], 2.0)
+    for name, g, s, t in zip(("hidden", "weight", "bias"), got[1], same[1], truth[1], strict=False):
+        _assert_within(f"gradient of {name}", g, s, t, 3.0)
+
+
+def _selected(hal, op, *args):
+    return hal.kernels.select(op, hal.device("cpu"), *args).candidate.name
+
+
+def test_the_three_ops_come_with_the_core_kernels_and_a_triton_candidate(triton_hal):
+    for op in (lce.OP, lce.FORWARD, lce.BACKWARD):
+        assert {c.name for c in triton_hal.kernels.candidates(op)} == {"triton", "reference"}, op
+
+
+def test_public_function_in_torchhal_ops(triton_hal):
+    """torchhal.ops.linear_cross_entropy (its own custom ops, "torchhal::...") on the HAL in use."""
+    import torchhal.ops
+
+    hidden, weight, target, _ = _inputs(batch=(3,), tokens=5)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    with triton_hal.use("cpu"):
+        loss = torchhal.ops.linear_cross_entropy(*leaves, target, label_smoothing=0.1, reduction="sum")
+    loss.backward()
+    twins = [t.clone().requires_grad_(True) for t in (hidden, weight)]
+    want = F.cross_entropy(
+        F.linear(*twins).flatten(0, 1), target.flatten(), label_smoothing=0.1, reduction="sum"
+    )
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    for got, twin in zip(leaves, twins, strict=True):
+        torch.testing.assert_close(got.grad, twin.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize(
+    ("bias", "label_smoothing"), [(True, 0.0), (False, 0.1), (True, 0.25)], ids=["bias", "smoothing", "both"]
+)
+def test_triton_forward_and_gradients_within_pytorch_error(fused, reduction, bias, label_smoothing):
+    hidden, weight, target, b = _inputs(bias=bias)
+    args = lce.public_arguments(hidden, weight, target, b, -100, label_smoothing, reduction)
+    assert all(_selected(fused.hal, op, *args) == "triton" for op in (lce.OP, lce.FORWARD))
+    grad_loss = torch.randn(())
+    assert_op_within_pytorch_error(
+        fused, hidden, weight, target, b, grad_loss, label_smoothing=label_smoothing, reduction=reduction
+    )
+
+
+def test_reduction_none_recomputes_with_per_token_gradients(fused):
+    hidden, weight, target, bias = _inputs(batch=(2,), tokens=11)
+    grad_loss = torch.randn(target.shape)
+    assert_op_within_pytorch_error(
+        fused, hidden, weight, target, bias, grad_loss, label_smoothing=0.05, reduction="none"
+    )
+    assert fused(hidden, weight, target, bias, reduction="none").shape == target.shape
+
+
+def test_matches_torch_cross_entropy_and_no_grad_loss(fused):
+    """The definition in DESIGN.md, on the no-grad path (the kernel writes no gradients)."""
+    hidden, weight, target, bias = _inputs()
+    for kwargs in (
+        {},
+        {"label_smoothing": 0.3, "reduction": "sum"},
+        {"ignore_index": 5, "reduction": "none"},
+    ):
+        target_k = target.masked_fill(target < 0, 5) if "ignore_index" in kwargs else target
+        with torch.no_grad():
+            got = fused(hidden, weight, target_k, bias, **kwargs)
+        want = F.cross_entropy(F.linear(hidden, weight, bias), target_k, **kwargs)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("vocab", "reduction"),
+    [(VOCAB, "mean"), (2100, "sum"), (VOCAB, "none")],
+    ids=["203", "2100-two-blocks", "none"],
+)
+def test_several_chunks_and_vocab_blocks(triton_hal, vocab, reduction):
+    """Chunks of 4 (or 5) tokens, the last one short, and, at vocab 2100, two fp32 vocabulary blocks of 2048
+    with the online max and sum carried across them; forward and backward kernels called directly."""
+    from torchhal.kernels import triton_cross_entropy
+
+    tokens = TOKENS if vocab == VOCAB else 13
+    hidden, weight, target, bias = _inputs(tokens=tokens, vocab=vocab)
+    assert SMALL_CHUNKS.chunk_rows(tokens, WIDTH, vocab) == (4 if vocab == VOCAB else 5)
+    kwargs = {"ignore_index": -100, "label_smoothing": 0.1, "reduction": reduction}
+    grad_loss = torch.randn(target.shape if reduction == "none" else ())
+    args = (hidden, weight, target, bias)
+    out = triton_cross_entropy.linear_cross_entropy_forward(SMALL_CHUNKS, *args, **kwargs)
+    context = lce.AUTOGRAD.context((*args, *kwargs.values()), out)
+    got = triton_cross_entropy.linear_cross_entropy_backward(SMALL_CHUNKS, grad_loss, *context)
+    loss_only = triton_cross_entropy.linear_cross_entropy(SMALL_CHUNKS, *args, **kwargs)
+    same = _run(_reference, *args, torch.float32, grad_loss, **kwargs)
+    truth = _run(_reference, *args, torch.float64, grad_loss, **kwargs)
+    _assert_within("loss", out[0], same[0], truth[0], 2.0)
+    _assert_within("loss without gradients", loss_only, same[0], truth[0], 2.0)
+    for name, g, s, t in zip(("hidden", "weight", "bias"), got, same[1], truth[1], strict=True):
+        _assert_within(f"gradient of {name}", g, s, t, 3.0)
+
+
+def test_ignored_tokens_and_custom_ignore_index(fused):
+    hidden, weight, target, bias = _inputs(ignored=0.5)
+    target[target == -100] = 7  # class 7 itself is ignored: torch's ignore_index may be a valid class
+    assert_op_within_pytorch_error(fused, hidden, weight, target, bias, torch.randn(()), ignore_index=7)
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_every_token_ignored_is_nan_for_mean_and_zero_for_sum_as_torch(fused, label_smoothing):
+    hidden, weight, _, bias = _inputs(tokens=9)
+    target = torch.full((9,), -100)
+    for reduction, loss_is_nan in (("mean", True), ("sum", False)):
+        (loss, grads), (want, want_grads) = (
+            _run(fn, hidden, weight, target, bias, torch.float32, torch.tensor(1.0),
+                 label_smoothing=label_smoothing, reduction=reduction)
+            for fn in (fused, lambda h, w, t, b, **kw: F.cross_entropy(F.linear(h, w, b), t, **kw))
+        )  # fmt: skip
+        assert bool(loss.isnan()) is loss_is_nan and bool(want.isnan()) is loss_is_nan
+        if not loss_is_nan:
+            assert loss.item() == want.item() == 0.0
+        for g, w in zip(grads, want_grads, strict=True):
+            assert torch.equal(g, w) and not g.any()
+
+
+def test_hidden_only_gradient_and_no_bias(fused):
+    """A frozen weight: the op still differentiates (its weight gradient is computed and dropped)."""
+    hidden, weight, target, _ = _inputs(bias=False)
+    leaf = hidden.clone().requires_grad_(True)
+    fused(leaf, weight, target).backward()
+    want = hidden.clone().requires_grad_(True)
+    F.cross_entropy(F.linear(want, weight), target).backward()
+    torch.testing.assert_close(leaf.grad, want.grad, rtol=1e-5, atol=1e-6)
+    assert weight.grad is None
+
+
+def test_out_of_range_target_is_nan_in_the_kernel_and_refused_by_the_reference(fused, plain_hal):
+    hidden, weight, target, bias = _inputs(ignored=0.0)
+    target[4] = VOCAB  # neither a class nor ignore_index
+    with torch.no_grad():
+        assert fused(hidden, weight, target, bias).isnan()
+    fused.hal = plain_hal
+    with pytest.raises(InvalidArgumentError, match=rf"target values must lie in \[0, {VOCAB}\).*got {VOCAB}"):
+        fused(hidden, weight, target, bias)
+
+
+def _bad(change):
+    hidden, weight, target, bias = _inputs(tokens=5, vocab=11)
+    return change(hidden, weight, target, bias)
+
+
+BAD_INPUTS = [  # change of (hidden, weight, target, bias), keyword arguments, error, message
+    pytest.param(
+        lambda h, w, t, b: (h[0, 0], w, t),
+        {},
+        InvalidArgumentError,
+        r"hidden must be \(\.\.\., hidden\), got shape \(\)",
+        id="rank",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w[0], t),
+        {},
+        InvalidArgumentError,
+        r"weight must have 2 dimensions, got shape \(23,\)",
+        id="weight-rank",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w[:, :9], t),
+        {},
+        InvalidArgumentError,
+        r"hidden's last dimension must equal weight's second.*\(11, 9\)",
+        id="hidden-mismatch",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w, t.float()),
+        {},
+        UnsupportedError,
+        r"target must be an int64.*got dtype torch.float32",
+        id="float-target",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w, t[:4]),
+        {},
+        InvalidArgumentError,
+        r"target's shape must be hidden's.*\(5,\), got \(4,\)",
+        id="target-shape",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w, t, b[:3]),
+        {},
+        InvalidArgumentError,
+        r"bias must have shape \(vocab,\) = \(11,\), got \(3,\)",
+        id="bias-shape",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w.double(), t),
+        {},
+        InvalidArgumentError,
+        r"dtypes must agree, got hidden=torch.float32, weight=torch.float64",
+        id="dtypes",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w, t, b.half()),
+        {},
+        InvalidArgumentError,
+        r"dtypes must agree.*bias=torch.float16",
+        id="bias-dtype",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h.int(), w.int(), t),
+        {},
+        UnsupportedError,
+        r"hidden must be a floating-point tensor",
+        id="int-hidden",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w, t),
+        {"label_smoothing": 1.5},
+        InvalidArgumentError,
+        r"label_smoothing must be a number in \[0, 1\], got 1.5",
+        id="smoothing-high",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w, t),
+        {"label_smoothing": -0.1},
+        InvalidArgumentError,
+        r"label_smoothing .* got -0.1",
+        id="smoothing-low",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w, t),
+        {"reduction": "avg"},
+        InvalidArgumentError,
+        r"reduction must be one of \('mean', 'sum', 'none'\), got 'avg'",
+        id="reduction",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, w, t),
+        {"ignore_index": 1.0},
+        InvalidArgumentError,
+        r"ignore_index must be an int, got 1.0",
+        id="ignore-index",
+    ),
+    pytest.param(
+        lambda h, w, t, b: (h, "w", t),
+        {},
+        InvalidArgumentError,
+        r"weight must be a torch.Tensor, got str",
+        id="not-a-tensor",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "kwargs", "error", "match"), BAD_INPUTS)
+def test_bad_input_is_refused_naming_op_constraint_and_value(fused, args, kwargs, error, match):
+    with pytest.raises(error, match=rf"linear_cross_entropy: {match}"):
+        fused(*_bad(args), **kwargs)
+
+
+def test_bad_input_is_refused_in_training_too(fused):
+    hidden, weight, target, _ = _inputs(tokens=5, vocab=11)
+    with pytest.raises(InvalidArgumentError, match=r"linear_cross_entropy_forward: reduction must be one of"):
+        fused(hidden.requires_grad_(True), weight, target, reduction="batchmean")
+
+
+def test_device_mismatch_is_refused():
+    hidden, weight, target, _ = _inputs(tokens=5, vocab=11)
+    with pytest.raises(InvalidArgumentError, match=r"linear_cross_entropy: devices must agree.*target=meta"):
+        lce.signature(hidden, weight, target.to("meta"))
+
+
+def test_compile_fullgraph_forward_and_backward(plain_fused):
+    """aot_eager runs Dynamo, the fake implementations and AOTAutograd over the custom ops."""
+    torch._dynamo.reset()
+    hidden, weight, target, bias = _inputs(batch=(2,), tokens=9)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+
+    def block(h, w, b):
+        return plain_fused(torch.tanh(h), w, target, b, label_smoothing=0.1) * 3
+
+    loss = torch.compile(block, fullgraph=True, backend="aot_eager")(*leaves)
+    loss.backward()
+    twins = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    logits = F.linear(torch.tanh(twins[0]), twins[1], twins[2]).flatten(0, 1)
+    want = F.cross_entropy(logits, target.flatten(), label_smoothing=0.1) * 3
+    want.backward()
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-5)
+    for got, twin in zip(leaves, twins, strict=True):
+        torch.testing.assert_close(got.grad, twin.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_custom_op_registrations_pass_opcheck(plain_fused):
+    hidden, weight, target, bias = _inputs(tokens=7, vocab=13)
+    ops = getattr(torch.ops, NAMESPACE)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    for reduction in ("mean", "none"):
+        args = (leaves[0], leaves[1], target, leaves[2], -100, 0.1, reduction)
+        torch.library.opcheck(ops.linear_cross_entropy_forward.default, args)
+        plain = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+        results = lce.reference_forward(*plain)
+        grad_loss = torch.randn(results[0].shape)
+        torch.library.opcheck(
+            ops.linear_cross_entropy_backward.default, (grad_loss, *lce.AUTOGRAD.context(plain, results))
+        )
+
+
+def test_chunk_plan_from_declared_peaks():
+    def caps(peaks):
+        return DeviceCapabilities(
+            vendor="v", adapter="a", device_type="cuda", index=0, name="n", arch="x", compute_units=132,
+            simd_width=32, memory_bytes=1, dtypes=frozenset({DType.BF16}), declared_peaks=peaks,
+        )  # fmt: skip
+
+    h100 = DeclaredPeaks(
+        source="datasheet", tflops={DType.BF16: 989.5, DType.FP32: 67}, memory_bandwidth_gbps=3350
+    )
+    assert lce.min_chunk_rows(caps(h100)) == 1280  # 4 x 295 flop/byte, rounded up to 128 rows
+    assert lce.min_chunk_rows(caps(None)) == lce.DEFAULT_MIN_CHUNK_ROWS
+    assert (
+        lce.min_chunk_rows(caps(DeclaredPeaks(source="s", memory_bandwidth_gbps=1.0)))
+        == lce.DEFAULT_MIN_CHUNK_ROWS
+    )
+    plan = lce.ChunkPlan.from_caps(caps(h100))
+    assert plan.chunk_rows(8192, 2048, 128256) == 1408  # 6 balanced chunks of at least 1280 rows
+    assert plan.chunk_rows(65536, 8192, 32000) == 16384  # logits about hidden's size: 4 chunks
+    assert plan.chunk_rows(1000, 2048, 128256) == 1000  # one chunk
+    assert plan.chunk_rows(0, 2048, 128256) == 1
+    assert SMALL_CHUNKS.chunk_rows(37, 23, 203) == 4  # logits budget 37 * 23 // 203 = 4 rows: 10 chunks
+    assert SMALL_CHUNKS.chunk_rows(13, 23, 2100) == 5  # 3 chunks of >= 4 rows
+
+
+def test_mixed_precision_accumulation_falls_back_where_torch_has_no_fp32_output(triton_hal, monkeypatch):
+    """bf16 products into an fp32 accumulator; where torch has no fp32-output addmm for the device
+    (the CPU), rounded products are added a slice of rows at a time (here 10 rows)."""
+    from torchhal.kernels import triton_cross_entropy
+
+    monkeypatch.setattr(triton_cross_entropy, "FALLBACK_SLICE_ELEMENTS", 24 * 10)
+    a, b = torch.randn(64, 40).bfloat16(), torch.randn(40, 24).bfloat16()
+    acc = torch.randn(64, 24)
+    want = acc + a.float() @ b.float()
+    triton_cross_entropy._accumulate(acc, a, b)
+    torch.testing.assert_close(acc, want, rtol=2e-2, atol=2e-2)
+
+
+def test_reference_autograd_path_agrees_with_torch(plain_fused):
+    """The references (selected where Triton is absent) are torch's cross_entropy itself."""
+    hidden, weight, target, bias = _inputs()
+    assert_op_within_pytorch_error(
+        plain_fused, hidden, weight, target, bias, torch.randn(()), label_smoothing=0.2
+    )
