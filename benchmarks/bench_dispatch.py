@@ -83,6 +83,39 @@ def cases(hal: torchhal.HardwareAbstractionLayer, device: str) -> dict[str, Case
     }
 
 
+def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
+    """Where the no-op dispatch time goes, layer by layer (each against the direct no-op call):
+    the tensor-metadata key alone (its floor: reading dtype, shape, strides and device of each
+    tensor and one dict lookup), the registry's dispatch, the HAL's, and the public op."""
+    x, w = torch.randn(4, 64), torch.randn(64)
+    q = torch.randn(1, 2, 8, 16)
+    memo: dict[object, object] = {}
+    locate = hal._locate  # the HAL's own device lookup, as HAL.dispatch passes it
+
+    def key_alone(*args: object) -> object:
+        return memo.get(
+            tuple(
+                (a.dtype, a.shape, a.stride(), a.device) if isinstance(a, torch.Tensor) else a for a in args
+            )
+        )
+
+    noop = lambda *args: args[0]  # noqa: E731
+    out: dict[str, Case] = {}
+    for name, args, public in (
+        ("rms_norm", (x, w, 1e-6), lambda: torchhal.ops.rms_norm(x, w)),
+        ("attention", (q, q, q, True, None, None), lambda: torchhal.ops.attention(q, q, q, causal=True)),
+    ):
+        direct = lambda args=args: noop(*args)  # noqa: E731
+        out[f"{name}/key alone"] = (lambda args=args: key_alone(*args), direct)
+        out[f"{name}/registry.dispatch"] = (
+            lambda name=name, args=args: hal.kernels.dispatch(name, None, locate, *args),
+            direct,
+        )
+        out[f"{name}/hal.dispatch"] = (lambda name=name, args=args: hal.dispatch(name, *args), direct)
+        out[f"{name}/torchhal.ops"] = (public, direct)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -106,6 +139,10 @@ def main() -> None:
             label = "noop" if kernels == "noop" else device
             for name, (op, direct) in cases(hals[kernels], device).items():
                 results[f"{name}/{label}/{mode}"] = overhead(op, direct)
+    telemetry.configure(exporter="none")
+    torchhal.ops.set_default_hal(hals["noop"])
+    for name, (op, direct) in layers(hals["noop"]).items():
+        results[f"layers/{name}"] = overhead(op, direct)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=2)
