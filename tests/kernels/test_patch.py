@@ -1,0 +1,318 @@
+"""torchhal.kernels.patch on tiny random-initialised Hugging Face Llama, Qwen2 and Mistral models.
+
+A deep copy of each model is patched; logits and every parameter's gradient are held to
+FlashAttention's rule against the unpatched model run in fp64 (2x the unpatched fp32 model's own
+error for logits, 3x for gradients, plus conftest's floor): the patched model may be as far from
+exact as Hugging Face's fp32 computation is, a small multiple more for a different summation order,
+and no further. torchhal.ops dispatches through conftest's `plain_hal` (references, ATen, SDPA:
+fast), and in one end-to-end case through `triton_hal` (the Triton kernels in the interpreter, a few
+seconds per training step; test_nn and the op tests cover the kernels at other shapes).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import pickle
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason="the Hugging Face patch tests need transformers (pip install torchhal[hf])"
+)
+
+import torchhal.kernels  # noqa: E402
+from torchhal.hal_core import UnsupportedError, telemetry  # noqa: E402
+from torchhal.kernels import hf_patch as patch_module  # noqa: E402
+from torchhal.kernels import nn as thnn  # noqa: E402
+from torchhal.testing import tolerance  # noqa: E402
+
+BATCH, SEQ, LAYERS = 2, 17, 2
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=LAYERS,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=64,
+    rms_norm_eps=0.05,  # far from the default, so a norm that ignored it would show
+)
+QWEN2_WINDOWS = dict(use_sliding_window=True, sliding_window=6, max_window_layers=1)
+FAMILIES = {  # Qwen2: qkv bias, a full layer then a sliding one; Mistral: every layer sliding
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", QWEN2_WINDOWS),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
+}
+TRAINING_OPS = {"rms_norm", "swiglu", "rope", "attention_forward"}  # and each one's "_backward"
+
+
+def make_model(family: str, **overrides) -> torch.nn.Module:
+    """A random model whose weights are large enough to make attention far from uniform and norms
+    far from identity (Hugging Face's 0.02 init would hide mistakes in both)."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    config = getattr(transformers, config_cls)(**COMMON, **{**extra, **overrides})
+    model = getattr(transformers, model_cls)(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.3 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.15)
+    return model
+
+
+def _dispatching(hal, monkeypatch):
+    """torchhal.ops dispatches through `hal` (its CPU device); yields the (op, candidate) of every call."""
+    calls: list[tuple[str, str]] = []
+    cpu = hal.device("cpu")
+    dispatch = hal.dispatch  # what torchhal.ops calls: hal.dispatch(op, *args)
+
+    def spy(op, *args):
+        calls.append((op, hal.kernels.select(op, cpu, *args).candidate.name))
+        return dispatch(op, *args)
+
+    monkeypatch.setattr(hal, "dispatch", spy)
+    with hal.use(cpu):
+        yield calls
+
+
+@pytest.fixture
+def on_plain(plain_hal, monkeypatch):
+    yield from _dispatching(plain_hal, monkeypatch)
+
+
+@pytest.fixture
+def on_triton(triton_hal, monkeypatch):
+    yield from _dispatching(triton_hal, monkeypatch)
+
+
+def _fallbacks() -> dict[str, int]:
+    prefix = thnn.FALLBACK_COUNTER + ",reason="
+    return {k.removeprefix(prefix): v for k, v in telemetry.counts().items() if k.startswith(prefix)}
+
+
+def within_pytorch_error(what, got, same_precision, truth, factor):
+    """conftest's rule: |got - truth| <= factor * |PyTorch in got's dtype - truth| + tolerance.floor."""
+    truth = truth.double()
+    error = (got.double() - truth).abs().max().item()
+    base = (same_precision.double() - truth).abs().max().item()
+    bound = factor * base + tolerance.floor(truth, got.dtype)
+    assert error <= bound, (
+        f"{what}: error {error:.3g} > {factor} x PyTorch's {base:.3g} + floor = {bound:.3g}"
+    )
+
+
+def _run(model, ids):
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("family", "hal"), [*((f, "on_plain") for f in FAMILIES), ("qwen2", "on_triton")])
+def test_logits_and_gradients_match_the_unpatched_model(request, family, hal):
+    """Qwen2 on Triton: qkv bias, a full and a sliding-window layer, every kernel forward and backward."""
+    calls = request.getfixturevalue(hal)
+    model = make_model(family)
+    patched, truth = copy.deepcopy(model), copy.deepcopy(model).double()
+    report = torchhal.kernels.patch(patched)
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    before = _fallbacks()
+
+    truth_logits, truth_grads = _run(truth, ids)
+    same_logits, same_grads = _run(model, ids)
+    assert calls == []  # the unpatched model runs no torchhal op
+    got_logits, got_grads = _run(patched, ids)
+
+    within_pytorch_error("logits", got_logits, same_logits, truth_logits, 2.0)
+    for name, grad in got_grads.items():
+        within_pytorch_error(f"gradient of {name}", grad, same_grads[name], truth_grads[name], 3.0)
+    ran = {op for op, _ in calls}
+    assert TRAINING_OPS | {op.removesuffix("_forward") + "_backward" for op in TRAINING_OPS} <= ran
+    if hal == "on_triton":
+        assert {candidate for _, candidate in calls} == {"triton"}
+    assert _fallbacks() == before  # every attention call was expressible: no mask, no dropout
+
+    counts = {kind: report.count(kind) for kind in ("rms_norm", "mlp", "attention")}
+    assert counts == {"rms_norm": 2 * LAYERS + 1, "mlp": LAYERS, "attention": LAYERS}
+    paths = {s.path: s.kind for s in report.swapped}
+    assert paths["model.norm"] == "rms_norm" and paths["model.layers.1.mlp"] == "mlp"
+    assert paths["model.layers.0.self_attn"] == "attention"
+    assert paths["model.layers.1.post_attention_layernorm"] == "rms_norm"
+    assert [(x.path, x.kind) for x in report.left] == [("model.rotary_emb", "rotary_embedding")]
+    assert report.attn_implementation == ("sdpa", "torchhal")
+    assert "5 rms_norm" in str(report) and report.to_dict()["swapped"][0]["path"]
+
+
+def test_the_parity_test_sees_the_sliding_window(on_plain):
+    """Mistral's window (5 of 17 keys) changes the logits far beyond the tolerance above, so the parity
+    test would catch a window off by one or ignored (the off-by-one is checked directly in test_nn)."""
+    windowed = make_model("mistral")
+    full = copy.deepcopy(windowed)
+    full.config.sliding_window = None
+    ids = torch.randint(0, 128, (1, SEQ))
+    with torch.no_grad():
+        assert (windowed(ids).logits - full(ids).logits)[:, 5:].abs().max() > 0.1
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_the_unpatched_model_and_the_shared_config_stay_as_they_were(on_plain, family):
+    """Models built from one config object share it: patching one must not switch the other."""
+    model = make_model(family)
+    sibling = type(model)(model.config).eval()
+    sibling.load_state_dict(model.state_dict())
+    ids = torch.randint(0, 128, (1, SEQ))
+    with torch.no_grad():
+        expected = sibling(ids).logits
+    weight = model.model.layers[0].input_layernorm.weight
+    torchhal.kernels.patch(model)
+
+    assert model.model.layers[0].input_layernorm.weight is weight  # shared, not copied
+    assert model.config is not sibling.config and sibling.config._attn_implementation == "sdpa"
+    assert all(m.config is model.config for m in model.modules() if hasattr(m, "config"))
+    assert "forward" not in vars(sibling.model.layers[0].self_attn)
+    assert type(sibling.model.layers[0].mlp).__name__.endswith("MLP")
+    assert not isinstance(sibling.model.norm, thnn.RMSNorm)
+    calls = len(on_plain)
+    with torch.no_grad():
+        torch.testing.assert_close(sibling(ids).logits, expected, rtol=0, atol=0)
+    assert len(on_plain) == calls
+    assert list(model.state_dict()) == list(sibling.state_dict())
+    model.load_state_dict(sibling.state_dict())  # strict: same names and shapes
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_padding_mask_falls_back_counted_and_matches(on_plain, family):
+    """Left padding: transformers' mask goes to its own SDPA attention (counted), never to the causal op."""
+    model = make_model(family)
+    patched = copy.deepcopy(model)
+    torchhal.kernels.patch(patched)
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[0, :4] = 0
+    before = _fallbacks().get("attention_mask", 0)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        got = patched(input_ids=ids, attention_mask=mask).logits
+    assert _fallbacks().get("attention_mask", 0) == before + LAYERS
+    assert not any(op.startswith("attention") for op, _ in on_plain)
+    # both compute the same fp32 attention; they differ by kernel rounding in norms, rope and swiglu
+    torch.testing.assert_close(got[0, 4:], expected[0, 4:], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(got[1], expected[1], rtol=1e-5, atol=2e-5)
+    with torch.no_grad():  # an all-ones mask is plain causal: no fallback
+        patched(input_ids=ids, attention_mask=torch.ones_like(mask))
+    assert _fallbacks().get("attention_mask", 0) == before + LAYERS
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_with_a_kv_cache_decodes_through_the_op(on_plain, family):
+    """Greedy decoding past Mistral's and Qwen2's windows (9 + 8 tokens): every step attends with
+    seq_q < seq_k (bottom-right causal) through ops.attention, with sliding caches where configured."""
+    model = make_model(family)
+    patched = copy.deepcopy(model)
+    torchhal.kernels.patch(patched)
+    prompt = torch.randint(0, 128, (BATCH, 9))  # longer than the windows: the prefill is windowed too
+    kwargs = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    before = _fallbacks()
+    expected = model.generate(prompt, **kwargs)
+    got = patched.generate(prompt, **kwargs)
+    assert _fallbacks() == before
+    assert "attention" in {op for op, _ in on_plain}
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.sequences, expected.sequences)
+
+
+def test_output_attentions_falls_back_to_eager_weights(on_plain):
+    model = make_model("mistral")
+    eager, patched = copy.deepcopy(model), copy.deepcopy(model)
+    eager.set_attn_implementation("eager")
+    torchhal.kernels.patch(patched)
+    ids = torch.randint(0, 128, (1, SEQ))
+    before = _fallbacks().get("output_attentions", 0)
+    with torch.no_grad():
+        expected = eager(ids, output_attentions=True)
+        got = patched(ids, output_attentions=True)
+    assert _fallbacks().get("output_attentions", 0) == before + LAYERS
+    assert len(got.attentions) == LAYERS  # captured by transformers' hooks on the attention class
+    torch.testing.assert_close(got.attentions, expected.attentions, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=2e-5)
+
+
+def test_attention_dropout_in_training_falls_back(on_plain):
+    model = make_model("llama", attention_dropout=0.1)
+    torchhal.kernels.patch(model)
+    before = _fallbacks().get("dropout", 0)
+    model.train()
+    model(torch.randint(0, 128, (1, SEQ))).logits.sum().backward()
+    assert _fallbacks().get("dropout", 0) == before + LAYERS
+
+
+def _mask_arguments(q_length, q_offset, **kwargs):
+    """Keyword arguments of transformers' mask functions: before 5.1 the query positions were a tensor."""
+    from transformers.masking_utils import sdpa_mask
+
+    if "cache_position" in inspect.signature(sdpa_mask).parameters:
+        return dict(cache_position=torch.arange(q_offset, q_offset + q_length), **kwargs)
+    return dict(q_length=q_length, q_offset=q_offset, **kwargs)
+
+
+def test_mask_function_refuses_what_none_cannot_mean():
+    """None only for causal (or the config's sliding window), bottom-right aligned, without padding."""
+    from transformers.masking_utils import causal_mask_function
+
+    config = types.SimpleNamespace(model_type="mistral", sliding_window=5)
+    plain = dict(
+        batch_size=1, kv_length=7, kv_offset=0, mask_function=causal_mask_function, attention_mask=None,
+        local_size=None, allow_is_causal_skip=True, config=config, device="cpu",
+    )  # fmt: skip
+    assert patch_module.torchhal_mask(**_mask_arguments(3, 4, **plain)) is None
+    assert patch_module.torchhal_mask(**_mask_arguments(3, 4, **{**plain, "local_size": 5})) is None
+    refused = {
+        "static cache slots": (0, {}),
+        "chunked attention": (4, dict(local_size=4)),
+        "no skip allowed": (4, dict(allow_is_causal_skip=False)),
+        "padding": (4, dict(attention_mask=torch.tensor([[0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool))),
+        "other model type": (4, dict(config=types.SimpleNamespace(model_type="gemma", sliding_window=None))),
+    }
+    for why, (q_offset, change) in refused.items():
+        mask = patch_module.torchhal_mask(**_mask_arguments(3, q_offset, **{**plain, **change}))
+        assert isinstance(mask, torch.Tensor) and mask.shape == (1, 1, 3, 7), why
+
+
+def test_patch_is_callable_per_instance_and_refuses_other_models():
+    model = make_model("llama")
+    report = patch_module.patch(model)
+    again = torchhal.kernels.patch(model)
+    assert again.swapped == [] and {x.reason for x in again.left if x.kind == "attention"} == {
+        "already patched"
+    }
+    ids = torch.randint(0, 128, (1, 5))
+    with torch.no_grad():
+        expected = model(ids).logits
+        for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # as torch.save does
+            attn = clone.model.layers[0].self_attn
+            assert attn.forward.module is attn  # the rewired forward follows the copy
+            torch.testing.assert_close(clone(ids).logits, expected, rtol=0, atol=0)
+    assert type(attn).__name__ == "LlamaAttention" and report.count("attention") == LAYERS
+    with pytest.raises(UnsupportedError, match=r"model type 'gpt2' .* supported: llama, qwen2, mistral"):
+        torchhal.kernels.patch(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))
+    partial = torchhal.kernels.patch(make_model("qwen2"), attention=False)
+    assert partial.count("attention") == 0 and partial.attn_implementation == ("sdpa", "sdpa")
+    assert {x.reason for x in partial.left if x.kind == "attention"} == {"patch(..., attention=False)"}
+
+
+def test_a_static_cache_falls_back_and_generates_the_same(on_plain):
+    """A static cache attends over all its slots, empty ones masked: no causal mask says that."""
+    model = make_model("llama")
+    patched = copy.deepcopy(model)
+    torchhal.kernels.patch(patched)
+    prompt = torch.randint(0, 128, (1, 9))
+    kwargs = dict(max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    before = _fallbacks().get("attention_mask", 0)
+    expected = model.generate(prompt, cache_implementation="static", **kwargs)
+    got = patched.generate(prompt, cache_implementation="static", **kwargs)
+    assert _fallbacks().get("attention_mask", 0) == before + 4 * LAYERS  # prefill and every step
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(expected.logits), rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.sequences, expected.sequences)

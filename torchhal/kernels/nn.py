@@ -1,0 +1,397 @@
+"""Drop-in `torch.nn` modules whose math runs through `torchhal.ops`.
+
+Each module computes what its Hugging Face (or `torch.nn`) namesake computes, with parameters
+under the same names, so a state_dict of the original loads into it and `torchhal.kernels.patch`
+can swap modules of a loaded model while sharing their Parameters. The ops dispatch through the
+default HAL (or the one of an active `hal.use(device)` block), so each call runs the best kernel
+the device offers and falls back to the reference where none fits.
+
+Attention is the one module with a choice to make: `torchhal.ops.attention` expresses causal
+attention (bottom-right aligned, optionally a sliding window) and nothing else. `attention_function`
+takes Hugging Face's attention-interface arguments and runs ops.attention when the call means
+exactly that; anything else (an explicit mask: padding, packed sequences, a custom 4-D mask;
+dropout while training; requested attention weights; a non-causal module) goes to a fallback that
+computes it with the mask, and is logged once per reason and counted (`FALLBACK_COUNTER`), so a
+fast path never stands in for a case it cannot compute.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchhal import ops
+from torchhal.hal_core import InvalidArgumentError, telemetry
+
+__all__ = [
+    "FALLBACK_COUNTER",
+    "Attention",
+    "LayerNorm",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "SwiGLUMLP",
+    "apply_rotary",
+    "attention_function",
+    "masked_attention",
+    "rotary_attention",
+]
+
+FALLBACK_COUNTER = "torchhal.nn.fallback"
+"""telemetry counter of module calls torchhal.ops could not express, with attribute `reason`."""
+
+log = telemetry.get_logger("torchhal.kernels.nn")
+_warned: set[str] = set()
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama's RMSNorm).
+
+    Parameter `weight` as Hugging Face names it. The op computes in fp32 and rounds once to x's
+    dtype; Hugging Face rounds the normalised x before the weight multiply, so in bf16 the two
+    differ by about one rounding (ours is the closer to the exact value). With x and weight in
+    different dtypes (autocast with fp32 weights) the op does not apply (it changes no dtype
+    silently): the module then computes Hugging Face's formula in PyTorch, output in the promoted
+    dtype, as the original would, and counts the fallback (FALLBACK_COUNTER, logged once).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    @property
+    def variance_epsilon(self) -> float:
+        """Hugging Face's name for eps, for code that reads it from the module."""
+        return self.eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.weight.dtype:
+            _record_fallback(
+                "rms_norm_mixed_dtypes",
+                f"x is {x.dtype} but weight {self.weight.dtype} (autocast?); ops.rms_norm changes no "
+                "dtype, so Hugging Face's formula runs",
+            )
+            x32 = x.float()
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * normed.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """torch.nn.LayerNorm over the last dimension (parameters `weight`, `bias`), through ops.layer_norm.
+
+    `bias=False` keeps no bias parameter (as torch.nn.LayerNorm(bias=False)); the op, which takes
+    one, gets zeros that are not part of the state_dict.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.bias is not None else torch.zeros_like(self.weight)
+        return ops.layer_norm(x, self.weight, bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
+
+
+class SwiGLUMLP(nn.Module):
+    """down_proj(silu(gate_proj(x)) * up_proj(x)), the Llama/Qwen2/Mistral MLP.
+
+    The three Linear layers keep Hugging Face's names; the gated activation runs as one op
+    (ops.swiglu), which saves the activation's intermediate tensors in training.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+
+    @classmethod
+    def sharing(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> SwiGLUMLP:
+        """A SwiGLUMLP made of these Linear modules themselves (same Parameters, no copy)."""
+        mlp = cls.__new__(cls)
+        nn.Module.__init__(mlp)
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
+        return mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class RotaryEmbedding(nn.Module):
+    """cos and sin of rotary position embeddings for given positions, as Hugging Face's default RoPE.
+
+    `forward(x, position_ids)` returns (cos, sin) of shape (batch, seq, head_dim) in x's dtype,
+    angles computed in fp32: position * theta^(-2i/head_dim), repeated in both halves (the
+    rotate-half convention). `attention_scaling` multiplies both, as Hugging Face's scaled RoPE
+    variants do. Made once per model and shared by its layers; `apply_rotary` rotates q and k.
+    """
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, head_dim: int, theta: float = 10000.0, *, attention_scaling: float = 1.0) -> None:
+        super().__init__()
+        if head_dim % 2:
+            raise InvalidArgumentError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
+        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = attention_scaling
+
+    @torch.no_grad()  # position tables: ops.rope gives them no gradient
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(x.dtype), sin.to(x.dtype)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.rope on q (batch, heads_q, seq, dim) and k; cos/sin as RotaryEmbedding returns them
+    (batch, seq, dim), or already broadcastable to (batch, 1, seq, dim)."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return ops.rope(q, k, cos, sin)  # type: ignore[no-any-return]
+
+
+AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+"""Hugging Face's attention-interface contract: (module, query, key, value, attention_mask, *,
+dropout, scaling, **kwargs) -> (output (batch, seq_q, heads_q, dim), attention weights or None)."""
+
+_UNSUPPORTED_KWARGS = ("softcap", "position_bias", "s_aux")
+
+
+def _why_not_exact(
+    module: nn.Module, attention_mask: Any, dropout: float, kwargs: dict[str, Any]
+) -> str | None:
+    """Why ops.attention(causal=True) cannot compute this call exactly, or None when it can."""
+    if attention_mask is not None:
+        return "attention_mask"  # padding, packed sequences or a custom mask
+    if dropout:
+        return "dropout"
+    config = getattr(module, "config", None)
+    if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        return "output_attentions"
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        return "not_causal"
+    return next((key for key in _UNSUPPORTED_KWARGS if kwargs.get(key) is not None), None)
+
+
+def _record_fallback(reason: str, why: str) -> None:
+    telemetry.count(FALLBACK_COUNTER, reason=reason)
+    if reason not in _warned:  # once per reason and process: a padded batch every step is not news
+        _warned.add(reason)
+        log.warning(
+            f"module falls back to plain PyTorch: {why} (counted in telemetry, logged once per reason)",
+            reason=reason,
+            counter=FALLBACK_COUNTER,
+        )
+
+
+def _window(sliding_window: int | None) -> tuple[int, int] | None:
+    """Hugging Face's sliding window W lets query i see keys i - W < j <= i: W keys, itself included,
+    which is ops.attention's window=(W - 1, 0)."""
+    if sliding_window is None:
+        return None
+    if sliding_window < 1:
+        raise InvalidArgumentError(f"attention: sliding_window must be >= 1, got {sliding_window}")
+    return (sliding_window - 1, 0)
+
+
+def masked_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with an explicit mask in plain PyTorch: the fallback of modules used on their own.
+
+    attention_mask is boolean (True: may attend) or additive float, broadcastable to (batch,
+    heads_q, seq_q, seq_k). Weights are materialised only when `output_attentions` asks for them.
+    """
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    config = getattr(module, "config", None)
+    if not kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+        )
+        return out.transpose(1, 2), None
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    elif attention_mask is not None:
+        scores = scores + attention_mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0)
+    return torch.matmul(weights, value).transpose(1, 2), weights
+
+
+def attention_function(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    *,
+    fallback: AttentionFn = masked_attention,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention through ops.attention, with Hugging Face's attention-interface arguments.
+
+    query (batch, heads_q, seq_q, dim), key and value (batch, heads_kv, seq_k, dim), GQA by head
+    count (no repeat_kv). `attention_mask=None` means plain causal attention, bottom-right aligned
+    (a KV-cache step: seq_q < seq_k), limited to the last `sliding_window` keys when given.
+    Returns (output (batch, seq_q, heads_q, dim), None). Calls ops.attention cannot express go to
+    `fallback` with an explicit mask (the one given, else the causal/window mask None stood for),
+    logged once per reason and counted.
+    """
+    window = _window(sliding_window)
+    reason = _why_not_exact(module, attention_mask, dropout, kwargs)
+    if reason is None:
+        out = ops.attention(query, key, value, causal=True, scale=scaling, window=window)
+        return out.transpose(1, 2), None
+    _record_fallback(reason, "ops.attention expresses causal attention only; computed with the mask")
+    if attention_mask is None and reason != "not_causal":
+        from torchhal.kernels.attention import allowed_keys
+
+        seq_q, seq_k = query.shape[2], key.shape[2]
+        attention_mask = allowed_keys(seq_q, seq_k, True, window, query.device).view(1, 1, seq_q, seq_k)
+    return fallback(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+        sliding_window=sliding_window, **kwargs,
+    )  # fmt: skip
+
+
+def rotary_attention(
+    module: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None,
+    attention_mask: torch.Tensor | None,
+    past_key_values: Any,
+    *,
+    attention_fn: AttentionFn,
+    sliding_window: int | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The body of a Llama-style attention block, on any module with Hugging Face's attribute names
+    (q_proj, k_proj, v_proj, o_proj, head_dim, scaling, attention_dropout, layer_idx): project,
+    rotate q and k through ops.rope, append to the KV cache, attend, project out.
+
+    Shared by `Attention` and the attention modules `torchhal.kernels.patch` rewires, so both run
+    the same code. `past_key_values` is a Hugging Face Cache (`update(k, v, layer_idx, cache_kwargs)`
+    returns the keys and values to attend to) or None.
+    """
+    if position_embeddings is None:
+        raise InvalidArgumentError(
+            f"{type(module).__name__}: position_embeddings=(cos, sin) is required "
+            "(RotaryEmbedding makes them)"
+        )
+    batch_seq = hidden_states.shape[:-1]
+    shape = (*batch_seq, -1, module.head_dim)
+    query = module.q_proj(hidden_states).view(shape).transpose(1, 2)
+    key = module.k_proj(hidden_states).view(shape).transpose(1, 2)
+    value = module.v_proj(hidden_states).view(shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query, key = apply_rotary(query, key, cos, sin)
+    if past_key_values is not None:
+        cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
+        key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
+    out, weights = attention_fn(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=module.attention_dropout if module.training else 0.0,
+        scaling=module.scaling,
+        sliding_window=sliding_window,
+        **kwargs,
+    )
+    return module.o_proj(out.reshape(*batch_seq, -1)), weights
+
+
+class Attention(nn.Module):
+    """Causal self-attention with RoPE and grouped-query heads, Hugging Face's Llama layout.
+
+    Projections q_proj, k_proj, v_proj (bias `bias`, as Qwen2 has) and o_proj (bias `o_bias`,
+    default `bias`, as Llama's attention_bias); num_heads query heads share num_kv_heads key/value
+    heads. `sliding_window` W limits each query to the last W keys, itself included (Mistral's
+    meaning). forward takes a Hugging Face attention module's arguments, (hidden_states,
+    position_embeddings, attention_mask, past_key_values, **kwargs) -> (output, weights), so it can
+    stand in for one; attention_mask=None means causal, a mask goes to `masked_attention`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        bias: bool = False,
+        o_bias: bool | None = None,
+        sliding_window: int | None = None,
+        dropout: float = 0.0,
+        layer_idx: int | None = None,
+    ) -> None:
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_kv_heads < 1 or num_heads % num_kv_heads:
+            raise InvalidArgumentError(
+                f"Attention: num_heads must be a multiple of num_kv_heads, got {num_heads} and {num_kv_heads}"
+            )
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_heads
+        self.num_heads, self.num_key_value_heads = num_heads, num_kv_heads
+        self.num_key_value_groups = num_heads // num_kv_heads
+        self.scaling = self.head_dim**-0.5
+        self.attention_dropout = dropout
+        self.sliding_window = sliding_window
+        self.layer_idx = layer_idx
+        self.is_causal = True
+        o_bias = bias if o_bias is None else o_bias
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return rotary_attention(
+            self, hidden_states, position_embeddings, attention_mask, past_key_values,
+            attention_fn=attention_function, sliding_window=self.sliding_window, **kwargs,
+        )  # fmt: skip
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_key_value_heads}, head_dim={self.head_dim}, "
+            f"sliding_window={self.sliding_window}"
+        )
