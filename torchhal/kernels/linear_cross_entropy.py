@@ -388,14 +388,25 @@ def reference_forward(
     return (loss, *_cast_grads(grads, hidden, weight, bias))
 
 
+SCALE_SLAB_BYTES = 64 << 20  # fp32 temporaries of scale_gradients, a row slab at a time
+
+
 def scale_gradients(
     grad_loss: torch.Tensor, grads: Sequence[torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward's gradients of a scalar loss times grad_loss, in fp32 (fp64 for fp64), rounded once."""
+    """The forward's gradients of a scalar loss times grad_loss, in fp32 (fp64 for fp64), rounded
+    once; a row slab at a time, so a (vocab, hidden) weight gradient gets no full fp32 copy."""
     out = []
     for g in grads:
         ct = compute_dtype(g.dtype)
-        out.append((g.to(ct) * grad_loss.to(ct)).to(g.dtype).contiguous())
+        factor = grad_loss.to(ct)
+        scaled = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        rows = g.reshape(-1, g.shape[-1]) if g.dim() > 1 else g.reshape(1, -1)
+        dest = scaled.view(rows.shape)
+        step = max(1, SCALE_SLAB_BYTES // max(1, rows.shape[1] * torch.finfo(ct).bits // 8))
+        for start in range(0, rows.shape[0], step):
+            dest[start : start + step] = rows[start : start + step].to(ct) * factor
+        out.append(scaled)
     return out[0], out[1], out[2]
 
 
