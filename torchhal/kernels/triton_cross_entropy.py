@@ -77,7 +77,11 @@ def _cross_entropy_rows(
 
 _MIXED_ADDMM: dict[str, bool] = {}  # torch device type -> has addmm with bf16/fp16 inputs, fp32 out
 FALLBACK_SLICE_ELEMENTS = 1 << 24  # the fallback's rounded product, a slice at a time (32 MiB in bf16)
-WEIGHT_GRAD_SLABS = 8  # fp32 weight-gradient slabs: rounding one at a time adds 1/8 of it at peak
+# fp32 weight-gradient slabs. Rounding the first adds half of it in the weights' dtype (VH bytes in
+# bf16) to the 4VH of fp32, about what the chunk loop holds already (4VH + a chunk of logits); more
+# slabs would lower that but split every chunk's weight-gradient matmul further (8 cost 13% of the
+# step at vocab 128k on an H200).
+WEIGHT_GRAD_SLABS = 2
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
