@@ -14,6 +14,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -63,16 +64,16 @@ def ab(
     console = Console(stderr=True)
     unknown = sorted(set(gate_metric or ()) - set(METRICS))
     if unknown:
-        console.print(f"[red]error:[/] --gate-metric: unknown metric(s) {unknown}; known: {sorted(METRICS)}")
+        _error(console, f"--gate-metric: unknown metric(s) {unknown}; known: {sorted(METRICS)}")
         raise typer.Exit(EXIT_BAD_INPUT)
     if plots and not plots_available():
-        console.print("[red]error:[/] --plots needs matplotlib: pip install 'torchhal[plots]'")
+        _error(console, "--plots needs matplotlib: pip install 'torchhal[plots]'")
         raise typer.Exit(EXIT_BAD_INPUT)
     out_dir = out or Path("ab-results") / spec.stem
     try:
         loaded = load_spec(spec)
     except TorchHALError as exc:
-        console.print(f"[red]error:[/] {exc}")
+        _error(console, str(exc))
         raise typer.Exit(EXIT_BAD_INPUT) from exc
     out_dir.mkdir(parents=True, exist_ok=True)
     store_path = out_dir / "samples.sqlite"
@@ -80,7 +81,8 @@ def ab(
         for path in (store_path, *(store_path.with_name(store_path.name + s) for s in ("-wal", "-shm"))):
             path.unlink(missing_ok=True)
     console.print(
-        f"[bold]{loaded.config.name}[/]: {len(loaded.variants)} variants, baseline {loaded.config.baseline}"
+        f"[bold]{escape(loaded.config.name)}[/]: {len(loaded.variants)} variants, "
+        f"baseline {escape(loaded.config.baseline)}"
     )
     with SampleStore(store_path) as store, _progress(console) as progress:
         tasks: dict[str, TaskID] = {}
@@ -93,11 +95,12 @@ def ab(
         try:
             result = run_experiment(loaded.variants, loaded.config, store=store, progress=advance)
         except TorchHALError as exc:
-            console.print(f"[red]error:[/] {exc}")
+            _error(console, str(exc))
             raise typer.Exit(EXIT_BAD_INPUT) from exc
         except Exception as exc:  # a variant's own code failed: not a regression, not bad input
             console.print(
-                f"[red]failed:[/] {type(exc).__name__}: {exc} (finished samples are in {store_path})"
+                "[red]failed:[/] "
+                + escape(f"{type(exc).__name__}: {exc} (finished samples are in {store_path})")
             )
             raise typer.Exit(EXIT_FAILED) from exc
     written = [write_json(result, out_dir / "result.json"), write_markdown(result, out_dir / "report.md")]
@@ -111,7 +114,8 @@ def ab(
         regressions = result.regressions(gate_metric or None)
         if regressions:
             for c in regressions:
-                console.print(f"[red]gate: {c.variant} regressed on {c.metric}:[/] {c.reason}")
+                what = f"{escape(c.variant)} regressed on {c.metric}"
+                console.print(f"[red]gate: {what}:[/] {escape(c.reason)}")
             raise typer.Exit(EXIT_REGRESSION)
         console.print("gate: no significant regression beyond the noise thresholds")
 
@@ -157,4 +161,9 @@ def print_result(console: Console, result: ExperimentResult) -> None:
     for r in result.cost:
         front = " (Pareto front)" if r.variant in result.pareto else ""
         sim = ", simulated time" if r.simulated else ""
-        console.print(f"  {r.variant}: {r.cost_per_million_items:.4g} per 10⁶ items{sim}{front}")
+        console.print(f"  {escape(r.variant)}: {r.cost_per_million_items:.4g} per 10⁶ items{sim}{front}")
+
+
+def _error(console: Console, message: str) -> None:
+    """An error line; the message is text, not markup (a spec's `[[variants]]` must print as is)."""
+    console.print("[red]error:[/] " + escape(message))
