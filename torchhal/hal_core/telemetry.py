@@ -162,6 +162,11 @@ def _tracer() -> trace.Tracer | None:
 _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 
 
+def tracing() -> bool:
+    """Whether spans are recorded anywhere: lets a hot path skip computing span attributes."""
+    return _tracer() is not None
+
+
 def span(name: str, **attributes: Any) -> AbstractContextManager[trace.Span]:
     """A span named `name`; None-valued attributes are dropped. Exceptions are recorded."""
     tracer = _tracer()
