@@ -408,14 +408,14 @@ def test_chunk_plan_from_declared_peaks():
     h100 = DeclaredPeaks(
         source="datasheet", tflops={DType.BF16: 989.5, DType.FP32: 67}, memory_bandwidth_gbps=3350
     )
-    assert lce.min_chunk_rows(caps(h100)) == 1280  # 4 x 295 flop/byte, rounded up to 128 rows
+    assert lce.min_chunk_rows(caps(h100)) == 1792  # 6 x 295 flop/byte, rounded up to 128 rows
     assert lce.min_chunk_rows(caps(None)) == lce.DEFAULT_MIN_CHUNK_ROWS
     assert (
         lce.min_chunk_rows(caps(DeclaredPeaks(source="s", memory_bandwidth_gbps=1.0)))
         == lce.DEFAULT_MIN_CHUNK_ROWS
     )
     plan = lce.ChunkPlan.from_caps(caps(h100))
-    assert plan.chunk_rows(8192, 2048, 128256) == 1408  # 6 balanced chunks of at least 1280 rows
+    assert plan.chunk_rows(8192, 2048, 128256) == 2048  # 4 balanced chunks of at least 1792 rows
     assert plan.chunk_rows(65536, 8192, 32000) == 16384  # logits about hidden's size: 4 chunks
     assert plan.chunk_rows(1000, 2048, 128256) == 1000  # one chunk
     assert plan.chunk_rows(0, 2048, 128256) == 1

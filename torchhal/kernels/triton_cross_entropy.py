@@ -13,18 +13,17 @@ inputs' dtype, then ONE Triton program per row that
      "none", and 0 for an ignored row.
 Then grad_hidden_chunk = grad_logits @ weight (written straight into its rows of grad_hidden),
 grad_weight += grad_logits.T @ hidden_chunk and grad_bias += column sums of grad_logits. The
-weight and bias gradients accumulate in fp32 and are rounded once at the end (accumulating in
-bf16 instead, a rounding per chunk, gives 3.6x eager's error at 9 chunks against fp64, beyond the
-3x rule); the fp32 weight gradient lives in vocabulary slabs, each rounded and freed in turn, so
-the rounded copy and the fp32 one never both exist whole. The count of tokens not ignored stays
-on the device (no host sync anywhere).
+weight and bias gradients accumulate in fp32, one matmul per chunk with an fp32 output, and are
+rounded once at the end (accumulating in bf16 instead, a rounding per chunk, gives 3.6x eager's
+error at 9 chunks against fp64, beyond the 3x rule; splitting the fp32 accumulator into slabs
+that round one at a time lowers the peak by VH bytes but slowed the weight-gradient matmul by
+28% at 1280 rows on an H100). The count of tokens not ignored stays on the device (no host sync
+anywhere).
 
 The row kernel's block and warps come from `RowLaunch.elementwise` (SIMD width, element size).
 """
 
 from __future__ import annotations
-
-import itertools
 
 import torch
 import triton
@@ -77,11 +76,6 @@ def _cross_entropy_rows(
 
 _MIXED_ADDMM: dict[str, bool] = {}  # torch device type -> has addmm with bf16/fp16 inputs, fp32 out
 FALLBACK_SLICE_ELEMENTS = 1 << 24  # the fallback's rounded product, a slice at a time (32 MiB in bf16)
-# fp32 weight-gradient slabs. Rounding the first adds half of it in the weights' dtype (VH bytes in
-# bf16) to the 4VH of fp32, about what the chunk loop holds already (4VH + a chunk of logits); more
-# slabs would lower that but split every chunk's weight-gradient matmul further (8 cost 13% of the
-# step at vocab 128k on an H200).
-WEIGHT_GRAD_SLABS = 2
 
 
 def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -106,30 +100,6 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc[start : start + step].add_(torch.mm(a[start : start + step], b))
 
 
-def _weight_slabs(
-    vocab: int, width: int, acc_dtype: torch.dtype, dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:
-    """The zeroed weight-gradient accumulator: views of one tensor when it needs no rounding, else
-    WEIGHT_GRAD_SLABS separate fp32 slabs of vocabulary rows (see `_round_weight`)."""
-    if acc_dtype == dtype:
-        return [torch.zeros((vocab, width), dtype=acc_dtype, device=device)]
-    bounds = [vocab * i // WEIGHT_GRAD_SLABS for i in range(WEIGHT_GRAD_SLABS + 1)]
-    return [
-        torch.zeros((b - a, width), dtype=acc_dtype, device=device) for a, b in itertools.pairwise(bounds)
-    ]
-
-
-def _round_weight(slabs: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The slabs as one tensor of `dtype`; each slab is rounded and then dropped (the list empties),
-    so the peak is the fp32 slabs plus one rounded slab, then the rounded pieces plus the result."""
-    if len(slabs) == 1 and slabs[0].dtype == dtype:
-        return slabs.pop()
-    pieces = []
-    while slabs:
-        pieces.append(slabs.pop(0).to(dtype))
-    return torch.cat(pieces)
-
-
 def _flat(
     hidden: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -146,10 +116,10 @@ def _chunked(
     ignore_index: int,
     label_smoothing: float,
     scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None] | None]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
     """Per-token fp32 losses of hidden (N, H), target (N,), and with `scale` (one fp32 element, or
-    N: one per token) the gradients of sum(scale * loss): (grad_hidden, fp32 grad_weight as a list
-    of vocabulary slabs, fp32 grad_bias or None)."""
+    N: one per token) the gradients of sum(scale * loss): (grad_hidden, fp32 grad_weight, fp32
+    grad_bias or None)."""
     tokens, width = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
@@ -159,7 +129,7 @@ def _chunked(
         acc_dtype = torch.promote_types(weight.dtype, torch.float32)
         grads = (
             torch.empty((tokens, width), dtype=hidden.dtype, device=device),
-            _weight_slabs(vocab, width, acc_dtype, weight.dtype, device),
+            torch.zeros((vocab, width), dtype=acc_dtype, device=device),
             torch.zeros(vocab, dtype=acc_dtype, device=device) if bias is not None else None,
         )
     if tokens == 0:
@@ -188,12 +158,9 @@ def _chunked(
             WRITE_GRAD=grads is not None, BLOCK=block, num_warps=warps,
         )  # fmt: skip
         if grads is not None:
-            grad_hidden, weight_slabs, grad_bias = grads
+            grad_hidden, grad_weight, grad_bias = grads
             torch.mm(chunk, weight, out=grad_hidden[start:end])
-            first = 0
-            for slab in weight_slabs:
-                _accumulate(slab, chunk[:, first : first + slab.shape[0]].t(), h)
-                first += slab.shape[0]
+            _accumulate(grad_weight, chunk.t(), h)
             if grad_bias is not None:
                 grad_bias += chunk.sum(0, dtype=grad_bias.dtype)
     return losses, grads
@@ -235,17 +202,17 @@ def linear_cross_entropy(
 
 
 def _rounded(
-    grads: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None],
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     hidden: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad_hidden, weight_slabs, grad_bias = grads
+    grad_hidden, grad_weight, grad_bias = grads
     if grad_bias is None or bias is None:
         rounded_bias = hidden.new_empty(0)
     else:
         rounded_bias = grad_bias.to(bias.dtype)
-    return grad_hidden.reshape(hidden.shape), _round_weight(weight_slabs, weight.dtype), rounded_bias
+    return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype), rounded_bias
 
 
 def linear_cross_entropy_forward(

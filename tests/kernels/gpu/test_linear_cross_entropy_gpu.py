@@ -136,8 +136,8 @@ def _peak_bytes(fn, hidden, weight, target):
 def test_peak_memory_is_well_below_the_logits(fused):
     """16384 tokens, hidden 2048, vocab 128256, bf16: eager's logits alone are 4.2 GB (and it keeps
     more than one such tensor). The fused op's forward holds the hidden gradient, the fp32
-    weight-gradient slabs and one chunk of logits (then, rounding, the slabs plus one rounded slab);
-    its backward the forward's gradients and their scaled copies. The issue's target at its 16k
+    weight-gradient accumulator and one chunk of logits (then, rounding, the accumulator and its
+    rounded copy); its backward the forward's gradients and their scaled copies. The issue's target at its 16k
     tokens: at most 25% of eager's peak."""
     tokens, width, vocab = 16384, 2048, 128256
     hidden, weight, target, _ = _inputs(tokens, width, vocab, torch.bfloat16)
