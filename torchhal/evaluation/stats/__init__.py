@@ -11,12 +11,15 @@ frozen dataclass. One module per family:
 - `corrections`: Holm and Benjamini–Hochberg adjusted p-values
 - `power`: power of Welch's test, sample size, minimum detectable effect
 - `sequential`: always-valid monitoring (mSPRT confidence sequence)
+- `group_sequential`: alpha-spending looks up to a planned size (spends exactly α there)
 - `assignment`: deterministic variant assignment and the sample-ratio-mismatch check
 """
 
 from torchhal.evaluation.stats.assignment import SampleRatioMismatch, assign, sample_ratio_mismatch
 from torchhal.evaluation.stats.bootstrap import BootstrapRatioResult, bootstrap_ratio_of_medians
 from torchhal.evaluation.stats.corrections import CorrectedPValues, benjamini_hochberg, holm
+from torchhal.evaluation.stats.group_sequential import GroupSequentialState, GroupSequentialTest
+from torchhal.evaluation.stats.group_sequential import boundaries as group_boundaries
 from torchhal.evaluation.stats.hypothesis_tests import (
     MannWhitneyResult,
     TostResult,
@@ -45,6 +48,8 @@ __all__ = [
     "BootstrapRatioResult",
     "CorrectedPValues",
     "Decision",
+    "GroupSequentialState",
+    "GroupSequentialTest",
     "HodgesLehmannResult",
     "MannWhitneyResult",
     "MinimumDetectableEffect",
@@ -59,6 +64,7 @@ __all__ = [
     "assign",
     "benjamini_hochberg",
     "bootstrap_ratio_of_medians",
+    "group_boundaries",
     "hodges_lehmann_shift",
     "holm",
     "mann_whitney_u",

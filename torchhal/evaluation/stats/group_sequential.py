@@ -1,0 +1,206 @@
+"""Group-sequential testing with alpha spending: peek after every batch up to a planned horizon.
+
+The always-valid test (`sequential.SequentialTest`) holds its error bound over an unbounded
+horizon, so over any finite experiment it spends less than α (its false-positive rate sits below
+α). When the experiment has a planned maximum size, a group-sequential design spends exactly α by
+that size while still allowing a look after every batch: Lan & DeMets (1983) spend a cumulative
+α(t) at information fraction t = n / max_n, whatever the looks' timing, and each look's boundary
+is the one whose crossing probability, given no earlier crossing, is the newly spent α. The
+probabilities come from the recursion of Armitage, McPherson & Rowe (1969) on the score process
+B(t) = Z_t·√t, whose increments are independent N(0, Δt): the density of B at each look, restricted
+to the continuation region, is carried on a grid and convolved with the next increment.
+
+Spending functions (two-sided α): "obrien-fleming" α(t) = 2 − 2Φ(z_{1−α/2} / √t) (conservative
+early, nearly the fixed-horizon test at the end) and "pocock" α·log(1 + (e − 1)·t) (even).
+The statistic is Welch's z on per-arm running moments (a normal approximation: the arms need
+`min_samples` values before a look counts); the decision is final once a boundary is crossed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from torchhal.evaluation.stats import _checks
+from torchhal.evaluation.stats.distributions import norm_ppf, norm_sf
+from torchhal.evaluation.stats.sequential import Decision, _RunningMoments
+from torchhal.hal_core.errors import InvalidArgumentError
+
+SPENDING = ("obrien-fleming", "pocock")
+GRID_POINTS = 601  # per look, over ±GRID_HALF_WIDTH standard deviations of B(t)
+GRID_HALF_WIDTH = 9.0
+
+
+def spent_alpha(fraction: float, alpha: float, spending: str) -> float:
+    """Cumulative two-sided α spent by information fraction `fraction` (0 < fraction <= 1)."""
+    if spending == "obrien-fleming":
+        return 2.0 * norm_sf(norm_ppf(1.0 - alpha / 2.0) / math.sqrt(fraction))
+    return alpha * math.log(1.0 + (math.e - 1.0) * fraction)
+
+
+class _Boundaries:
+    """Two-sided z boundaries for looks at increasing information fractions, one look at a time."""
+
+    def __init__(self, alpha: float, spending: str) -> None:
+        self.alpha, self.spending = alpha, spending
+        self.fraction = 0.0
+        self.spent = 0.0
+        self._x: np.ndarray | None = None  # grid of B(t) inside the continuation region
+        self._density: np.ndarray | None = None  # its sub-density (mass = P(no crossing yet))
+
+    def next(self, fraction: float) -> float:
+        """The z boundary of a look at `fraction` (> the previous one; 1 is the planned end)."""
+        target = spent_alpha(min(fraction, 1.0), self.alpha, self.spending)
+        width = GRID_HALF_WIDTH * math.sqrt(fraction)
+        y = np.linspace(-width, width, GRID_POINTS)
+        if self._x is None:
+            density = np.exp(-0.5 * y * y / fraction) / math.sqrt(2.0 * math.pi * fraction)
+        else:
+            assert self._density is not None
+            step = fraction - self.fraction
+            kernel = np.exp(-0.5 * (y[:, None] - self._x[None, :]) ** 2 / step) / math.sqrt(
+                2 * math.pi * step
+            )
+            density = kernel @ (self._density * _trapezoid_weights(self._x))
+        # Continuation mass within ±b, for b at each grid point right of 0, by cumulative trapezoid.
+        cumulative = np.concatenate(([0.0], np.cumsum((density[1:] + density[:-1]) / 2 * np.diff(y))))
+        half = GRID_POINTS // 2
+        inside = cumulative[half:] - cumulative[half::-1]  # mass in [-y_j, y_j] for y_j >= 0
+        keep = 1.0 - target  # the continuation probability the spending leaves after this look
+        if keep >= inside[-1] or 1.0 - (target - self.spent) / 2.0 == 1.0:
+            b = math.inf  # nothing (representable) to spend at this look: it cannot reject
+        elif self._x is None:  # first look: B(t) is plain normal, the boundary has a closed form
+            b = norm_ppf(1.0 - target / 2.0) * math.sqrt(fraction)
+        else:
+            j = int(np.searchsorted(inside, keep))
+            lo, hi = inside[j - 1], inside[j]
+            b = float(y[half + j - 1] + (keep - lo) / (hi - lo) * (y[half + j] - y[half + j - 1]))
+        end = min(b, float(y[-1]))  # the region ends at ±b, not at the last grid point inside
+        mask = np.abs(y) < end
+        edge = float(np.interp(end, y, density))
+        self._x = np.concatenate(([-end], y[mask], [end]))
+        self._density = np.concatenate(([edge], density[mask], [edge]))
+        self.fraction, self.spent = fraction, target
+        return b / math.sqrt(fraction)
+
+
+def _trapezoid_weights(x: np.ndarray) -> np.ndarray:
+    if x.size < 2:
+        return np.ones_like(x)
+    gaps = np.diff(x)
+    weights = np.zeros_like(x)
+    weights[:-1] += gaps / 2
+    weights[1:] += gaps / 2
+    return weights
+
+
+def boundaries(
+    fractions: Sequence[float], *, alpha: float = 0.05, spending: str = "obrien-fleming"
+) -> list[float]:
+    """Two-sided z boundaries for looks at `fractions` (strictly increasing, in (0, 1])."""
+    alpha = _checks.probability(alpha, "alpha")
+    _check_spending(spending)
+    values = [float(f) for f in fractions]
+    if (
+        not values
+        or any(not 0.0 < f <= 1.0 for f in values)
+        or any(b <= a for a, b in itertools.pairwise(values))
+    ):
+        raise InvalidArgumentError(
+            f"fractions must be strictly increasing values in (0, 1], got {list(fractions)!r}"
+        )
+    plan = _Boundaries(alpha, spending)
+    return [plan.next(f) for f in values]
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSequentialState:
+    """One look: mean(a) − mean(b), Welch's z, the look's boundary, the α spent so far, the decision."""
+
+    difference: float
+    z: float
+    boundary: float
+    spent_alpha: float
+    decision: Decision
+    n_a: int
+    n_b: int
+
+
+class GroupSequentialTest:
+    """Feed batches with `update(a_batch, b_batch)` until `max_samples` per arm; read `decision`.
+
+    The information fraction of a look is min(n_a, n_b) / max_samples. Looks past the planned
+    size are refused (the design has spent its α there; use the always-valid `SequentialTest`
+    for open-ended monitoring). `higher_is_better` says which sign of the difference improves.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_samples: int,
+        higher_is_better: bool,
+        alpha: float = 0.05,
+        spending: str = "obrien-fleming",
+        min_samples: int = 10,
+    ) -> None:
+        self.max_samples = _checks.positive_int(max_samples, "max_samples", minimum=2)
+        self.min_samples = _checks.positive_int(min_samples, "min_samples", minimum=2)
+        self.alpha = _checks.probability(alpha, "alpha")
+        self.spending = _check_spending(spending)
+        self.higher_is_better = bool(higher_is_better)
+        self._a, self._b = _RunningMoments(), _RunningMoments()
+        self._plan = _Boundaries(self.alpha, self.spending)
+        self._state = GroupSequentialState(math.nan, math.nan, math.inf, 0.0, Decision.CONTINUE, 0, 0)
+
+    @property
+    def state(self) -> GroupSequentialState:
+        return self._state
+
+    @property
+    def decision(self) -> Decision:
+        return self._state.decision
+
+    def update(self, a_batch: Any, b_batch: Any) -> GroupSequentialState:
+        a = _checks.sample(a_batch, "a_batch", min_size=0)
+        b = _checks.sample(b_batch, "b_batch", min_size=0)
+        if a.size == 0 and b.size == 0:
+            raise InvalidArgumentError(
+                "update needs at least one value in a_batch or b_batch; both are empty"
+            )
+        n = min(self._a.n + a.size, self._b.n + b.size)
+        if n > self.max_samples:
+            raise InvalidArgumentError(
+                f"update: the design ends at max_samples={self.max_samples} per arm, this batch would make "
+                f"{n}; values beyond the planned size would spend α the design does not have"
+            )
+        self._a.add(a)
+        self._b.add(b)
+        self._state = self._look()
+        return self._state
+
+    def _look(self) -> GroupSequentialState:
+        a, b, previous = self._a, self._b, self._state
+        difference = a.mean - b.mean if a.n and b.n else math.nan
+        n = min(a.n, b.n)
+        if n < self.min_samples or a.m2 + b.m2 == 0.0 or n / self.max_samples <= self._plan.fraction:
+            return GroupSequentialState(
+                difference, math.nan, math.inf, self._plan.spent, previous.decision, a.n, b.n
+            )
+        boundary = self._plan.next(n / self.max_samples)
+        z = difference / math.sqrt(a.variance / a.n + b.variance / b.n)
+        decision = previous.decision
+        if decision is Decision.CONTINUE and abs(z) >= boundary:
+            better = (difference > 0) == self.higher_is_better
+            decision = Decision.IMPROVED if better else Decision.REGRESSED
+        return GroupSequentialState(difference, z, boundary, self._plan.spent, decision, a.n, b.n)
+
+
+def _check_spending(spending: str) -> str:
+    if spending not in SPENDING:
+        raise InvalidArgumentError(f"spending must be one of {SPENDING}, got {spending!r}")
+    return spending
