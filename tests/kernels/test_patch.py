@@ -1,12 +1,15 @@
 """torchhal.kernels.patch on tiny random-initialised Hugging Face Llama, Qwen2 and Mistral models.
 
-A deep copy of each model is patched; logits and every parameter's gradient are held to
+A deep copy of each model is patched; logits, the loss and every parameter's gradient are held to
 FlashAttention's rule against the unpatched model run in fp64 (2x the unpatched fp32 model's own
-error for logits, 3x for gradients, plus conftest's floor): the patched model may be as far from
-exact as Hugging Face's fp32 computation is, a small multiple more for a different summation order,
-and no further. torchhal.ops dispatches through conftest's `plain_hal` (references, ATen, SDPA:
-fast), and in one end-to-end case through `triton_hal` (the Triton kernels in the interpreter, a few
-seconds per training step; test_nn and the op tests cover the kernels at other shapes).
+error for logits and the loss, 3x for gradients, plus conftest's floor): the patched model may be as
+far from exact as Hugging Face's fp32 computation is, a small multiple more for a different
+summation order, and no further. The fp64 model's loss is transformers' causal-LM loss without its
+upcast to fp32 (which would make the truth only as exact as the model under test); the patched
+model's loss is ops.linear_cross_entropy's, with no logits. torchhal.ops dispatches through
+conftest's `plain_hal` (references, ATen, SDPA: fast), and in one end-to-end case through
+`triton_hal` (the Triton kernels in the interpreter, a few seconds per training step; test_nn and
+the op tests cover the kernels at other shapes).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import types
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip(
     "transformers", reason="the Hugging Face patch tests need transformers (pip install torchhal[hf])"
@@ -46,7 +50,8 @@ FAMILIES = {  # Qwen2: qkv bias, a full layer then a sliding one; Mistral: every
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", QWEN2_WINDOWS),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=5)),
 }
-TRAINING_OPS = {"rms_norm", "swiglu", "rope", "attention_forward"}  # and each one's "_backward"
+# and each one's "_backward"
+TRAINING_OPS = {"rms_norm", "swiglu", "rope", "attention_forward", "linear_cross_entropy_forward"}
 
 
 def make_model(family: str, **overrides) -> torch.nn.Module:
@@ -105,45 +110,219 @@ def within_pytorch_error(what, got, same_precision, truth, factor):
     )
 
 
-def _run(model, ids):
-    out = model(input_ids=ids, labels=ids)
+def exact_causal_lm_loss(
+    logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_
+):
+    """transformers' ForCausalLMLoss without its upcast to fp32, so the fp64 model's loss stays fp64."""
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    logits, target = logits.reshape(-1, vocab_size), shift_labels.reshape(-1)
+    loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction=reduction)
+    return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+
+def fp64_truth(model):
+    truth = copy.deepcopy(model).double()
+    truth.loss_function = exact_causal_lm_loss  # this instance only
+    return truth
+
+
+def with_ignored(labels):
+    """A masked prompt in the first sequence and padding at the end of the last, as in fine-tuning."""
+    labels = labels.clone()
+    labels[0, :4] = -100
+    labels[-1, -3:] = -100
+    return labels
+
+
+def _run(model, ids, labels, **kwargs):
+    out = model(input_ids=ids, labels=labels, **kwargs)
     out.loss.backward()
-    return out.logits.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return out, {n: p.grad for n, p in model.named_parameters()}
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _loss_and_gradients_match(got, same, truth):
+    (got_out, got_grads), (same_out, same_grads), (truth_out, truth_grads) = got, same, truth
+    assert got_out.logits is None and same_out.logits is not None  # the fused loss made no logits
+    assert got_out.loss.dtype == same_out.loss.dtype == torch.float32
+    within_pytorch_error("loss", got_out.loss, same_out.loss, truth_out.loss, 2.0)
+    assert got_grads.keys() == same_grads.keys()
+    for name, grad in got_grads.items():
+        within_pytorch_error(f"gradient of {name}", grad, same_grads[name], truth_grads[name], 3.0)
 
 
 @pytest.mark.parametrize(("family", "hal"), [*((f, "on_plain") for f in FAMILIES), ("qwen2", "on_triton")])
 def test_logits_and_gradients_match_the_unpatched_model(request, family, hal):
-    """Qwen2 on Triton: qkv bias, a full and a sliding-window layer, every kernel forward and backward."""
+    """Loss (fused, with ignored labels), gradients and, without labels, logits. Qwen2 on Triton: qkv
+    bias, a full and a sliding-window layer, every kernel forward and backward."""
     calls = request.getfixturevalue(hal)
     model = make_model(family)
-    patched, truth = copy.deepcopy(model), copy.deepcopy(model).double()
+    patched, truth = copy.deepcopy(model), fp64_truth(model)
     report = torchhal.kernels.patch(patched)
     ids = torch.randint(0, 128, (BATCH, SEQ))
+    labels = with_ignored(ids)
     before = _fallbacks()
 
-    truth_logits, truth_grads = _run(truth, ids)
-    same_logits, same_grads = _run(model, ids)
+    truth_run, same_run = _run(truth, ids, labels), _run(model, ids, labels)
     assert calls == []  # the unpatched model runs no torchhal op
-    got_logits, got_grads = _run(patched, ids)
-
-    within_pytorch_error("logits", got_logits, same_logits, truth_logits, 2.0)
-    for name, grad in got_grads.items():
-        within_pytorch_error(f"gradient of {name}", grad, same_grads[name], truth_grads[name], 3.0)
+    _loss_and_gradients_match(_run(patched, ids, labels), same_run, truth_run)
+    if hal == "on_plain":  # without labels: logits, as before (the Triton case's kernels ran above)
+        within_pytorch_error("logits", _logits(patched, ids), _logits(model, ids), _logits(truth, ids), 2.0)
     ran = {op for op, _ in calls}
     assert TRAINING_OPS | {op.removesuffix("_forward") + "_backward" for op in TRAINING_OPS} <= ran
     if hal == "on_triton":
         assert {candidate for _, candidate in calls} == {"triton"}
     assert _fallbacks() == before  # every attention call was expressible: no mask, no dropout
 
-    counts = {kind: report.count(kind) for kind in ("rms_norm", "mlp", "attention")}
-    assert counts == {"rms_norm": 2 * LAYERS + 1, "mlp": LAYERS, "attention": LAYERS}
+    counts = {kind: report.count(kind) for kind in ("rms_norm", "mlp", "attention", "loss")}
+    assert counts == {"rms_norm": 2 * LAYERS + 1, "mlp": LAYERS, "attention": LAYERS, "loss": 1}
     paths = {s.path: s.kind for s in report.swapped}
     assert paths["model.norm"] == "rms_norm" and paths["model.layers.1.mlp"] == "mlp"
-    assert paths["model.layers.0.self_attn"] == "attention"
+    assert paths["model.layers.0.self_attn"] == "attention" and paths["lm_head"] == "loss"
     assert paths["model.layers.1.post_attention_layernorm"] == "rms_norm"
     assert [(x.path, x.kind) for x in report.left] == [("model.rotary_emb", "rotary_embedding")]
     assert report.attn_implementation == ("sdpa", "torchhal")
-    assert "5 rms_norm" in str(report) and report.to_dict()["swapped"][0]["path"]
+    assert "5 rms_norm" in str(report) and "1 loss" in str(report) and report.to_dict()["swapped"][0]["path"]
+
+
+def make_causal_lm(family: str, lm_head: str) -> torch.nn.Module:
+    """lm_head "bias": a biased lm_head (transformers' forward adds the bias); "tied": the input
+    embedding's weight; "plain": its own weight."""
+    model = make_model(family, tie_word_embeddings=lm_head == "tied")
+    assert (model.lm_head.weight is model.model.embed_tokens.weight) == (lm_head == "tied")
+    if lm_head == "bias":
+        biased = torch.nn.Linear(*model.lm_head.weight.shape[::-1], bias=True)
+        with torch.no_grad():
+            biased.weight.copy_(model.lm_head.weight)
+            biased.bias.normal_(0, 0.5)
+        model.lm_head = biased
+    return model
+
+
+@pytest.mark.parametrize(("family", "lm_head"), [("llama", "bias"), ("qwen2", "tied"), ("mistral", "plain")])
+def test_the_fused_loss_over_num_items_in_batch_matches(on_plain, family, lm_head):
+    """Random labels (not the inputs) with ignored tokens, the summed loss over num_items_in_batch as
+    Trainer passes it under gradient accumulation (here: this micro-batch is a third of the tokens)."""
+    model = make_causal_lm(family, lm_head)
+    patched, truth = copy.deepcopy(model), fp64_truth(model)
+    torchhal.kernels.patch(patched)
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    labels = with_ignored(torch.randint(0, 128, (BATCH, SEQ)))
+    items = torch.tensor(3 * int((labels[:, 1:] != -100).sum()))
+    _loss_and_gradients_match(
+        *(_run(m, ids, labels, num_items_in_batch=items) for m in (patched, model, truth))
+    )
+    assert {"linear_cross_entropy_forward", "linear_cross_entropy_backward"} <= {op for op, _ in on_plain}
+
+
+def test_shift_labels_logits_to_keep_and_ignore_index_as_transformers(on_plain):
+    model = make_model("llama")
+    patched = copy.deepcopy(model)
+    torchhal.kernels.patch(patched)
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    cases = {  # transformers' loss takes shift_labels as given, for the positions logits_to_keep keeps
+        "shift_labels": dict(shift_labels=with_ignored(torch.randint(0, 128, (BATCH, 7))), logits_to_keep=7),
+        "ignore_index": dict(ignore_index=int(ids[0, 5])),  # also pads the shifted labels' last position
+    }
+    for why, kwargs in cases.items():
+        with torch.no_grad():
+            expected, got = model(ids, labels=ids, **kwargs), patched(ids, labels=ids, **kwargs)
+        assert got.logits is None, why
+        torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=2e-5, msg=why)
+
+
+def test_opting_out_and_falling_back_run_the_transformers_loss(on_plain, monkeypatch):
+    """patch(loss=False), return_logits=True per call, and what the fused op cannot express (counted)
+    all run transformers' forward: logits and its loss."""
+    model = make_model("mistral")
+    ids = torch.randint(0, 128, (1, SEQ))
+    with torch.no_grad():
+        expected = model(ids, labels=ids)
+
+    def transformers_loss(m, **kwargs):
+        with torch.no_grad():
+            out = m(ids, labels=ids, **kwargs)
+        torch.testing.assert_close(out.logits, expected.logits, rtol=1e-5, atol=2e-5)
+        torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=2e-5)
+
+    unfused = copy.deepcopy(model)
+    report = torchhal.kernels.patch(unfused, loss=False)
+    assert "forward" not in vars(unfused) and report.count("loss") == 0
+    assert [(x.path, x.reason) for x in report.left if x.kind == "loss"] == [
+        ("lm_head", "patch(..., loss=False)")
+    ]
+    transformers_loss(unfused)
+
+    patched = copy.deepcopy(model)
+    torchhal.kernels.patch(patched)
+    assert inspect.signature(patched.forward) == inspect.signature(model.forward)  # what Trainer reads
+    transformers_loss(patched, return_logits=True)
+    before = _fallbacks()
+    patched.config.final_logit_softcapping = 30.0
+    transformers_loss(patched)
+    patched.config.final_logit_softcapping = None
+    patched.loss_function = lambda **kwargs: exact_causal_lm_loss(**kwargs)  # a custom loss
+    transformers_loss(patched)
+    del patched._loss_function
+    seen = []
+    hook = patched.lm_head.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    transformers_loss(patched)
+    hook.remove()
+    assert seen == [(1, SEQ, 128)]
+    with monkeypatch.context() as m:  # a kernel library replacing the class forward after patching
+        transformers_forward = type(model).forward
+        m.setattr(type(model), "forward", lambda self, *a, **k: transformers_forward(self, *a, **k))
+        transformers_loss(patched)
+    after = _fallbacks()
+    reasons = ("loss_softcapping", "loss_function", "loss_lm_head", "loss_forward")
+    assert {r: after.get(r, 0) - before.get(r, 0) for r in reasons} == dict.fromkeys(reasons, 1)
+    with torch.no_grad():  # back on the fused path; as a tuple: no logits in it
+        loss, _cache = patched(ids, labels=ids, return_dict=False)
+    torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=2e-5)
+    assert _fallbacks() == after
+
+    class Overriding(type(model)):
+        def forward(self, *args, **kwargs):
+            return super().forward(*args, **kwargs)
+
+    subclassed = copy.deepcopy(model)
+    subclassed.__class__ = Overriding
+    report = torchhal.kernels.patch(subclassed)
+    assert report.count("loss") == 0 and "forward" not in vars(subclassed)
+    assert [x.reason for x in report.left if x.kind == "loss"] == [
+        "Overriding.forward is not transformers' MistralForCausalLM.forward"
+    ]
+
+
+def test_the_fused_loss_under_autocast_casts_as_lm_head_would(on_plain, monkeypatch):
+    """transformers' lm_head runs in the autocast dtype, so the op gets bf16 hidden states and weight;
+    the loss is within 2x transformers' error of the exact loss on those rounded inputs, plus one bf16
+    rounding (the op returns the loss in its inputs' dtype; it is fp32 afterwards, as transformers')."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    lm_head = torch.nn.Linear(64, 128)
+    hidden, labels = torch.randn(BATCH, SEQ, 64), with_ignored(torch.randint(0, 128, (BATCH, SEQ)))
+    dtypes = []
+    fused = torchhal.ops.linear_cross_entropy
+    monkeypatch.setattr(
+        torchhal.ops,
+        "linear_cross_entropy",
+        lambda h, w, *a, **k: dtypes.append((h.dtype, w.dtype)) or fused(h, w, *a, **k),
+    )
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = ForCausalLMLoss(lm_head(hidden), labels, 128)
+        got = patch_module.causal_lm_loss(hidden, lm_head.weight, labels, lm_head.bias)
+    assert dtypes == [(torch.bfloat16, torch.bfloat16)] and got.dtype == expected.dtype == torch.float32
+    rounded = [t.detach().to(torch.bfloat16).double() for t in (hidden, lm_head.weight, lm_head.bias)]
+    truth = exact_causal_lm_loss(F.linear(*rounded), labels, 128)
+    error, base = (got.double() - truth).abs().item(), (expected.double() - truth).abs().item()
+    assert error <= 2 * base + torch.finfo(torch.bfloat16).eps * truth.abs().item(), (error, base)
 
 
 def test_the_parity_test_sees_the_sliding_window(on_plain):
@@ -172,7 +351,7 @@ def test_the_unpatched_model_and_the_shared_config_stay_as_they_were(on_plain, f
     assert model.model.layers[0].input_layernorm.weight is weight  # shared, not copied
     assert model.config is not sibling.config and sibling.config._attn_implementation == "sdpa"
     assert all(m.config is model.config for m in model.modules() if hasattr(m, "config"))
-    assert "forward" not in vars(sibling.model.layers[0].self_attn)
+    assert "forward" not in vars(sibling.model.layers[0].self_attn) and "forward" not in vars(sibling)
     assert type(sibling.model.layers[0].mlp).__name__.endswith("MLP")
     assert not isinstance(sibling.model.norm, thnn.RMSNorm)
     calls = len(on_plain)
@@ -285,16 +464,18 @@ def test_patch_is_callable_per_instance_and_refuses_other_models():
     model = make_model("llama")
     report = patch_module.patch(model)
     again = torchhal.kernels.patch(model)
-    assert again.swapped == [] and {x.reason for x in again.left if x.kind == "attention"} == {
+    assert again.swapped == [] and {x.reason for x in again.left if x.kind in ("attention", "loss")} == {
         "already patched"
     }
     ids = torch.randint(0, 128, (1, 5))
     with torch.no_grad():
-        expected = model(ids).logits
+        expected, expected_loss = model(ids).logits, model(ids, labels=ids).loss
         for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):  # as torch.save does
             attn = clone.model.layers[0].self_attn
             assert attn.forward.module is attn  # the rewired forward follows the copy
+            assert clone.forward.model is clone
             torch.testing.assert_close(clone(ids).logits, expected, rtol=0, atol=0)
+            torch.testing.assert_close(clone(ids, labels=ids).loss, expected_loss, rtol=0, atol=0)
     assert type(attn).__name__ == "LlamaAttention" and report.count("attention") == LAYERS
     with pytest.raises(UnsupportedError, match=r"model type 'gpt2' .* supported: llama, qwen2, mistral"):
         torchhal.kernels.patch(types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt2")))
