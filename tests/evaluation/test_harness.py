@@ -13,6 +13,7 @@ from torchhal_simasic.spec import bundled_spec
 
 import torchhal
 from tests.evaluation.helpers import cpu_hal, sim_hal
+from torchhal.evaluation import harness
 from torchhal.evaluation.harness import Variant, measure, schedule
 from torchhal.evaluation.inputs import Inputs, input_hash, sets_to_exceed_cache
 from torchhal.evaluation.outliers import tukey_fences
@@ -193,6 +194,29 @@ def test_sets_to_exceed_cache_uses_the_declared_l2():
     assert sets_to_exceed_cache(cpu, 1000) == 2  # the CPU adapter declares no L2 size
     with_l2 = Device(cpu.adapter, cpu.capabilities.model_copy(update={"l2_cache_bytes": 1 << 20}))
     assert sets_to_exceed_cache(with_l2, 256 << 10) == 9  # ceil(2 MiB / 256 KiB) + 1
+
+
+def test_clear_cache_overwrites_twice_the_l2_before_every_sample(monkeypatch):
+    hal = cpu_hal()
+    cpu = hal.device("cpu")
+    with_l2 = Device(cpu.adapter, cpu.capabilities.model_copy(update={"l2_cache_bytes": 1 << 20}))
+    clear = harness._cache_clearer(with_l2)
+    buffer = clear.__self__  # the bound zero_ of the buffer it overwrites
+    assert buffer.numel() * buffer.element_size() == 2 << 20
+    buffer.fill_(3.0)
+    clear()
+    assert not buffer.any()
+    assert harness._cache_clearer(cpu) is None  # no declared L2: nothing to clear, logged
+
+    events: list[str] = []
+    monkeypatch.setattr(harness, "_cache_clearer", lambda device: lambda: events.append("clear"))
+
+    def call(a, b):
+        events.append("call")
+        return a @ b
+
+    measure(Variant("mm", call, cpu, _matmul_inputs([8])), warmup=2, repetitions=4, clear_cache=True)
+    assert events == ["call"] * 2 + ["clear", "call"] * 4  # warm-up uncleared, then before each sample
 
 
 def test_input_hash_depends_on_content_dtype_and_shape_only():

@@ -13,6 +13,9 @@ synchronize-then-perf-counter otherwise, simulated time on a simulated device. A
 * marks are read in batches of `flush_every` samples, so a device with timing events is not
   synchronised between samples (the host queues ahead, as `triton.testing.do_bench` lets it);
   after each batch one untimed call refills the queue before the next sample;
+* optional cache clearing (`clear_cache=True`): before each sample, untimed, a write over twice
+  the device's declared L2, as `triton.testing.do_bench` does before every call, so each sample
+  starts from a cache holding none of its operands (and, like do_bench's, full of dirty lines);
 * optional memory tracking: `used_bytes` from `device.memory_info()` after a sample's last
   call, while its result is still held, minus before the sample: the bytes the call left
   allocated (its output, caches it grew). It is not the transient peak inside the call, which
@@ -238,6 +241,7 @@ def measure(
     seed: int = 0,
     track_memory: bool = False,
     flush_every: int = 8,
+    clear_cache: bool = False,
     store: SampleStore | None = None,
     progress: Progress | None = None,
 ) -> Measurement:
@@ -260,6 +264,7 @@ def measure(
         "seed": seed,
         "track_memory": track_memory,
         "flush_every": flush_every,
+        "clear_cache": clear_cache,
     }
     slots = schedule([v.name for v in group], repetitions, order, seed)
     fingerprint = environment_fingerprint(v.device for v in group)
@@ -289,12 +294,25 @@ def measure(
         resumed=resumed,
     ):
         if todo:
-            _Runner(group, inner, track_memory, flush_every, store, experiment, progress).run(
+            clearers = {v.name: _cache_clearer(v.device) if clear_cache else None for v in group}
+            _Runner(group, inner, track_memory, flush_every, clearers, store, experiment, progress).run(
                 todo, warmup, done, len(slots)
             )
     by_variant = {v.name: [done[(v.name, s.round)] for s in slots if s.variant == v.name] for v in group}
     results = {v.name: _result(v, by_variant[v.name], track_memory) for v in group}
     return Measurement(results, slots, settings, fingerprint, experiment, resumed)
+
+
+def _cache_clearer(device: Device) -> Callable[[], object] | None:
+    """A call that overwrites twice the device's declared L2; None (logged) where none is declared."""
+    l2 = device.capabilities.l2_cache_bytes
+    if l2 is None:
+        log.info("device declares no L2 size: clear_cache does nothing there", device=device.id)
+        return None
+    import torch
+
+    buffer = device.empty((2 * l2 // 4,), torch.float32)  # fp32: a dtype every device declares
+    return buffer.zero_
 
 
 class _Runner:
@@ -306,6 +324,7 @@ class _Runner:
         inner: int,
         track_memory: bool,
         flush_every: int,
+        clearers: dict[str, Callable[[], object] | None],
         store: SampleStore | None,
         experiment: str,
         progress: Progress | None,
@@ -313,6 +332,7 @@ class _Runner:
         self.by_name = {v.name: v for v in group}
         self.timers: dict[str, DeviceTimer] = {v.name: v.device.timer() for v in group}
         self.inner, self.track_memory, self.flush_every = inner, track_memory, flush_every
+        self.clearers = clearers
         self.store, self.experiment, self.progress = store, experiment, progress
         self.pending: list[tuple[Slot, object, object, int | None]] = []
 
@@ -347,7 +367,10 @@ class _Runner:
         timer = self.timers[slot.variant]
         before = variant.device.memory_info().used_bytes if self.track_memory else 0
         first_call = slot.round * self.inner
+        clear = self.clearers.get(slot.variant)
         with variant.active():
+            if clear is not None:
+                clear()
             start = timer.mark()
             for j in range(self.inner):
                 out = variant.call(first_call + j)
