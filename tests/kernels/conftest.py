@@ -153,6 +153,40 @@ def _kernel_test_guard(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
         assert hal.kernels.fallback_counts == counts, f"kernels fell back: {hal.kernels.fallback_counts}"
 
 
+def _dispatching(
+    hal: HardwareAbstractionLayer, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[tuple[str, str]]]:
+    """torchhal.ops dispatches through `hal` (its CPU device); yields the (op, candidate) of every call."""
+    calls: list[tuple[str, str]] = []
+    cpu = hal.device("cpu")
+    dispatch = hal.dispatch  # what torchhal.ops calls: hal.dispatch(op, *args)
+
+    def spy(op: str, *args: Any) -> Any:
+        calls.append((op, hal.kernels.select(op, cpu, *args).candidate.name))
+        return dispatch(op, *args)
+
+    monkeypatch.setattr(hal, "dispatch", spy)
+    with hal.use(cpu):
+        yield calls
+
+
+@pytest.fixture
+def on_triton(
+    triton_hal: HardwareAbstractionLayer, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[tuple[str, str]]]:
+    """torchhal.ops (and the nn modules and patched models on it) on the Triton candidates through
+    the interpreter (fp32); yields the (op, candidate) of every dispatch."""
+    yield from _dispatching(triton_hal, monkeypatch)
+
+
+@pytest.fixture
+def on_plain(
+    plain_hal: HardwareAbstractionLayer, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[list[tuple[str, str]]]:
+    """The same on references, ATen and SDPA candidates: for module logic (caches, fallbacks), fast."""
+    yield from _dispatching(plain_hal, monkeypatch)
+
+
 class RowOps:
     """The ops' public functions as torchhal.ops makes them, dispatching through `self.hal`."""
 

@@ -442,3 +442,27 @@ def test_reference_autograd_path_agrees_with_torch(plain_fused):
     assert_op_within_pytorch_error(
         plain_fused, hidden, weight, target, bias, torch.randn(()), label_smoothing=0.2
     )
+
+
+def test_without_an_fp32_output_addmm_the_rounded_products_are_logged_and_counted(triton_hal, monkeypatch):
+    """A torch without addmm's out_dtype: products rounded to bf16, summed in fp32; never silent."""
+    from torchhal.hal_core import telemetry
+    from torchhal.kernels import triton_cross_entropy
+
+    monkeypatch.setattr(triton_cross_entropy, "_MIXED_ADDMM", {})
+    real_addmm = torch.addmm
+
+    def no_out_dtype(*args, **kwargs):
+        if len(args) > 3 or "out_dtype" in kwargs:
+            raise TypeError("addmm() takes no out_dtype here")
+        return real_addmm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmm", no_out_dtype)
+    a, b = torch.randn(37, 19).bfloat16(), torch.randn(19, 23).bfloat16()
+    acc = torch.randn(37, 23)
+    want = acc + (a @ b).float()
+    key = "torchhal.kernels.lce_rounded_products,device_type=cpu"
+    before = telemetry.counts().get(key, 0)
+    triton_cross_entropy._accumulate(acc, a, b)
+    torch.testing.assert_close(acc, want, rtol=0, atol=0)
+    assert telemetry.counts().get(key, 0) == before + 1

@@ -19,33 +19,6 @@ from torchhal.kernels import nn as thnn
 HIDDEN = 123  # odd: no power-of-two luck in the row kernels
 
 
-def _dispatching(hal, monkeypatch):
-    """torchhal.ops dispatches through `hal` (its CPU device); yields the (op, candidate) of every call."""
-    calls: list[tuple[str, str]] = []
-    cpu = hal.device("cpu")
-    dispatch = hal.dispatch  # what torchhal.ops calls: hal.dispatch(op, *args)
-
-    def spy(op, *args):
-        calls.append((op, hal.kernels.select(op, cpu, *args).candidate.name))
-        return dispatch(op, *args)
-
-    monkeypatch.setattr(hal, "dispatch", spy)
-    with hal.use(cpu):
-        yield calls
-
-
-@pytest.fixture
-def on_triton(triton_hal, monkeypatch):
-    """The Triton candidates through the interpreter (fp32): each module's math on the kernels."""
-    yield from _dispatching(triton_hal, monkeypatch)
-
-
-@pytest.fixture
-def on_plain(plain_hal, monkeypatch):
-    """References, ATen and SDPA candidates: for the module logic (caches, fallbacks), which is fast."""
-    yield from _dispatching(plain_hal, monkeypatch)
-
-
 def _check_module(check_op, module, reference, inputs, grads):
     """module(*inputs) against reference(*inputs, *parameters): outputs 2x, gradients of the float
     inputs and of every parameter 3x PyTorch's own fp32 error, all against fp64."""

@@ -69,31 +69,6 @@ def make_model(family: str, **overrides) -> torch.nn.Module:
     return model
 
 
-def _dispatching(hal, monkeypatch):
-    """torchhal.ops dispatches through `hal` (its CPU device); yields the (op, candidate) of every call."""
-    calls: list[tuple[str, str]] = []
-    cpu = hal.device("cpu")
-    dispatch = hal.dispatch  # what torchhal.ops calls: hal.dispatch(op, *args)
-
-    def spy(op, *args):
-        calls.append((op, hal.kernels.select(op, cpu, *args).candidate.name))
-        return dispatch(op, *args)
-
-    monkeypatch.setattr(hal, "dispatch", spy)
-    with hal.use(cpu):
-        yield calls
-
-
-@pytest.fixture
-def on_plain(plain_hal, monkeypatch):
-    yield from _dispatching(plain_hal, monkeypatch)
-
-
-@pytest.fixture
-def on_triton(triton_hal, monkeypatch):
-    yield from _dispatching(triton_hal, monkeypatch)
-
-
 def _fallbacks() -> dict[str, int]:
     prefix = thnn.FALLBACK_COUNTER + ",reason="
     return {k.removeprefix(prefix): v for k, v in telemetry.counts().items() if k.startswith(prefix)}

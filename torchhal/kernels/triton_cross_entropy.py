@@ -29,8 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+from torchhal.hal_core import telemetry
 from torchhal.kernels import triton_attention_interpreter
 from torchhal.kernels.linear_cross_entropy import ChunkPlan, has_bias, scale_gradients
+
+log = telemetry.get_logger("torchhal.kernels.cross_entropy")
 
 if triton_attention_interpreter.needs_fix():  # `for` over the vocabulary in the CPU interpreter
     triton_attention_interpreter.apply()
@@ -93,8 +96,15 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
             return
         except torch.OutOfMemoryError:
             raise
-        except (RuntimeError, TypeError, NotImplementedError):
+        except (RuntimeError, TypeError, NotImplementedError) as exc:  # torch < 2.8, or no such kernel
             _MIXED_ADDMM[kind] = False
+            log.warning(
+                "no fp32-output addmm for this device type: weight-gradient products are rounded to "
+                "the inputs' dtype before the fp32 accumulation (counted per chunk)",
+                device_type=kind,
+                error=repr(exc),
+            )
+    telemetry.count("torchhal.kernels.lce_rounded_products", device_type=kind)
     step = max(1, FALLBACK_SLICE_ELEMENTS // max(1, acc.shape[1]))
     for start in range(0, acc.shape[0], step):
         acc[start : start + step].add_(torch.mm(a[start : start + step], b))
