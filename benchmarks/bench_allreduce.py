@@ -2,7 +2,8 @@
 
 Both paths all-reduce (avg, which keeps values finite over thousands of calls; NCCL runs it as a
 sum with the division fused) the same fp32 tensor on the same process group: the HAL path is
-`Communicator.all_reduce` (checks, span, async work and wait), the raw path `dist.all_reduce`.
+`Communicator.all_reduce` (its checks, then the collective issued to the process group), the raw
+path `dist.all_reduce`.
 For each size they are timed in alternating batches (A B B A ...) with the device's own timer,
 and the overhead is the median over rounds of (raw - HAL) / raw bus bandwidth.
 Bus bandwidth follows nccl-tests: bytes × 2 (n - 1) / n / time.

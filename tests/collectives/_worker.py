@@ -129,6 +129,24 @@ def check_all_reduce_int64_and_bf16(ctx: Ctx) -> None:
 
 
 @check
+def check_all_reduce_complex_and_coalesced(ctx: Ctx) -> None:
+    """The cases the Communicator leaves to dist.all_reduce's wrapper: complex tensors (reduced as
+    real pairs) and a coalescing block (recorded, then issued together when the block ends)."""
+    re, im = ctx.inputs("ar_complex_re", (3, 4)), ctx.inputs("ar_complex_im", (3, 4))
+    c = torch.complex(re[ctx.rank], im[ctx.rank])
+    ctx.comm.all_reduce(c)
+    torch.testing.assert_close(c, torch.complex(_reduced(re, "sum"), _reduced(im, "sum")).to(c.dtype))
+    xs, ys = ctx.inputs("ar_coalesced_x", (5,)), ctx.inputs("ar_coalesced_y", (2, 3))
+    x, y = xs[ctx.rank].clone(), ys[ctx.rank].clone()
+    with dist.distributed_c10d._coalescing_manager(group=ctx.comm.group):
+        ctx.comm.all_reduce(x)
+        ctx.comm.all_reduce(y)
+        assert torch.equal(x, xs[ctx.rank]), "inside the block the all-reduce is only recorded"
+    torch.testing.assert_close(x, _reduced(xs, "sum").float())
+    torch.testing.assert_close(y, _reduced(ys, "sum").float())
+
+
+@check
 def check_all_reduce_avg_composed(ctx: Ctx) -> None:
     before = _composed_count(ctx, "all_reduce:avg")
     xs = ctx.inputs("ar_avg_composed", (6, 2))

@@ -95,6 +95,20 @@ assert done.name == "after" and dict(done.attributes) == {"op": "x"}, done
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
 
 
+def test_a_provider_named_in_the_environment_gets_the_spans():
+    """OpenTelemetry loads the provider OTEL_PYTHON_TRACER_PROVIDER names on first use; the cheap
+    unconfigured check must not skip that load."""
+    script = """
+from torchhal.hal_core import telemetry
+assert telemetry.tracing()
+with telemetry.span("loaded") as span:
+    assert span.is_recording(), span
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHHAL_", "OTEL_"))}
+    env["OTEL_PYTHON_TRACER_PROVIDER"] = "sdk_tracer_provider"
+    subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
+
+
 def test_bad_exporter_is_refused():
     with pytest.raises(ConfigurationError, match=r"exporter must be one of .* got 'zipkin'"):
         telemetry.configure(exporter="zipkin")

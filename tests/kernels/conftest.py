@@ -252,6 +252,12 @@ def assert_within_pytorch_error(
     )
 
 
+@pytest.fixture
+def check_error() -> Callable[..., None]:
+    """assert_within_pytorch_error, for tests that hold whole models to the rule (test_patch)."""
+    return assert_within_pytorch_error
+
+
 def _run_with_grads(
     fn: Callable[..., Any],
     args: tuple[Any, ...],

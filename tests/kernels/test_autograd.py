@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import torchhal
 from torchhal.hal_core import UnsupportedError
 from torchhal.kernels import rms_norm, rope
 from torchhal.kernels.autograd import AutogradSpec, DifferentiableOp
@@ -87,6 +88,32 @@ def test_an_unused_output_gets_a_zero_gradient(fresh_ops, calls):
     dq, _ = rope.reference_backward(dq_out, torch.zeros(2, 1, 5, 8), cos, sin)
     torch.testing.assert_close(q.grad, dq)
     assert torch.count_nonzero(k.grad) == 0 and calls == ["rope", "rope_backward"]
+
+
+def test_saved_statistics_get_no_zero_gradients():
+    """The training forward returns statistics beside its outputs (for linear_cross_entropy, the
+    weight-sized gradient); autograd must not fill a zero tensor for each of them on backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Made(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.zero_fills: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in ("zeros_like", "zeros", "new_zeros") or (name == "fill_" and args[1] == 0):
+                self.zero_fills.append(tuple(out.shape))
+            return out
+
+    hidden = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(40, 16, requires_grad=True)
+    loss = torchhal.ops.linear_cross_entropy(hidden, weight, torch.randint(0, 40, (6,)))
+    with Made() as made:
+        loss.backward()
+    assert weight.grad is not None and hidden.grad is not None
+    assert made.zero_fills == [], made.zero_fills
 
 
 def test_a_table_that_requires_grad_is_refused(fresh_ops):

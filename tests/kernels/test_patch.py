@@ -31,7 +31,6 @@ import torchhal.kernels  # noqa: E402
 from torchhal.hal_core import UnsupportedError, telemetry  # noqa: E402
 from torchhal.kernels import hf_patch as patch_module  # noqa: E402
 from torchhal.kernels import nn as thnn  # noqa: E402
-from torchhal.testing import tolerance  # noqa: E402
 
 BATCH, SEQ, LAYERS = 2, 17, 2
 COMMON = dict(
@@ -74,17 +73,6 @@ def _fallbacks() -> dict[str, int]:
     return {k.removeprefix(prefix): v for k, v in telemetry.counts().items() if k.startswith(prefix)}
 
 
-def within_pytorch_error(what, got, same_precision, truth, factor):
-    """conftest's rule: |got - truth| <= factor * |PyTorch in got's dtype - truth| + tolerance.floor."""
-    truth = truth.double()
-    error = (got.double() - truth).abs().max().item()
-    base = (same_precision.double() - truth).abs().max().item()
-    bound = factor * base + tolerance.floor(truth, got.dtype)
-    assert error <= bound, (
-        f"{what}: error {error:.3g} > {factor} x PyTorch's {base:.3g} + floor = {bound:.3g}"
-    )
-
-
 def exact_causal_lm_loss(
     logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None, **_
 ):
@@ -122,18 +110,18 @@ def _logits(model, ids):
         return model(input_ids=ids).logits
 
 
-def _loss_and_gradients_match(got, same, truth):
+def _loss_and_gradients_match(check_error, got, same, truth):
     (got_out, got_grads), (same_out, same_grads), (truth_out, truth_grads) = got, same, truth
     assert got_out.logits is None and same_out.logits is not None  # the fused loss made no logits
     assert got_out.loss.dtype == same_out.loss.dtype == torch.float32
-    within_pytorch_error("loss", got_out.loss, same_out.loss, truth_out.loss, 2.0)
+    check_error("loss", got_out.loss, same_out.loss, truth_out.loss, 2.0)
     assert got_grads.keys() == same_grads.keys()
     for name, grad in got_grads.items():
-        within_pytorch_error(f"gradient of {name}", grad, same_grads[name], truth_grads[name], 3.0)
+        check_error(f"gradient of {name}", grad, same_grads[name], truth_grads[name], 3.0)
 
 
 @pytest.mark.parametrize(("family", "hal"), [*((f, "on_plain") for f in FAMILIES), ("qwen2", "on_triton")])
-def test_logits_and_gradients_match_the_unpatched_model(request, family, hal):
+def test_logits_and_gradients_match_the_unpatched_model(request, check_error, family, hal):
     """Loss (fused, with ignored labels), gradients and, without labels, logits. Qwen2 on Triton: qkv
     bias, a full and a sliding-window layer, every kernel forward and backward."""
     calls = request.getfixturevalue(hal)
@@ -146,9 +134,9 @@ def test_logits_and_gradients_match_the_unpatched_model(request, family, hal):
 
     truth_run, same_run = _run(truth, ids, labels), _run(model, ids, labels)
     assert calls == []  # the unpatched model runs no torchhal op
-    _loss_and_gradients_match(_run(patched, ids, labels), same_run, truth_run)
+    _loss_and_gradients_match(check_error, _run(patched, ids, labels), same_run, truth_run)
     if hal == "on_plain":  # without labels: logits, as before (the Triton case's kernels ran above)
-        within_pytorch_error("logits", _logits(patched, ids), _logits(model, ids), _logits(truth, ids), 2.0)
+        check_error("logits", _logits(patched, ids), _logits(model, ids), _logits(truth, ids), 2.0)
     ran = {op for op, _ in calls}
     assert TRAINING_OPS | {op.removesuffix("_forward") + "_backward" for op in TRAINING_OPS} <= ran
     if hal == "on_triton":
@@ -181,7 +169,7 @@ def make_causal_lm(family: str, lm_head: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize(("family", "lm_head"), [("llama", "bias"), ("qwen2", "tied"), ("mistral", "plain")])
-def test_the_fused_loss_over_num_items_in_batch_matches(on_plain, family, lm_head):
+def test_the_fused_loss_over_num_items_in_batch_matches(on_plain, check_error, family, lm_head):
     """Random labels (not the inputs) with ignored tokens, the summed loss over num_items_in_batch as
     Trainer passes it under gradient accumulation (here: this micro-batch is a third of the tokens)."""
     model = make_causal_lm(family, lm_head)
@@ -191,7 +179,7 @@ def test_the_fused_loss_over_num_items_in_batch_matches(on_plain, family, lm_hea
     labels = with_ignored(torch.randint(0, 128, (BATCH, SEQ)))
     items = torch.tensor(3 * int((labels[:, 1:] != -100).sum()))
     _loss_and_gradients_match(
-        *(_run(m, ids, labels, num_items_in_batch=items) for m in (patched, model, truth))
+        check_error, *(_run(m, ids, labels, num_items_in_batch=items) for m in (patched, model, truth))
     )
     assert {"linear_cross_entropy_forward", "linear_cross_entropy_backward"} <= {op for op, _ in on_plain}
 

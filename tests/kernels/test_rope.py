@@ -48,6 +48,21 @@ def test_transposed_projections_and_distinct_halves(ops, check_op):
     _check(ops, check_op, q, k, cos[0, 0], sin[0, 0])
 
 
+@pytest.mark.parametrize("path", ["triton", "reference", "compiled"])
+def test_outputs_keep_the_projections_memory_layout(ops, plain_ops, path):
+    """Projections viewed (batch, heads, seq, dim) come back laid out as they went in (what eager's
+    element-wise rope gives), values as the reference's; a contiguous q stays contiguous."""
+    q = torch.randn(2, 9, 4, 32).transpose(1, 2)
+    k = torch.randn(2, 2, 9, 32)
+    cos, sin = _tables(2, 9, 32)
+    fn = {"triton": ops.rope, "reference": plain_ops.rope, "compiled": torch.compile(plain_ops.rope)}[path]
+    got_q, got_k = fn(q, k, cos, sin)
+    want_q, want_k = rope.reference(q.double(), k.double(), cos.double(), sin.double())
+    assert got_q.stride() == q.stride() and got_k.stride() == k.stride(), (got_q.stride(), got_k.stride())
+    torch.testing.assert_close(got_q, want_q.float())
+    torch.testing.assert_close(got_k, want_k.float())
+
+
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     batch=st.integers(1, 2),

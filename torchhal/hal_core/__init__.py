@@ -39,6 +39,7 @@ from torchhal.hal_core.errors import (
 )
 from torchhal.hal_core.hookspecs import hookimpl
 from torchhal.hal_core.kernels import Candidate, KernelRegistry, RejectionReason, Selection, Unsupported
+from torchhal.hal_core.live import LiveProbe, record_probe
 from torchhal.hal_core.recorded import RecordedProbe
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "KernelRegistry",
     "Link",
     "LinkType",
+    "LiveProbe",
     "MeasuredProfile",
     "MemoryInfo",
     "NoDeviceMatchesError",
@@ -81,5 +83,6 @@ __all__ = [
     "UnsupportedError",
     "VendorAdapter",
     "hookimpl",
+    "record_probe",
     "telemetry",
 ]

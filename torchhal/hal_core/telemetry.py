@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from collections import Counter
@@ -47,6 +48,7 @@ class _State:
         self.log_format = "console"
         self.log_stream: Any = None  # None: sys.stderr at the time of writing
         self.env_applied = False
+        self.provider_in_env = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ  # a provider to load
 
 
 _state = _State()
@@ -128,6 +130,7 @@ def _apply_environment() -> None:
     from torchhal.hal_core.settings import Settings
 
     settings = Settings.from_env()
+    _state.provider_in_env = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
     configure(exporter=settings.otel_exporter, log_format=settings.log_format, log_level=settings.log_level)
 
 
@@ -144,6 +147,9 @@ def metric_reader() -> InMemoryMetricReader:
     return _state.metric_reader
 
 
+_UNREADABLE = object()  # an OpenTelemetry without that module global: its getter is always asked
+
+
 def _tracer() -> trace.Tracer | None:
     """torchhal's own tracer once configured, else the application's global one; None while
     neither exists, so a span then costs a branch, not OpenTelemetry's no-op machinery (which
@@ -151,6 +157,12 @@ def _tracer() -> trace.Tracer | None:
     _apply_environment()
     if _state.tracer is not None:
         return _state.tracer
+    # get_tracer_provider() looks os.environ up on every call until a provider is set (~1 µs, a
+    # tenth of a small collective); the global it returns is read here, the getter asked only
+    # once one exists, or while the environment names one for it to load.
+    provider = getattr(trace, "_TRACER_PROVIDER", _UNREADABLE)
+    if provider is None and not _state.provider_in_env:
+        return None
     provider = trace.get_tracer_provider()
     if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
         return None

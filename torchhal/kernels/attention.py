@@ -32,7 +32,7 @@ from torchhal.hal_core import (
 from torchhal.kernels import triton_attention
 from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
-from torchhal.kernels.triton_rows import compute_dtype, require_floating, unbound
+from torchhal.kernels.triton_rows import compute_dtype, require_floating
 
 
 class AttentionSignature(NamedTuple):
@@ -56,26 +56,30 @@ def _check(
     scale: float | None,
     window: Sequence[int] | None,
 ) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        require_tensor(op, name, t)
-        require_rank(op, name, t, 4)
-    require_floating(op, "q", q)
-    require_same(op, "dtypes", q=q.dtype, k=k.dtype, v=v.dtype)
-    require_same(op, "devices", q=q.device, k=k.device, v=v.device)
+    check_qkv(op, q, k, v, scale, rank=4)
     require_same(op, "batch sizes", q=q.shape[0], k=k.shape[0], v=v.shape[0])
-    require_same(op, "key and value heads", k=k.shape[1], v=v.shape[1])
     require_same(op, "key and value lengths", k=k.shape[2], v=v.shape[2])
-    require_same(op, "query and key head dims", q=q.shape[3], k=k.shape[3])
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise InvalidArgumentError(
-            f"{op}: heads_q must be a multiple of heads_kv, got {q.shape[1]} and {k.shape[1]}"
-        )
-    check_scale(op, scale)
     if window is not None and (len(window) != 2 or min(window) < 0):
         raise InvalidArgumentError(f"{op}: window must be (left, right) with both >= 0, got {window}")
 
 
-def check_scale(op: str, scale: float | None) -> None:
+def check_qkv(
+    op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, *, rank: int
+) -> None:
+    """The checks attention and attention_varlen share: both layouts hold heads on dim 1 and the
+    head dim last; each checks its own batch and token axes after."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        require_tensor(op, name, t)
+        require_rank(op, name, t, rank)
+    require_floating(op, "q", q)
+    require_same(op, "dtypes", q=q.dtype, k=k.dtype, v=v.dtype)
+    require_same(op, "devices", q=q.device, k=k.device, v=v.device)
+    require_same(op, "key and value heads", k=k.shape[1], v=v.shape[1])
+    require_same(op, "query and key head dims", q=q.shape[-1], k=k.shape[-1])
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise InvalidArgumentError(
+            f"{op}: heads_q must be a multiple of heads_kv, got {q.shape[1]} and {k.shape[1]}"
+        )
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise InvalidArgumentError(f"{op}: scale must be a finite number, got {scale!r}")
 
@@ -335,24 +339,15 @@ def register(registry: KernelRegistry) -> None:
         "attention", reference, signature=signature, doc="softmax(q k^T * scale) v, SDPA layout"
     )
     registry.register("attention", "sdpa", sdpa, provider=PROVIDER, supports=sdpa_supports, priority=10)
-    registry.register(
-        "attention", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports, priority=20,
-        bind=triton_attention.bind_attention,
-    )  # fmt: skip
+    triton_attention.register(registry, "attention", triton_attention.bind_attention)
     registry.define_op(
         "attention_forward", reference_forward, signature=forward_signature, doc="(out, lse) of attention"
     )
-    registry.register(
-        "attention_forward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
-        priority=20, bind=triton_attention.bind_forward,
-    )  # fmt: skip
+    triton_attention.register(registry, "attention_forward", triton_attention.bind_forward)
     registry.define_op(
         "attention_backward",
         reference_backward,
         signature=backward_signature,
         doc="(dq, dk, dv) of attention",
     )
-    registry.register(
-        "attention_backward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
-        priority=20, bind=triton_attention.bind_backward,
-    )  # fmt: skip
+    triton_attention.register(registry, "attention_backward", triton_attention.bind_backward)

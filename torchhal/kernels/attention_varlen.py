@@ -22,9 +22,8 @@ import torch
 from torchhal.hal_core import InvalidArgumentError, KernelRegistry
 from torchhal.kernels import attention as dense
 from torchhal.kernels import triton_attention
-from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
+from torchhal.kernels._checks import require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
-from torchhal.kernels.triton_rows import require_floating, unbound
 
 
 class VarlenSignature(NamedTuple):
@@ -48,20 +47,8 @@ def _check(
     max_seqlen_k: int,
     scale: float | None,
 ) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        require_tensor(op, name, t)
-        require_rank(op, name, t, 3)
-    require_floating(op, "q", q)
-    require_same(op, "dtypes", q=q.dtype, k=k.dtype, v=v.dtype)
-    require_same(op, "devices", q=q.device, k=k.device, v=v.device)
-    require_same(op, "key and value heads", k=k.shape[1], v=v.shape[1])
+    dense.check_qkv(op, q, k, v, scale, rank=3)
     require_same(op, "key and value token counts", k=k.shape[0], v=v.shape[0])
-    require_same(op, "query and key head dims", q=q.shape[2], k=k.shape[2])
-    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
-        raise InvalidArgumentError(
-            f"{op}: heads_q must be a multiple of heads_kv, got {q.shape[1]} and {k.shape[1]}"
-        )
-    dense.check_scale(op, scale)
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         require_tensor(op, name, cu)
         require_rank(op, name, cu, 1)
@@ -287,23 +274,14 @@ def register(registry: KernelRegistry) -> None:
         doc="attention over packed variable-length sequences",
         memoize=False,  # the signature validates cu_seqlens' contents
     )
-    registry.register(
-        "attention_varlen", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
-        priority=20, bind=triton_attention.bind_varlen,
-    )  # fmt: skip
+    triton_attention.register(registry, "attention_varlen", triton_attention.bind_varlen)
     registry.define_op(
         "attention_varlen_forward", reference_forward, signature=forward_signature,
         doc="(out, lse) of attention_varlen", memoize=False,
     )  # fmt: skip
-    registry.register(
-        "attention_varlen_forward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
-        priority=20, bind=triton_attention.bind_varlen_forward,
-    )  # fmt: skip
+    triton_attention.register(registry, "attention_varlen_forward", triton_attention.bind_varlen_forward)
     registry.define_op(
         "attention_varlen_backward", reference_backward, signature=backward_signature,
         doc="(dq, dk, dv) of attention_varlen", memoize=False,
     )  # fmt: skip
-    registry.register(
-        "attention_varlen_backward", "triton", unbound, provider=PROVIDER, supports=triton_attention.supports,
-        priority=20, bind=triton_attention.bind_varlen_backward,
-    )  # fmt: skip
+    triton_attention.register(registry, "attention_varlen_backward", triton_attention.bind_varlen_backward)

@@ -14,8 +14,9 @@ backward) into one public function with three paths:
 Contract for the registry ops of a spec: `forward` returns the op's outputs followed by any
 statistics the backward needs (`outputs` says how many are outputs); `backward` takes the
 output gradients followed by `spec.context(inputs, forward results)` and returns one gradient
-per input listed in `differentiable`. Every output is a fresh contiguous tensor (custom ops
-may not alias their inputs, and the fake implementations promise contiguous strides).
+per input listed in `differentiable`. Every output is a fresh tensor (custom ops may not alias
+their inputs) with the strides its fake implementation gives: contiguous, or for rope its
+input's layout.
 Double backward is not supported: the backward ops are not themselves differentiable.
 """
 
@@ -135,11 +136,20 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
         results = _as_tuple(op._dispatch(spec.forward, *args))
         op._save(ctx, args, results)
         ctx.mark_non_differentiable(*results[spec.outputs :])
+        # Autograd would hand backward a zero tensor for every result without a gradient, the
+        # saved statistics included (for linear_cross_entropy, a weight-sized one); only the op's
+        # own outputs get zeros, and only when one of them has no gradient.
+        ctx.set_materialize_grads(False)
+        ctx.torchhal_outputs = [(r.shape, r.dtype, r.device) for r in results[: spec.outputs]]
         return results
 
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         context = op._restore(ctx)
-        return op._input_grads(ctx, op._dispatch(spec.backward, *grads[: spec.outputs], *context))
+        outputs = [
+            torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+            for g, (shape, dtype, device) in zip(grads, ctx.torchhal_outputs, strict=False)
+        ]
+        return op._input_grads(ctx, op._dispatch(spec.backward, *outputs, *context))
 
     # made with type() so autograd names the backward node after the op (e.g. rms_norm_functionBackward)
     methods = {

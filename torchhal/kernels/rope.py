@@ -7,7 +7,8 @@ Computed in fp32 (fp64 when an input is fp64), rounded once to q's dtype. cos/si
 another floating dtype than q (e.g. fp32 tables with bf16 activations).
 `rope_backward(dq_out, dk_out, cos, sin) -> (dq, dk)` applies the transposed rotation; cos and
 sin get no gradient (they are position tables). The Triton candidate addresses every tensor
-through its strides, so it takes any layout.
+through its strides, so it takes any layout; outputs keep their input's memory layout
+(`output_like`).
 """
 
 from __future__ import annotations
@@ -85,6 +86,19 @@ def backward_signature(
     return _check("rope_backward", ("dq_out", "dk_out"), dq_out, dk_out, cos, sin)
 
 
+def output_like(x: torch.Tensor) -> torch.Tensor:
+    """A fresh tensor laid out in memory as x is, when x's last dim has unit stride, else contiguous.
+
+    Projections viewed (batch, heads, seq, dim) stay (batch, seq, heads, dim) in memory, as eager's
+    element-wise ops keep them, so a kernel stores each position's heads as contiguously as it
+    loads them (a contiguous output scatters them a (seq x dim) stride apart). The kernels, the
+    references and the fake implementations all lay outputs out through this one function."""
+    out = torch.empty_like(x)
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    return out
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -105,7 +119,7 @@ def reference(
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x32 = x.to(ct)
-        return (x32 * c + _rotate_half(x32) * s).to(x.dtype).contiguous()
+        return output_like(x).copy_(x32 * c + _rotate_half(x32) * s)
 
     return rotate(q), rotate(k)
 
@@ -118,7 +132,7 @@ def reference_backward(
 
     def unrotate(g: torch.Tensor) -> torch.Tensor:
         g32 = g.to(ct)
-        return (g32 * c - _rotate_half(g32 * s)).to(g.dtype).contiguous()
+        return output_like(g).copy_(g32 * c - _rotate_half(g32 * s))
 
     return unrotate(dq_out), unrotate(dk_out)
 
@@ -145,13 +159,13 @@ def _triton_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tens
 def _fake(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return q.new_empty(q.shape), k.new_empty(k.shape)
+    return output_like(q), output_like(k)
 
 
 def _backward_fake(
     dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return dq_out.new_empty(dq_out.shape), dk_out.new_empty(dk_out.shape)
+    return output_like(dq_out), output_like(dk_out)
 
 
 def _context(inputs: Sequence[Any], results: Sequence[torch.Tensor]) -> tuple[Any, ...]:

@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from torchhal.hal_core import DeviceCapabilities, RejectionReason, Unsupported
+from torchhal.hal_core import DeviceCapabilities, KernelRegistry, RejectionReason, Unsupported
+from torchhal.kernels._checks import PROVIDER
 from torchhal.kernels.triton_attention_config import LaunchConfigs, launch_configs
-from torchhal.kernels.triton_rows import triton_unsupported
+from torchhal.kernels.triton_rows import triton_unsupported, unbound
 
 if TYPE_CHECKING:
     from torchhal.kernels.triton_attention_kernels import Problem
@@ -53,6 +54,14 @@ def supports(caps: DeviceCapabilities, sig: Shapes) -> Unsupported | None:
     return None
 
 
+def register(
+    registry: KernelRegistry, op: str, bind: Callable[[DeviceCapabilities], Callable[..., Any]]
+) -> None:
+    """`bind`'s kernel as `op`'s Triton candidate: every dense and packed attention op shares this
+    predicate and priority (above SDPA's)."""
+    registry.register(op, "triton", unbound, provider=PROVIDER, supports=supports, priority=20, bind=bind)
+
+
 class _Configs:
     """Launch configurations of one device, made once per (padded head dim, element size)."""
 
@@ -71,8 +80,13 @@ class _Configs:
 
 
 def _dense(
-    q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float | None, window: Sequence[int] | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Sequence[int] | None = None,
 ) -> Problem:
+    """attention's problem from q, k and its arguments after v."""
     from torchhal.kernels.triton_attention_kernels import make_problem
 
     band = None if window is None else (int(window[0]), int(window[1]))
@@ -88,9 +102,10 @@ def _packed(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
-    causal: bool,
-    scale: float | None,
+    causal: bool = False,
+    scale: float | None = None,
 ) -> Problem:
+    """attention_varlen's problem from q, k and its arguments after v."""
     from torchhal.kernels.triton_attention_kernels import make_problem
 
     return make_problem(
@@ -99,112 +114,79 @@ def _packed(
     )  # fmt: skip
 
 
-def bind_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """attention_forward: (out, lse) for dense (batch, heads, seq, dim) tensors."""
+def _bind_forward(
+    caps: DeviceCapabilities, problem: Callable[..., Problem]
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """An op's forward, (q, k, v, *its other arguments) -> (out, lse): one launch for the dense and
+    packed layouts, which differ only in the problem `problem` makes of those arguments."""
     from torchhal.kernels import triton_attention_kernels as kernels
 
     configs = _Configs(caps)
 
-    def attention_forward(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool = False,
-        scale: float | None = None,
-        window: Sequence[int] | None = None,
+    def forward(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels.forward(q, k, v, _dense(q, k, causal, scale, window), configs.of(q))
+        return kernels.forward(q, k, v, problem(q, k, *args, **kwargs), configs.of(q))
 
-    return attention_forward
-
-
-def bind_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
-    """attention (no gradient): the forward's output alone."""
-    forward = bind_forward(caps)
-
-    def attention(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return forward(*args, **kwargs)[0]
-
-    return attention
+    return forward
 
 
-def bind_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """attention_backward: (dq, dk, dv) from the output gradient and the forward's out and lse."""
+def _bind_backward(
+    caps: DeviceCapabilities, problem: Callable[..., Problem]
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """An op's backward, (grad_out, q, k, v, out, lse, *its other arguments) -> (dq, dk, dv), as
+    `_bind_forward` launches the forward."""
     from torchhal.kernels import triton_attention_kernels as kernels
 
     configs = _Configs(caps)
 
-    def attention_backward(
+    def backward(
         grad_out: torch.Tensor,
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
-        causal: bool = False,
-        scale: float | None = None,
-        window: Sequence[int] | None = None,
+        *args: Any,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        problem = _dense(q, k, causal, scale, window)
-        return kernels.backward(grad_out, q, k, v, out, lse, problem, configs.of(q))
+        return kernels.backward(grad_out, q, k, v, out, lse, problem(q, k, *args, **kwargs), configs.of(q))
 
-    return attention_backward
+    return backward
+
+
+def _output_only(forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., torch.Tensor]:
+    def op(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return forward(*args, **kwargs)[0]
+
+    return op
+
+
+def bind_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """attention_forward: (out, lse) for dense (batch, heads, seq, dim) tensors."""
+    return _bind_forward(caps, _dense)
+
+
+def bind_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
+    """attention (no gradient): the forward's output alone."""
+    return _output_only(bind_forward(caps))
+
+
+def bind_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """attention_backward: (dq, dk, dv) from the output gradient and the forward's out and lse."""
+    return _bind_backward(caps, _dense)
 
 
 def bind_varlen_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """attention_varlen_forward: (out, lse) for packed (tokens, heads, dim) tensors."""
-    from torchhal.kernels import triton_attention_kernels as kernels
-
-    configs = _Configs(caps)
-
-    def attention_varlen_forward(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        causal: bool = False,
-        scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        problem = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
-        return kernels.forward(q, k, v, problem, configs.of(q))
-
-    return attention_varlen_forward
+    return _bind_forward(caps, _packed)
 
 
 def bind_varlen(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
-    forward = bind_varlen_forward(caps)
-
-    def attention_varlen(*args: Any, **kwargs: Any) -> torch.Tensor:
-        return forward(*args, **kwargs)[0]
-
-    return attention_varlen
+    return _output_only(bind_varlen_forward(caps))
 
 
 def bind_varlen_backward(
     caps: DeviceCapabilities,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    from torchhal.kernels import triton_attention_kernels as kernels
-
-    configs = _Configs(caps)
-
-    def attention_varlen_backward(
-        grad_out: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        cu_seqlens_q: torch.Tensor,
-        cu_seqlens_k: torch.Tensor,
-        max_seqlen_q: int,
-        max_seqlen_k: int,
-        causal: bool = False,
-        scale: float | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        problem = _packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
-        return kernels.backward(grad_out, q, k, v, out, lse, problem, configs.of(q))
-
-    return attention_varlen_backward
+    return _bind_backward(caps, _packed)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchhal.kernels.rope import output_like
 from torchhal.kernels.triton_rows import RowLaunch, next_power_of_2
 
 TILE_ELEMENTS = 8192  # heads x half-dim elements per half per step
@@ -119,8 +120,7 @@ def rope(
     """Rotate q and k (or, with `backward`, their output gradients) by the angles in cos/sin."""
     batch, n_qh, seq, dim = q.shape
     n_kh = k.shape[1]
-    qo = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    ko = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    qo, ko = output_like(q), output_like(k)  # unit stride along dim, as the stores assume
     if batch * seq * dim == 0:
         return qo, ko
     cos4, sin4 = cos.expand(batch, 1, seq, dim), sin.expand(batch, 1, seq, dim)

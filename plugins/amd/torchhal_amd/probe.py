@@ -2,9 +2,9 @@
 
 Every method returns plain data named and measured as the source reports it (torch's
 `get_device_properties` field names, amdsmi's dictionaries and units), so the adapter's
-translation can be tested on recorded facts. This module imports neither torchhal nor (at
-import time) torch or amdsmi: `python -m torchhal_amd.probe` records a machine's facts as
-a JSON fixture on a host that has nothing but torch installed.
+translation can be tested on recorded facts. The torch.cuda readings are hal_core's LiveProbe;
+this module imports neither torch nor amdsmi at import time: `python -m torchhal_amd.probe`
+records a machine's facts as a JSON fixture on a host with torch and torchhal-amd installed.
 """
 
 from __future__ import annotations
@@ -16,22 +16,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from torchhal.hal_core import LiveProbe, record_probe
+
 AMDSMI_EXTRA = "pip install 'torchhal-amd[amdsmi]' (amdsmi must match the installed ROCm)"
 WGP_MODE_ENV = "GPU_ENABLE_WGP_MODE"  # HIP's switch between WGP and CU mode on RDNA
-
-
-def torch_properties(props: object) -> dict[str, Any]:
-    """A torch device-properties object as a JSON-able dict, under torch's own field names."""
-    out: dict[str, Any] = {}
-    for key in dir(props):
-        if key.startswith("_"):
-            continue
-        value = getattr(props, key)
-        if isinstance(value, (bool, int, float, str)):
-            out[key] = value
-        elif key == "uuid":
-            out[key] = str(value)
-    return out
 
 
 def pci_address(props: dict[str, Any]) -> str | None:
@@ -42,14 +30,16 @@ def pci_address(props: dict[str, Any]) -> str | None:
         return None
 
 
-class RocmProbe:
+class RocmProbe(LiveProbe):
     """Live facts from torch.cuda on a ROCm build of torch, and from amdsmi (optional)."""
+
+    DEVICE_MODULE = "cuda"  # ROCm builds of torch answer through torch.cuda
 
     def __init__(self) -> None:
         self._smi: Any = None
         self._smi_status: dict[str, Any] | None = None
 
-    # -- torch: cheap build facts first, device facts after `available()` -------------------
+    # -- torch: how it was built and its libraries (device facts: LiveProbe) ----------------
     def runtime(self) -> dict[str, Any]:
         """How torch was built, and HIP's WGP-mode setting; reads no device."""
         import torch
@@ -61,53 +51,12 @@ class RocmProbe:
             WGP_MODE_ENV: os.environ.get(WGP_MODE_ENV),
         }
 
-    def available(self) -> bool:
-        import torch
-
-        return bool(torch.cuda.is_available())
-
     def libraries(self) -> dict[str, Any]:
         """MIOpen's version (torch reports it through its cudnn API on ROCm), whether Triton is installed."""
         import torch
 
         miopen = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
         return {"miopen": miopen, "triton": importlib.util.find_spec("triton") is not None}
-
-    def device_count(self) -> int:
-        import torch
-
-        return int(torch.cuda.device_count())
-
-    def properties(self, index: int) -> dict[str, Any]:
-        import torch
-
-        return torch_properties(torch.cuda.get_device_properties(index))
-
-    def can_access_peer(self, index: int, peer: int) -> bool:
-        import torch
-
-        return bool(torch.cuda.can_device_access_peer(index, peer))
-
-    def memory(self, index: int) -> dict[str, int]:
-        """Device-wide free and total bytes, and this process's live allocations (not the allocator cache)."""
-        import torch
-
-        free, total = torch.cuda.mem_get_info(index)
-        return {"free": int(free), "total": int(total), "allocated": int(torch.cuda.memory_allocated(index))}
-
-    # -- actions on the device (not facts; a recorded probe refuses them) -------------------
-    def synchronize(self, index: int) -> None:
-        import torch
-
-        torch.cuda.synchronize(index)
-
-    def record_event(self, index: int) -> Any:
-        """A timing event recorded on the device's current stream (a HIP event)."""
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(index))
-        return event
 
     # -- amdsmi -----------------------------------------------------------------------------
     def amdsmi(self) -> dict[str, Any]:
@@ -223,26 +172,16 @@ def _link_type_name(smi: Any, value: Any) -> str | None:
 
 def record(probe: Any, source: str) -> dict[str, Any]:
     """Every fact `probe` reports, in the shape `RecordedRocmProbe` replays."""
-    facts: dict[str, Any] = {"source": source, "runtime": probe.runtime(), "available": probe.available()}
-    if not facts["available"]:
-        return facts
-    count = probe.device_count()
-    facts["libraries"] = probe.libraries()
-    facts["amdsmi"] = probe.amdsmi()
-    facts["devices"] = [
-        {
-            "properties": probe.properties(i),
-            "memory": probe.memory(i),
-            "amdsmi": probe.amdsmi_device(i),
-            "amdsmi_health": probe.amdsmi_health(i),
-            "amdsmi_links": probe.amdsmi_links(i),
-        }
-        for i in range(count)
-    ]
-    facts["peer_access"] = [
-        [i, j] for i in range(count) for j in range(count) if i != j and probe.can_access_peer(i, j)
-    ]
-    return facts
+    return record_probe(
+        probe,
+        source,
+        system={"amdsmi": probe.amdsmi},
+        device={
+            "amdsmi": probe.amdsmi_device,
+            "amdsmi_health": probe.amdsmi_health,
+            "amdsmi_links": probe.amdsmi_links,
+        },
+    )
 
 
 if __name__ == "__main__":  # python -m torchhal_amd.probe "where this recording was made"

@@ -2,9 +2,9 @@
 
 Every method returns plain data named and measured as the source reports it (torch's
 `get_device_properties` field names, NVML's units), so the adapter's translation can be
-tested on recorded facts. This module imports neither torchhal nor (at import time) torch or
-NVML: `python -m torchhal_nvidia.probe` records a machine's facts as a JSON fixture on a GPU
-host that has nothing but torch installed.
+tested on recorded facts. The torch.cuda readings are hal_core's LiveProbe; this module imports
+neither torch nor NVML at import time: `python -m torchhal_nvidia.probe` records a machine's
+facts as a JSON fixture on a GPU host with torch and torchhal-nvidia installed.
 """
 
 from __future__ import annotations
@@ -15,45 +15,30 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from torchhal.hal_core import LiveProbe, record_probe
+
 NVML_EXTRA = "pip install 'torchhal-nvidia[nvml]'"
 SMI_TIMEOUT_S = 5.0
 # nvmlNvLinkDeviceType values (nvml.h): what sits at the far end of an NVLink.
 NVLINK_REMOTE = {0: "gpu", 1: "ibmnpu", 2: "switch"}
 
 
-def torch_properties(props: object) -> dict[str, Any]:
-    """A torch device-properties object as a JSON-able dict, under torch's own field names."""
-    out: dict[str, Any] = {}
-    for key in dir(props):
-        if key.startswith("_"):
-            continue
-        value = getattr(props, key)
-        if isinstance(value, (bool, int, float, str)):
-            out[key] = value
-        elif key == "uuid":  # a _CUuuid object; str() gives the canonical 8-4-4-4-12 form
-            out[key] = str(value)
-    return out
-
-
-class CudaProbe:
+class CudaProbe(LiveProbe):
     """Live facts from torch.cuda, NVML (optional, imported on first use) and nvidia-smi."""
+
+    DEVICE_MODULE = "cuda"
 
     def __init__(self) -> None:
         self._nvml: Any = None
         self._nvml_status: dict[str, Any] | None = None
         self._static: dict[int, dict[str, Any] | None] = {}  # nvml_device answers; they do not change
 
-    # -- torch: cheap build facts first, device facts after `available()` -------------------
+    # -- torch: how it was built and its libraries (device facts: LiveProbe) ----------------
     def runtime(self) -> dict[str, Any]:
         """How torch was built; reads no device."""
         import torch
 
         return {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip}
-
-    def available(self) -> bool:
-        import torch
-
-        return bool(torch.cuda.is_available())
 
     def libraries(self) -> dict[str, Any]:
         """Kernel libraries this process could use: cuDNN's version, whether Triton is installed,
@@ -66,42 +51,6 @@ class CudaProbe:
             "triton": importlib.util.find_spec("triton") is not None,
             "flash_attention": bool(torch.backends.cuda.is_flash_attention_available()),
         }
-
-    def device_count(self) -> int:
-        import torch
-
-        return int(torch.cuda.device_count())
-
-    def properties(self, index: int) -> dict[str, Any]:
-        import torch
-
-        return torch_properties(torch.cuda.get_device_properties(index))
-
-    def can_access_peer(self, index: int, peer: int) -> bool:
-        import torch
-
-        return bool(torch.cuda.can_device_access_peer(index, peer))
-
-    def memory(self, index: int) -> dict[str, int]:
-        """Device-wide free and total bytes, and this process's live allocations (not the allocator cache)."""
-        import torch
-
-        free, total = torch.cuda.mem_get_info(index)
-        return {"free": int(free), "total": int(total), "allocated": int(torch.cuda.memory_allocated(index))}
-
-    # -- actions on the device (not facts; a recorded probe refuses them) -------------------
-    def synchronize(self, index: int) -> None:
-        import torch
-
-        torch.cuda.synchronize(index)
-
-    def record_event(self, index: int) -> Any:
-        """A timing event recorded on the device's current stream."""
-        import torch
-
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(torch.cuda.current_stream(index))
-        return event
 
     # -- NVML -------------------------------------------------------------------------------
     def nvml(self) -> dict[str, Any]:
@@ -247,25 +196,14 @@ def _run(argv: list[str]) -> str:
 
 def record(probe: Any, source: str) -> dict[str, Any]:
     """Every fact `probe` reports, in the shape `RecordedCudaProbe` replays."""
-    facts: dict[str, Any] = {"source": source, "runtime": probe.runtime(), "available": probe.available()}
-    if not facts["available"]:
-        return facts
-    count = probe.device_count()
-    facts["libraries"] = probe.libraries()
-    facts["nvml"] = probe.nvml()
-    facts["devices"] = [
-        {
-            "properties": probe.properties(i),
-            "memory": probe.memory(i),
-            "nvml": probe.nvml_device(i),
-            "nvml_health": probe.nvml_health(i),
-        }
-        for i in range(count)
-    ]
-    facts["peer_access"] = [
-        [i, j] for i in range(count) for j in range(count) if i != j and probe.can_access_peer(i, j)
-    ]
-    facts["nvidia_smi"] = probe.nvidia_smi_topology()
+    facts = record_probe(
+        probe,
+        source,
+        system={"nvml": probe.nvml},
+        device={"nvml": probe.nvml_device, "nvml_health": probe.nvml_health},
+    )
+    if facts["available"]:
+        facts["nvidia_smi"] = probe.nvidia_smi_topology()
     return facts
 
 

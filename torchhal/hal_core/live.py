@@ -1,0 +1,94 @@
+"""LiveProbe: the base of the vendor probes that read a torch device module (torch.cuda, ...).
+
+The live counterpart of RecordedProbe: the readings every such runtime answers the same way
+(count, properties, peer access, memory) and the actions a replay refuses (synchronize, timing
+events) live here once, as does `record_probe`, which writes the JSON a RecordedProbe replays.
+Subclasses name `DEVICE_MODULE` and add their build facts, libraries and management-library
+readers. Torch is imported on first use, never when this module is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
+
+
+def torch_properties(props: object) -> dict[str, Any]:
+    """A torch device-properties object as a JSON-able dict, under torch's own field names."""
+    out: dict[str, Any] = {}
+    for key in dir(props):
+        if key.startswith("_"):
+            continue
+        value = getattr(props, key)
+        if isinstance(value, (bool, int, float, str)):
+            out[key] = value
+        elif key == "uuid":  # a _CUuuid object; str() gives the canonical 8-4-4-4-12 form
+            out[key] = str(value)
+    return out
+
+
+class LiveProbe:
+    DEVICE_MODULE: ClassVar[str]  # the torch attribute this vendor's runtime answers through
+
+    def _torch_device(self) -> Any:
+        import torch
+
+        return getattr(torch, self.DEVICE_MODULE)
+
+    def available(self) -> bool:
+        return bool(self._torch_device().is_available())
+
+    def device_count(self) -> int:
+        return int(self._torch_device().device_count())
+
+    def properties(self, index: int) -> dict[str, Any]:
+        return torch_properties(self._torch_device().get_device_properties(index))
+
+    def can_access_peer(self, index: int, peer: int) -> bool:
+        return bool(self._torch_device().can_device_access_peer(index, peer))
+
+    def memory(self, index: int) -> dict[str, int]:
+        """Device-wide free and total bytes, and this process's live allocations (not the allocator cache)."""
+        module = self._torch_device()
+        free, total = module.mem_get_info(index)
+        return {"free": int(free), "total": int(total), "allocated": int(module.memory_allocated(index))}
+
+    # -- actions on the device (not facts; a recorded probe refuses them) -------------------
+    def synchronize(self, index: int) -> None:
+        self._torch_device().synchronize(index)
+
+    def record_event(self, index: int) -> Any:
+        """A timing event recorded on the device's current stream."""
+        module = self._torch_device()
+        event = module.Event(enable_timing=True)
+        event.record(module.current_stream(index))
+        return event
+
+
+def record_probe(
+    probe: Any,
+    source: str,
+    *,
+    system: Mapping[str, Callable[[], Any]] | None = None,
+    device: Mapping[str, Callable[[int], Any]] | None = None,
+) -> dict[str, Any]:
+    """Every fact `probe` reports, in the shape RecordedProbe replays; `system` and `device` add
+    a vendor's own readers under their keys (e.g. its management library's)."""
+    facts: dict[str, Any] = {"source": source, "runtime": probe.runtime(), "available": probe.available()}
+    if not facts["available"]:
+        return facts
+    count = probe.device_count()
+    facts["libraries"] = probe.libraries()
+    facts.update({key: read() for key, read in (system or {}).items()})
+    facts["devices"] = [
+        {
+            "properties": probe.properties(i),
+            "memory": probe.memory(i),
+            **{key: read(i) for key, read in (device or {}).items()},
+        }
+        for i in range(count)
+    ]
+    facts["peer_access"] = [
+        [i, j] for i in range(count) for j in range(count) if i != j and probe.can_access_peer(i, j)
+    ]
+    return facts
