@@ -1,11 +1,10 @@
 """Warps per program of the norm and rope kernels at large rows, against Liger-Kernel, bf16, on a GPU.
 
-The row kernels take their warps from `RowLaunch.warps` (two 16-byte vectors per thread per row
-tensor: 32 warps at hidden 16384 in bf16); Liger launches 16 there. This times torchhal's
-rms_norm and layer_norm kernels, forward and backward, with the warps forced to 4, 8, 16 and 32
-beside RowLaunch's own choice and Liger's functional ops (rope too, whose tile is heads x half
-the head dim), in one run (do_bench medians, L2
-flushed), so the launch rule can be set from measurements.
+The row kernels take their warps from `RowLaunch` (forward, backward and RoPE rules set from
+this sweep's first run). This times torchhal's rms_norm and layer_norm kernels, forward and
+backward, with the warps forced to 4, 8, 16 and 32 beside RowLaunch's own rule and Liger's
+functional ops (rope too, whose tile is heads x half the head dim), in one run (do_bench
+medians, L2 flushed), so the launch rules rest on measurements.
 
     python3 benchmarks/sweep_row_warps.py [--out sweep.json]
 """
@@ -25,7 +24,7 @@ import triton.testing
 from gpu_capabilities import device_capabilities
 
 from torchhal.kernels import triton_norms, triton_rope
-from torchhal.kernels.triton_rows import RowLaunch, next_power_of_2
+from torchhal.kernels.triton_rows import RowLaunch
 
 SHAPES = [(32768, 4096), (8192, 16384), (16384, 8192)]
 WARPS = (4, 8, 16, 32)
@@ -37,7 +36,7 @@ class ForcedWarps(RowLaunch):
 
     forced: int = 0
 
-    def warps(self, block: int, element_bytes: int) -> int:
+    def warps(self, block: int, element_bytes: int, *_: int, **__: int) -> int:
         return self.forced
 
 
@@ -114,8 +113,8 @@ def main() -> None:
             row: dict[str, Any] = {
                 "case": name,
                 "shape": f"{rows}x{hidden}",
-                "default_warps": base.warps(next_power_of_2(hidden), 2),
                 "liger_ms": liger_ms,
+                "default_ms": ms(lambda ours=ours: ours(base)),
             }
             for warps in WARPS:
                 launch = ForcedWarps(**vars(base), forced=warps)
@@ -131,11 +130,11 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
-    print("time / Liger's time, by warps per program (dflt: RowLaunch's choice)")
-    print(f"{'case':16s} {'shape':11s} dflt " + " ".join(f"{'w' + str(w):>7s}" for w in WARPS))
+    print("time / Liger's time, by warps per program (dflt: RowLaunch's own rule)")
+    print(f"{'case':16s} {'shape':11s}    dflt " + " ".join(f"{'w' + str(w):>7s}" for w in WARPS))
     for r in rows_out:
         times = " ".join(f"{r[f'w{w}_ms'] / r['liger_ms']:7.3f}" for w in WARPS)
-        print(f"{r['case']:16s} {r['shape']:11s} {r['default_warps']:4d} {times}")
+        print(f"{r['case']:16s} {r['shape']:11s} {r['default_ms'] / r['liger_ms']:7.3f} {times}")
     sys.stdout.flush()
 
 

@@ -415,7 +415,8 @@ def test_chunk_plan_from_declared_peaks():
         == lce.DEFAULT_MIN_CHUNK_ROWS
     )
     plan = lce.ChunkPlan.from_caps(caps(h100))
-    assert plan.chunk_rows(8192, 2048, 128256) == 2048  # 4 balanced chunks of at least 1792 rows
+    assert plan.chunk_rows(8192, 2048, 128256) == 1664  # 8192 / 1792 = 4.6: 5 chunks, nearest 1792
+    assert plan.chunk_rows(16384, 2048, 128256) == 1920  # 9.1: 9 chunks
     assert plan.chunk_rows(65536, 8192, 32000) == 16384  # logits about hidden's size: 4 chunks
     assert plan.chunk_rows(1000, 2048, 128256) == 1000  # one chunk
     assert plan.chunk_rows(0, 2048, 128256) == 1
@@ -434,6 +435,26 @@ def test_mixed_precision_accumulation_falls_back_where_torch_has_no_fp32_output(
     want = acc + a.float() @ b.float()
     triton_cross_entropy._accumulate(acc, a, b)
     torch.testing.assert_close(acc, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("split", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("vocab", [1, 2, 37, 203])
+def test_weight_gradient_is_rounded_in_its_own_memory_when_split(dtype, vocab, split):
+    """The fp32 accumulator rounds to the weight's dtype exactly as .to() does; split, for 2-byte
+    dtypes into the first slab's memory, so no second weight-sized buffer is allocated."""
+    from torchhal.kernels import triton_cross_entropy
+
+    acc = triton_cross_entropy._SplitAccumulator(vocab, 24, dtype, torch.device("cpu"), split=split)
+    a, b = torch.randn(vocab, 9), torch.randn(9, 24)
+    acc.add(a, b)
+    want = (a @ b).to(dtype)
+    first = acc.slabs[0]
+    got = acc.rounded()
+    assert got.dtype == dtype and got.shape == (vocab, 24) and got.is_contiguous()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # fp32: the accumulator is the gradient; 2-byte dtypes reuse its memory only when split
+    assert (got.data_ptr() == first.data_ptr()) == (split or dtype == torch.float32)
 
 
 def test_reference_autograd_path_agrees_with_torch(plain_fused):

@@ -112,15 +112,17 @@ class ChunkPlan:
 
     def chunk_rows(self, tokens: int, hidden: int, vocab: int) -> int:
         """Rows per chunk: as many chunks as keep a chunk's logits within hidden's size (tokens *
-        hidden elements) when that allows `min_rows` rows, else as few as give every chunk at least
-        `min_rows`; the tokens then spread evenly over them (rounded up to CHUNK_ALIGN rows)."""
+        hidden elements) when that allows `min_rows` rows, else the count whose chunks come nearest
+        `min_rows` rows (the peak memory is the fp32 weight-gradient accumulator plus one chunk's
+        logits, so a chunk well past `min_rows` costs memory and buys little speed); the tokens
+        then spread evenly over them (rounded up to CHUNK_ALIGN rows)."""
         if tokens <= 0:
             return 1
         budget = tokens * hidden // max(vocab, 1)
         if budget >= self.min_rows:
             chunks = -(-tokens // budget)
         else:
-            chunks = max(1, tokens // max(self.min_rows, 1))
+            chunks = max(1, int(tokens / max(self.min_rows, 1) + 0.5))
         rows = -(-tokens // chunks)
         if rows > CHUNK_ALIGN:
             rows = CHUNK_ALIGN * -(-rows // CHUNK_ALIGN)

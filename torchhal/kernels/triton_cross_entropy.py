@@ -15,10 +15,15 @@ Then grad_hidden_chunk = grad_logits @ weight (written straight into its rows of
 grad_weight += grad_logits.T @ hidden_chunk and grad_bias += column sums of grad_logits. The
 weight and bias gradients accumulate in fp32, one matmul per chunk with an fp32 output, and are
 rounded once at the end (accumulating in bf16 instead, a rounding per chunk, gives 3.6x eager's
-error at 9 chunks against fp64, beyond the 3x rule; splitting the fp32 accumulator into slabs
-that round one at a time lowers the peak by VH bytes but slowed the weight-gradient matmul by
-28% at 1280 rows on an H100). The count of tokens not ignored stays on the device (no host sync
-anywhere).
+error at 9 chunks against fp64, beyond the 3x rule; many accumulator slabs slowed the
+weight-gradient matmul by 28% at 1280 rows on an H100). With few tokens per hidden unit
+(`SPLIT_TOKENS_PER_HIDDEN`) the fp32 weight gradient is held as two slabs, the vocabulary's
+halves, so its bf16/fp16 rounding can be written into the first slab's own memory
+(`_SplitAccumulator`): the rounded copy (V * H elements) never coexists with the fp32 one. It
+would otherwise set the peak, and at a quarter of the full logits (T * V) or more it would take
+the peak past a quarter of eager's. Two half matmuls cost 12-28% more than one at 1664-2048 rows
+on an H100 (`benchmarks/sweep_lce_accumulator.py`), so larger batches keep one accumulator. The
+count of tokens not ignored stays on the device (no host sync anywhere).
 
 The row kernel's block and warps come from `RowLaunch.elementwise` (SIMD width, element size).
 """
@@ -110,6 +115,60 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc[start : start + step].add_(torch.mm(a[start : start + step], b))
 
 
+ROUNDING_SLICES = 16  # in-place rounding goes a slab's 1/16 at a time; the first slice via a copy
+SPLIT_TOKENS_PER_HIDDEN = 4  # at most this many tokens per hidden unit: the weight gradient splits
+
+
+class _SplitAccumulator:
+    """The fp32 weight gradient (V, W) as two slabs of vocabulary rows. Rounded to a 2-byte dtype,
+    each slab's values fit in the first half of its own memory, and the second slab's then fit in
+    the first slab's second half, so the rounded gradient is the first slab's memory, reused."""
+
+    def __init__(
+        self, vocab: int, width: int, dtype: torch.dtype, device: torch.device, *, split: bool = True
+    ) -> None:
+        self.dtype = dtype
+        acc_dtype = torch.promote_types(dtype, torch.float32)
+        self.in_place = split and acc_dtype.itemsize == 2 * dtype.itemsize
+        split = (vocab + 1) // 2 if self.in_place else vocab
+        self.slabs = tuple(
+            torch.zeros((rows, width), dtype=acc_dtype, device=device) for rows in (split, vocab - split)
+        )
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """+= a @ b for a (V, rows), b (rows, W)."""
+        for slab, part in zip(self.slabs, a.split(self.slabs[0].shape[0]), strict=False):
+            _accumulate(slab, part, b)
+
+    def rounded(self) -> torch.Tensor:
+        first, second = self.slabs
+        if not self.in_place:
+            return first.to(self.dtype)
+        width = first.shape[1]
+        memory = first.view(-1).view(self.dtype)
+        _round_into(first, memory)
+        if second.numel():
+            second_rounded = second.view(-1).view(self.dtype)
+            _round_into(second, second_rounded)
+            memory[first.numel() : first.numel() + second.numel()].copy_(second_rounded[: second.numel()])
+        self.slabs = ()
+        return memory[: (first.shape[0] + second.shape[0]) * width].view(-1, width)
+
+
+def _round_into(slab: torch.Tensor, memory: torch.Tensor) -> None:
+    """Write `slab`'s rows, rounded, to the front of `memory` (a view of slab's own storage in the
+    2-byte dtype). Rows [s, e) land on the bytes of fp32 rows [s/2, e/2): for every slice but the
+    first those rows were already read, so the copy never reads what it overwrote."""
+    rows, width = slab.shape
+    step = -(-rows // ROUNDING_SLICES)
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        values = slab[start:end]
+        if start == 0:
+            values = values.to(memory.dtype)  # overlaps its own target: round into a temporary first
+        memory[start * width : end * width].view(end - start, width).copy_(values)
+
+
 def _flat(
     hidden: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -128,26 +187,49 @@ def _chunked(
     scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None]:
     """Per-token fp32 losses of hidden (N, H), target (N,), and with `scale` (one fp32 element, or
-    N: one per token) the gradients of sum(scale * loss): (grad_hidden, fp32 grad_weight, fp32
-    grad_bias or None)."""
+    N: one per token) the gradients of sum(scale * loss): (grad_hidden, grad_weight in weight's
+    dtype, fp32 grad_bias or None)."""
     tokens, width = hidden.shape
     vocab = weight.shape[0]
     device = hidden.device
     losses = torch.empty(tokens, dtype=torch.float32, device=device)
-    grads = None
-    if scale is not None:
-        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-        grads = (
-            torch.empty((tokens, width), dtype=hidden.dtype, device=device),
-            torch.zeros((vocab, width), dtype=acc_dtype, device=device),
-            torch.zeros(vocab, dtype=acc_dtype, device=device) if bias is not None else None,
-        )
+    if scale is None:
+        _losses_and_gradients(plan, hidden, weight, target, bias, ignore_index, label_smoothing, losses)
+        return losses, None
+    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+    grad_hidden = torch.empty((tokens, width), dtype=hidden.dtype, device=device)
+    split = tokens <= SPLIT_TOKENS_PER_HIDDEN * width
+    grad_weight = _SplitAccumulator(vocab, width, weight.dtype, device, split=split)
+    grad_bias = torch.zeros(vocab, dtype=acc_dtype, device=device) if bias is not None else None
+    _losses_and_gradients(
+        plan, hidden, weight, target, bias, ignore_index, label_smoothing, losses,
+        (scale, grad_hidden, grad_weight, grad_bias),
+    )  # fmt: skip
+    return losses, (grad_hidden, grad_weight.rounded(), grad_bias)
+
+
+def _losses_and_gradients(
+    plan: ChunkPlan,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    losses: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, _SplitAccumulator, torch.Tensor | None] | None = None,
+) -> None:
+    """The chunk loop: losses into `losses`; with grads = (scale, grad_hidden, grad_weight,
+    grad_bias), the gradients too."""
+    tokens, _ = hidden.shape
+    vocab = weight.shape[0]
+    device = hidden.device
     if tokens == 0:
-        return losses, grads
-    rows = plan.chunk_rows(tokens, width, vocab)
+        return
+    rows = plan.chunk_rows(tokens, hidden.shape[1], vocab)
     logits = torch.empty((rows, vocab), dtype=hidden.dtype, device=device)
     block, warps = plan.launch.elementwise(vocab, logits.element_size())
-    unit = torch.ones(1, dtype=torch.float32, device=device)
+    scale = torch.ones(1, dtype=torch.float32, device=device) if grads is None else grads[0]
     for start in range(0, tokens, rows):
         end = min(start + rows, tokens)
         h = hidden[start:end]
@@ -156,24 +238,18 @@ def _chunked(
             torch.mm(h, weight.t(), out=chunk)
         else:
             torch.addmm(bias, h, weight.t(), out=chunk)
-        if scale is None:
-            row_scale, scale_stride = unit, 0
-        elif scale.numel() == 1:
-            row_scale, scale_stride = scale, 0
-        else:
-            row_scale, scale_stride = scale[start:end], 1
+        row_scale, scale_stride = (scale, 0) if scale.numel() == 1 else (scale[start:end], 1)
         _cross_entropy_rows[(end - start,)](
             chunk, chunk.stride(0), target[start:end], losses[start:end], row_scale, scale_stride,
             vocab, ignore_index, float(label_smoothing),
             WRITE_GRAD=grads is not None, BLOCK=block, num_warps=warps,
         )  # fmt: skip
         if grads is not None:
-            grad_hidden, grad_weight, grad_bias = grads
+            _, grad_hidden, grad_weight, grad_bias = grads
             torch.mm(chunk, weight, out=grad_hidden[start:end])
-            _accumulate(grad_weight, chunk.t(), h)
+            grad_weight.add(chunk.t(), h)
             if grad_bias is not None:
                 grad_bias += chunk.sum(0, dtype=grad_bias.dtype)
-    return losses, grads
 
 
 def _reduce(
@@ -214,7 +290,6 @@ def linear_cross_entropy(
 def _rounded(
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
     hidden: torch.Tensor,
-    weight: torch.Tensor,
     bias: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     grad_hidden, grad_weight, grad_bias = grads
@@ -222,7 +297,7 @@ def _rounded(
         rounded_bias = hidden.new_empty(0)
     else:
         rounded_bias = grad_bias.to(bias.dtype)
-    return grad_hidden.reshape(hidden.shape), grad_weight.to(weight.dtype), rounded_bias
+    return grad_hidden.reshape(hidden.shape), grad_weight, rounded_bias
 
 
 def linear_cross_entropy_forward(
@@ -248,7 +323,7 @@ def linear_cross_entropy_forward(
     losses, grads = _chunked(plan, h, weight, t, b, ignore_index, label_smoothing, scale)
     assert grads is not None
     loss = _reduce(losses, target, n_valid, reduction, hidden.dtype)
-    return (loss, *_rounded(grads, hidden, weight, b))
+    return (loss, *_rounded(grads, hidden, b))
 
 
 def linear_cross_entropy_backward(
@@ -274,4 +349,4 @@ def linear_cross_entropy_backward(
     scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
     _, grads = _chunked(plan, h, weight, t, b, ignore_index, label_smoothing, scale)
     assert grads is not None
-    return _rounded(grads, hidden, weight, b)
+    return _rounded(grads, hidden, b)

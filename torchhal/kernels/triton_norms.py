@@ -3,8 +3,10 @@
 Forward: one program per row, a block covering the row, statistics and the affine transform in
 fp32, one rounding to the output dtype. Backward: `RowLaunch.backward_programs` programs, each
 walking a contiguous run of rows; it recomputes the row statistics from x (the row is in
-registers anyway, so nothing is saved by the forward), writes dx, and accumulates its partial
-weight (and bias) gradient in fp32 registers; the partials are summed across programs after.
+registers anyway, so nothing is saved by the forward), taking the sums that do not depend on
+each other in one round (each round is a cross-warp reduction, a barrier), writes dx, and
+accumulates its partial weight (and bias) gradient in fp32 registers; the partials are summed
+across programs after.
 """
 
 from __future__ import annotations
@@ -44,10 +46,12 @@ def _rms_norm_bwd(
         dy = tl.load(DY + r * dy_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
         x = x.to(tl.float32)
         dy = dy.to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-        xhat = x * rstd
         g = dy * w
-        dx = (g - xhat * (tl.sum(g * xhat, axis=0) / n_cols)) * rstd
+        # both sums in one round: mean(g * xhat) = rstd * mean(g * x)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
+        mean_gx = tl.sum(g * x, axis=0) / n_cols
+        xhat = x * rstd
+        dx = (g - xhat * (rstd * mean_gx)) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
         row += 1
@@ -88,12 +92,13 @@ def _layer_norm_bwd(
         dy = dy.to(tl.float32)
         mean = tl.sum(x, axis=0) / n_cols
         diff = tl.where(mask, x - mean, 0.0)
-        rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
-        xhat = diff * rstd
         g = dy * w
+        # three sums in one round after the mean: mean(g * xhat) = rstd * mean(g * diff)
+        rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
         mean_g = tl.sum(g, axis=0) / n_cols
-        mean_gx = tl.sum(g * xhat, axis=0) / n_cols
-        dx = (g - mean_g - xhat * mean_gx) * rstd
+        mean_gd = tl.sum(g * diff, axis=0) / n_cols
+        xhat = diff * rstd
+        dx = (g - mean_g - xhat * (rstd * mean_gd)) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
         db += dy
@@ -122,8 +127,9 @@ def rms_norm_forward(
         return y
     block = next_power_of_2(cols)
     _rms_norm_fwd[(rows,)](
-        x, weight, y, row_stride(x), cols, eps, BLOCK=block, num_warps=launch.warps(block, x.element_size())
-    )
+        x, weight, y, row_stride(x), cols, eps,
+        BLOCK=block, num_warps=launch.forward_warps(block, x.element_size()),
+    )  # fmt: skip
     return y
 
 
@@ -135,7 +141,7 @@ def rms_norm_backward(
     if rows == 0:
         return dx, torch.zeros_like(weight)
     block = next_power_of_2(cols)
-    warps = launch.warps(block, x.element_size())
+    warps = launch.backward_warps(block, x.element_size())
     programs, per_program = _backward_grid(launch, rows, warps)
     partial = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd[(programs,)](
@@ -155,7 +161,7 @@ def layer_norm_forward(
     block = next_power_of_2(cols)
     _layer_norm_fwd[(rows,)](
         x, weight, bias, y, row_stride(x), cols, eps,
-        BLOCK=block, num_warps=launch.warps(block, x.element_size()),
+        BLOCK=block, num_warps=launch.forward_warps(block, x.element_size()),
     )  # fmt: skip
     return y
 
@@ -168,7 +174,7 @@ def layer_norm_backward(
     if rows == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
     block = next_power_of_2(cols)
-    warps = launch.warps(block, x.element_size())
+    warps = launch.backward_warps(block, x.element_size())
     programs, per_program = _backward_grid(launch, rows, warps)
     dw = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     db = torch.empty_like(dw)

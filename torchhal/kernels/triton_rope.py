@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from torchhal.kernels.rope import output_like
-from torchhal.kernels.triton_rows import RowLaunch, next_power_of_2
+from torchhal.kernels.triton_rows import ROPE_THREADS, RowLaunch, next_power_of_2
 
 TILE_ELEMENTS = 8192  # heads x half-dim elements per half per step
 
@@ -135,7 +135,7 @@ def rope(
         cos4.stride(0), cos4.stride(2), cos4.stride(3), sin4.stride(0), sin4.stride(2), sin4.stride(3),
         seq, n_qh, n_kh, half,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_D=block_d, BACKWARD=backward,
-        num_warps=launch.warps(2 * block_hq * block_d, q.element_size()),
+        num_warps=launch.warps(2 * block_hq * block_d, q.element_size(), most_threads=ROPE_THREADS),
     )  # fmt: skip
     return qo, ko
 

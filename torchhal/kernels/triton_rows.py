@@ -20,6 +20,13 @@ TRITON_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 MAX_THREADS_PER_PROGRAM = 1024  # the block-size limit of CUDA, HIP and SYCL alike
 VECTOR_BYTES = 16  # widest global load of one thread
 VECTORS_PER_THREAD = 2  # row elements each thread holds per tensor: two 16-byte vectors
+# Measured on an H100 (benchmarks/sweep_row_warps.py, docs/benchmarks.md): a norm's forward is
+# fastest with four vectors per thread (fewer warps in each cross-warp reduction); a backward,
+# which keeps fp32 weight-gradient partials in registers too, with two but no more than 512
+# threads; RoPE, element-wise with no reduction, with 128 threads whatever its tile.
+FORWARD_VECTORS_PER_THREAD = 4
+MAX_BACKWARD_THREADS = 512
+ROPE_THREADS = 128
 RESIDENT_THREADS_PER_UNIT = 1024  # backward programs per compute unit aim at this many threads
 MIN_ROWS_PER_PROGRAM = 8  # below this, a backward program's partial weight gradient costs more than it saves
 MAX_BLOCK = 32768  # one row per program: beyond this, registers spill
@@ -101,11 +108,24 @@ class RowLaunch:
     def from_caps(cls, caps: DeviceCapabilities) -> RowLaunch:
         return cls(caps.simd_width, caps.compute_units)
 
-    def warps(self, block: int, element_bytes: int) -> int:
-        """Warps so each thread holds VECTORS_PER_THREAD 16-byte vectors of a row of `block` elements."""
-        threads = block * element_bytes // (VECTOR_BYTES * VECTORS_PER_THREAD)
-        most = max(1, MAX_THREADS_PER_PROGRAM // self.simd_width)
+    def warps(
+        self,
+        block: int,
+        element_bytes: int,
+        vectors: int = VECTORS_PER_THREAD,
+        most_threads: int = MAX_THREADS_PER_PROGRAM,
+    ) -> int:
+        """Warps so each thread holds `vectors` 16-byte vectors of a row of `block` elements, with
+        at most `most_threads` threads per program."""
+        threads = block * element_bytes // (VECTOR_BYTES * vectors)
+        most = max(1, most_threads // self.simd_width)
         return min(most, next_power_of_2(max(1, threads // self.simd_width)))
+
+    def forward_warps(self, block: int, element_bytes: int) -> int:
+        return self.warps(block, element_bytes, FORWARD_VECTORS_PER_THREAD)
+
+    def backward_warps(self, block: int, element_bytes: int) -> int:
+        return self.warps(block, element_bytes, most_threads=MAX_BACKWARD_THREADS)
 
     def elementwise(self, cols: int, element_bytes: int) -> tuple[int, int]:
         """(block, warps) of an element-wise kernel tiling rows of `cols` elements."""
