@@ -39,6 +39,16 @@ def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, batch,
     _check(ops, check_op, q, k, *_tables(batch, seq, dim))
 
 
+def test_heads_split_over_several_tiles(ops, check_op, monkeypatch):
+    """More heads than one tile holds: q's 7 heads in tiles of 2, k's 3 in tiles of 2 (its last
+    tiles empty), one program per (position, tile)."""
+    from torchhal.kernels import triton_rope
+
+    monkeypatch.setattr(triton_rope, "TILE_ELEMENTS", 2 * 16)
+    q, k = torch.randn(2, 7, 5, 32), torch.randn(2, 3, 5, 32)
+    _check(ops, check_op, q, k, *_tables(2, 5, 32))
+
+
 def test_transposed_projections_and_distinct_halves(ops, check_op):
     """q and k as (batch, seq, heads, dim) projections viewed as (batch, heads, seq, dim); cos/sin
     whose halves differ, shared across the batch as a (seq, dim) table in fp32 with fp32 q."""

@@ -1,10 +1,12 @@
 """Triton kernel for rope, forward and backward; imported only when a candidate binds.
 
-One program per (batch, position): it loads that position's cos and sin rows once (both
-halves, so cos/sin need not repeat their halves) and rotates every head of q and then of k,
-BLOCK_HQ (BLOCK_HK) heads at a time. Every tensor is addressed through its strides (a unit stride is
-specialised by Triton into vector loads), so q and k may be any view, e.g. (batch, seq, heads,
-dim) projections transposed to (batch, heads, seq, dim), and cos/sin broadcast with stride 0.
+One program per (batch, position, head tile): it loads that position's cos and sin rows (both
+halves, so cos/sin need not repeat their halves) and rotates its tile of BLOCK_HQ heads of q and
+BLOCK_HK heads of k. A tile holds every head unless heads x half the head dim passes
+TILE_ELEMENTS; there is no loop over tiles, so q's and k's loads are issued together. Every
+tensor is addressed through its strides (a unit stride is specialised by Triton into vector
+loads), so q and k may be any view, e.g. (batch, seq, heads, dim) projections transposed to
+(batch, heads, seq, dim), and cos/sin broadcast with stride 0.
 The backward is the transposed rotation: the same kernel with sin's halves swapped and negated.
 """
 
@@ -17,7 +19,7 @@ import triton.language as tl
 from torchhal.kernels.rope import output_like
 from torchhal.kernels.triton_rows import ROPE_THREADS, RowLaunch, next_power_of_2
 
-TILE_ELEMENTS = 8192  # heads x half-dim elements per half per step
+TILE_ELEMENTS = 8192  # heads x half-dim elements per half per program
 
 
 @triton.jit
@@ -27,17 +29,14 @@ def _rotate_heads(
 ):  # fmt: skip
     d = tl.arange(0, BLOCK_D)
     dmask = d < half
-    h0 = 0
-    while h0 < n_heads:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
-        h = (h0 + tl.arange(0, BLOCK_H)).to(tl.int64)
-        mask = (h < n_heads)[:, None] & dmask[None, :]
-        src = X + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :] * x_sd
-        x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + half * x_sd, mask=mask, other=0.0).to(tl.float32)
-        dst = OUT + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
-        tl.store(dst, (x1 * c1[None, :] - x2 * s1[None, :]).to(OUT.dtype.element_ty), mask=mask)
-        tl.store(dst + half, (x2 * c2[None, :] + x1 * s2[None, :]).to(OUT.dtype.element_ty), mask=mask)
-        h0 += BLOCK_H
+    h = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)).to(tl.int64)  # this program's head tile
+    mask = (h < n_heads)[:, None] & dmask[None, :]
+    src = X + b * x_sb + s * x_ss + h[:, None] * x_sh + d[None, :] * x_sd
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + half * x_sd, mask=mask, other=0.0).to(tl.float32)
+    dst = OUT + b * o_sb + s * o_ss + h[:, None] * o_sh + d[None, :]
+    tl.store(dst, (x1 * c1[None, :] - x2 * s1[None, :]).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(dst + half, (x2 * c2[None, :] + x1 * s2[None, :]).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -127,7 +126,8 @@ def rope(
     half = dim // 2
     block_d = next_power_of_2(half)
     block_hq, block_hk = (min(next_power_of_2(h), max(1, TILE_ELEMENTS // block_d)) for h in (n_qh, n_kh))
-    _rope[(batch * seq,)](
+    head_tiles = max(triton.cdiv(n_qh, block_hq), triton.cdiv(n_kh, block_hk))
+    _rope[(batch * seq, head_tiles)](
         q, k, cos4, sin4, qo, ko,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),
         k.stride(0), k.stride(1), k.stride(2), k.stride(3),
