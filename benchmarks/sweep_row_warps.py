@@ -72,6 +72,8 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[[RowLaunch], Any],
     )
     ql, kl = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
     rope_out = lf.liger_rope(ql * 1, kl * 1, cos.squeeze(1), sin.squeeze(1))[:2]
+    # Liger's backwards may overwrite their output gradients: cloned once, as bench_norms does
+    dql, dkl, dyl = dq.clone(), dk.clone(), dy.clone()
     return {
         "rope fwd": (
             lambda launch: triton_rope.rope(launch, q, k, cos, sin),
@@ -79,7 +81,7 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[[RowLaunch], Any],
         ),
         "rope bwd": (
             lambda launch: triton_rope.rope_backward(launch, dq, dk, cos, sin),
-            lambda: torch.autograd.grad(rope_out, (ql, kl), (dq.clone(), dk.clone()), retain_graph=True),
+            lambda: torch.autograd.grad(rope_out, (ql, kl), (dql, dkl), retain_graph=True),
         ),
         "rms_norm fwd": (
             lambda launch: triton_norms.rms_norm_forward(launch, x, w, 1e-6),
@@ -87,7 +89,7 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[[RowLaunch], Any],
         ),
         "rms_norm bwd": (
             lambda launch: triton_norms.rms_norm_backward(launch, dy, x, w, 1e-6),
-            lambda: torch.autograd.grad(rms_out, (xl, wl), dy.clone(), retain_graph=True),
+            lambda: torch.autograd.grad(rms_out, (xl, wl), dyl, retain_graph=True),
         ),
         "layer_norm fwd": (
             lambda launch: triton_norms.layer_norm_forward(launch, x, w, b, 1e-5),
