@@ -272,6 +272,43 @@ def test_seen_arguments_skip_validation_but_new_layouts_are_validated(hal):
         hal.kernels.call("rms_norm", cpu, torch.randn(6, 31), w)  # new shape, and invalid: refused
 
 
+def test_keyword_calls_are_validated_every_time_and_fall_back(hal):
+    def broken(x, weight, eps=1e-6):
+        raise RuntimeError("kernel launch failed")
+
+    hal.kernels.register("rms_norm", "broken", broken, provider="test", priority=100)
+    cpu = hal.device("cpu")
+    x, w = torch.randn(5, 8), torch.randn(8)
+    torch.testing.assert_close(
+        hal.kernels.call("rms_norm", cpu, x, w, eps=1e-5), rms_norm.reference(x, w, 1e-5)
+    )
+    assert hal.kernels.fallback_counts == {"test/broken": 1}
+    assert hal.kernels._seen["rms_norm"] == {}  # keyword calls leave the memo alone
+    with pytest.raises(InvalidArgumentError):
+        hal.kernels.call("rms_norm", cpu, torch.randn(5, 7), w, eps=1e-5)
+
+
+def test_seen_arguments_are_keyed_by_layout_for_tensor_subclasses_and_by_value_for_scalars(hal):
+    calls = []
+    opdef = hal.kernels.op("rms_norm")
+
+    def counting(*args):
+        calls.append(1)
+        return opdef.signature(*args)
+
+    hal.kernels._ops["rms_norm"] = type(opdef)(opdef.name, opdef.reference, counting, opdef.doc)
+    cpu = hal.device("cpu")
+    x, w = torch.randn(6, 32), torch.nn.Parameter(torch.randn(32), requires_grad=False)
+    hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
+    hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
+    assert len(calls) == 1
+    hal.kernels.call("rms_norm", cpu, x, w, 1e-5)
+    assert len(calls) == 2  # a new scalar: validated again
+    w.resize_(31)  # the same Parameter object, a new shape: validated again, and refused
+    with pytest.raises(InvalidArgumentError):
+        hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
+
+
 def test_ops_whose_signature_reads_contents_validate_every_call(settings):
     hal = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1"))
     calls = []

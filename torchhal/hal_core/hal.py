@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +19,7 @@ from torchhal.hal_core.adapters.cpu import CPUAdapter
 from torchhal.hal_core.capabilities import DeviceRequirements, DType, Topology
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import DeviceNotFoundError, InvalidArgumentError, NoDeviceMatchesError
-from torchhal.hal_core.kernels import KernelRegistry
+from torchhal.hal_core.kernels import KernelRegistry, Locate
 from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
 from torchhal.hal_core.settings import Settings
 from torchhal.hal_core.tuning import Tuner
@@ -36,10 +36,9 @@ _active: contextvars.ContextVar[tuple[HardwareAbstractionLayer, Device] | None] 
 )
 
 
-def active_hal() -> HardwareAbstractionLayer | None:
-    """The HAL of the innermost `hal.use(device)` block, if any: ops dispatch through it."""
-    active = _active.get()
-    return None if active is None else active[0]
+active_use: Callable[[], tuple[HardwareAbstractionLayer, Device] | None] = _active.get
+"""The innermost `hal.use(device)` block's (HAL, device), if any: ops dispatch through that HAL.
+A bound C method rather than a function: every op call asks, and a Python frame costs more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +98,7 @@ class HardwareAbstractionLayer:
         self._state: _Discovered | None = None
         self._lock = threading.Lock()
         self._profiles: dict[str, MeasuredProfile] = {}
+        self._locator: Locate = self._locate  # bound once: `dispatch` hands it on with every call
 
     def _discovered(self) -> _Discovered:
         state = self._state
@@ -173,9 +173,9 @@ class HardwareAbstractionLayer:
         has not seen under the same `use()` override."""
         if self._state is None:
             self._discovered()
-        active = _active.get()
+        active = active_use()
         route = active[1] if active is not None and active[0] is self else None
-        return self._kernels.dispatch(op, route, self._locate, *args)
+        return self._kernels.dispatch(op, route, self._locator, *args)
 
     def _locate(self, op: str, first: Any) -> Device:
         try:

@@ -200,25 +200,35 @@ class KernelRegistry:
         return self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args, kwargs)
 
     def call(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Any:
-        """Run `op` on `device` with the selected candidate, falling back if it raises."""
-        return self.dispatch(op, device, lambda _op, _first: device, *args, **kwargs)
+        """Run `op` on `device` with the selected candidate, falling back if it raises.
+        Keyword calls (not the ops' path) are validated every time."""
+        if not kwargs:
+            return self.dispatch(op, device, lambda _op, _first: device, *args)
+        selection = self.select(op, device, *args, **kwargs)
+        try:
+            return selection.fn(*args, **kwargs)
+        except Exception as exc:
+            return self._fall_back(selection, device, exc, args, kwargs)
 
-    def dispatch(self, op: str, route: Hashable, locate: Locate, *args: Any, **kwargs: Any) -> Any:
+    def dispatch(self, op: str, route: Hashable, locate: Locate, *args: Any) -> Any:
         """`call` for a caller that finds the device from the arguments (what `torchhal.ops` does).
 
         Arguments whose dtypes, shapes, strides, devices and scalars were validated before under the
         same `route` (what else decides the device, e.g. a `use()` override) go straight to their
         selection: no validation and no device lookup. Anything else is validated, and its device
-        found by `locate(op, first_argument)`."""
+        found by `locate(op, first_argument)`. Positional only: a `**kwargs` costs every call."""
         seen = self._seen.get(op)  # None for an unknown op and for an op that is never memoised
         key: tuple[Hashable, ...] | None = None
         hit = None
-        if seen is not None and not kwargs:  # keyword calls (not the ops' path) validate every time
+        if seen is not None:
             tensor = _TENSOR or _tensor_type()
             parts: list[Hashable] = [route]
             for a in args:  # inline, not a helper: every op call runs this loop
                 # what a signature may depend on: each tensor's dtype, shape, strides and device
-                parts.append((a.dtype, a.shape, a.stride(), a.device) if isinstance(a, tensor) else a)
+                if type(a) in _NOT_TENSORS or not isinstance(a, tensor):
+                    parts.append(a)
+                else:
+                    parts.append((a.dtype, a.shape, a.stride(), a.device))
             key = tuple(parts)
             try:
                 hit = seen.get(key)
@@ -227,10 +237,8 @@ class KernelRegistry:
         if hit is None:
             opdef = self._opdef(op)
             device = locate(op, args[0] if args else None)
-            sig = opdef.signature(*args, **kwargs)
-            selection = self._cache[op].get((device.id, sig)) or self._select(
-                op, device, sig, (), args, kwargs
-            )
+            sig = opdef.signature(*args)
+            selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args)
             if key is not None and seen is not None:
                 if len(seen) >= SEEN_LIMIT:
                     seen.clear()  # bounded: many distinct shapes re-validate, never grow memory
@@ -238,11 +246,9 @@ class KernelRegistry:
         else:
             device, selection = hit
         try:
-            return selection.fn(*args, **kwargs)
+            return selection.fn(*args)
         except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
-            if _not_a_kernel_fault(exc):
-                raise
-            return self._fall_back(selection, device, exc, args, kwargs)
+            return self._fall_back(selection, device, exc, args, {})
 
     def clear_cache(self) -> None:
         with self._lock:
@@ -357,6 +363,10 @@ class KernelRegistry:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        """After `selection`'s kernel raised `exc`: demote it and run the next valid candidate.
+        Bad arguments and exhausted memory are raised as they are (see `_not_a_kernel_fault`)."""
+        if _not_a_kernel_fault(exc):
+            raise exc
         op, failures = selection.op, [exc]
         failed = [r for r in selection.rejected if r.reason is RejectionReason.FAILED]
         current = selection
@@ -387,6 +397,9 @@ class KernelRegistry:
                 failures.append(exc)
 
 
+# Argument types that are never tensors, tested before `isinstance(a, torch.Tensor)`: that test
+# is ~4x slower for a non-tensor (torch.Tensor's metaclass) and ops pass scalars on every call.
+_NOT_TENSORS = frozenset({bool, int, float, str, tuple, type(None)})
 _TENSOR: type[torch.Tensor] | None = None  # torch.Tensor, bound on first dispatch (hal_core imports no torch)
 
 

@@ -22,6 +22,7 @@ Double backward is not supported: the backward ops are not themselves differenti
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class DifferentiableOp:
     def __init__(self, spec: AutogradSpec, dispatch: Dispatch, *, namespace: str = "torchhal") -> None:
         self.spec = spec
         self._dispatch = dispatch
+        self._plain = functools.partial(dispatch, spec.op)  # the no-gradient path, bound once
         self._input_names = tuple(inspect.signature(spec.forward_fake).parameters)
         self._forward_op = self._custom_op(namespace, spec.forward, spec.forward_fake)
         self._custom_op(namespace, spec.backward, spec.backward_fake)
@@ -77,7 +79,7 @@ class DifferentiableOp:
         if _is_grad_enabled() and _any_requires_grad(*args):
             self._check_differentiable(args)
             return self._visible(self._function.apply(*args))
-        return self._dispatch(self.spec.op, *args)
+        return self._plain(*args)
 
     def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:
         schema = torch.library.infer_schema(fake, mutates_args=())
