@@ -366,6 +366,32 @@ def test_generate_with_a_kv_cache_decodes_through_the_op(on_plain, family):
     assert torch.equal(got.sequences, expected.sequences)
 
 
+@pytest.mark.parametrize("name", ["past_key_values", "cache"])
+def test_a_patched_attention_fills_the_kv_cache_under_either_name(on_plain, name):
+    """transformers 5.24 passes the KV cache to attention modules as `cache`, no longer `past_key_values`:
+    a forward that read only the old name left the cache empty and attended to the new keys alone (the
+    generate tests diverged from the second token). A Cache under a name it does not know is refused."""
+    model = make_model("llama")
+    patched = copy.deepcopy(model)
+    torchhal.kernels.patch(patched)
+    attention_forward = inspect.signature(type(model.model.layers[0].self_attn).forward)
+    own_name = "cache" if "cache" in attention_forward.parameters else "past_key_values"  # as layers pass it
+    caches = [transformers.DynamicCache(config=model.config) for _ in range(2)]
+    hidden = torch.randn(BATCH, 6, COMMON["hidden_size"])
+    with torch.no_grad():
+        for step in (slice(0, 5), slice(5, 6)):  # prefill, then one decode step against the cache
+            positions = torch.arange(step.start, step.stop)[None]
+            rotary = model.model.rotary_emb(hidden[:, step], positions)
+            expected, _ = model.model.layers[0].self_attn(
+                hidden[:, step], rotary, None, **{own_name: caches[0]}
+            )
+            got, _ = patched.model.layers[0].self_attn(hidden[:, step], rotary, None, **{name: caches[1]})
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert caches[1].get_seq_length() == caches[0].get_seq_length() == 6
+    with pytest.raises(UnsupportedError, match="KV cache"):
+        patched.model.layers[0].self_attn(hidden[:, 5:], rotary, None, kv=caches[1])
+
+
 def test_output_attentions_falls_back_to_eager_weights(on_plain):
     model = make_model("mistral")
     eager, patched = copy.deepcopy(model), copy.deepcopy(model)

@@ -12,7 +12,9 @@ models in the process, patched or not, keep their own behaviour):
   forward calls a module-level `apply_rotary_pos_emb` that cannot be swapped per instance).
   Keeping the instance, rather than replacing it with `nn.Attention`, keeps what transformers
   keys on the class: `output_attentions` capture hooks, `_no_split_modules`, tensor-parallel and
-  PEFT plans by module name.
+  PEFT plans by module name. The forward takes the KV cache as `cache` (transformers >= 5.24, which
+  renamed the argument) or `past_key_values` (before), and refuses a Cache passed under any other
+  name: a cache it did not update would leave attention with only the new keys.
 - The model gets its own copy of its config (models built from one config object share it) and
   its attention implementation is set to "torchhal": an attention function registered with
   transformers' `AttentionInterface` under that name, and a mask function registered with
@@ -48,7 +50,7 @@ take the logits), so neither does the op. Without labels (inference, generate) t
 unchanged. What the op cannot compute exactly falls back to transformers' forward, logged once
 and counted like attention's fallbacks: a loss function other than ForCausalLMLoss (a custom
 `loss_type` or `model.loss_function`), a config with `final_logit_softcapping` (these families'
-forward ignores it in 5.23; a version that applied it would make the fused loss wrong), an
+forward ignores it in 5.23 and 5.24; a version that applied it would make the fused loss wrong), an
 lm_head that is not a plain nn.Linear with plain tensors and no hooks (PEFT, quantised, FSDP2 or
 accelerate hooks), or a class forward replaced after patching.
 
@@ -56,7 +58,8 @@ Left as they are: the rotary embedding module (it makes cos/sin once per forward
 variant transformers knows; their application is what goes through ops.rope), embeddings and
 the lm_head module (its weight is what the fused loss reads). `PatchReport` lists what was
 swapped and what was left, with reasons. `torchhal.kernels.patch` is this module's `patch`.
-Supports transformers >= 4.57 (tested with 4.57, 5.0, 5.17 and 5.23; the loss swap with 4.57.1 and 5.23).
+Supports transformers >= 4.57 (tested with 4.57, 5.0, 5.17, 5.23 and 5.24; the loss swap with 4.57.1,
+5.23 and 5.24).
 """
 
 from __future__ import annotations
@@ -294,13 +297,31 @@ class _AttentionForward:
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
+        *,
+        cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         module = self.module
+        _no_other_cache(module, kwargs)
         return thnn.rotary_attention(
-            module, hidden_states, position_embeddings, attention_mask, past_key_values,
+            module, hidden_states, position_embeddings, attention_mask, thnn.kv_cache(past_key_values, cache),
             attention_fn=_attention_interface(module), sliding_window=self.window(module), **kwargs,
         )  # fmt: skip
+
+
+def _no_other_cache(module: nn.Module, kwargs: dict[str, Any]) -> None:
+    """Refuse a KV cache under a name the patched forward does not know: it would not be updated,
+    and attention would see only the new keys (a wrong answer, not an error). transformers 5.24
+    renamed `past_key_values` `cache`; this catches the next such rename."""
+    from transformers.cache_utils import Cache
+
+    stray = [name for name, value in kwargs.items() if isinstance(value, Cache)]
+    if stray:
+        raise UnsupportedError(
+            f"torchhal.kernels.patch: {type(module).__name__}.forward got a KV cache as {stray}, an argument "
+            "the patched forward does not know (only `cache` and `past_key_values`); this transformers "
+            "version is not supported"
+        )
 
 
 def _attention_interface(module: nn.Module) -> thnn.AttentionFn:
@@ -616,12 +637,14 @@ def _fused_forward(model: Any, named: dict[str, Any]) -> Any:
         ignore_index=named.get("ignore_index", -100),
         shift_labels=named.get("shift_labels"),
     )
+    # the output's cache field, named `cache` from transformers 5.24 on (the old name only warns)
+    cache = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
     output = CausalLMOutputWithPast(
         loss=loss,
         logits=None,
-        past_key_values=outputs.past_key_values,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
+        **{cache: getattr(outputs, cache)},
     )
     return output if return_dict else output.to_tuple()
 

@@ -36,6 +36,7 @@ __all__ = [
     "SwiGLUMLP",
     "apply_rotary",
     "attention_function",
+    "kv_cache",
     "masked_attention",
     "rotary_attention",
 ]
@@ -285,6 +286,17 @@ def attention_function(
     )  # fmt: skip
 
 
+def kv_cache(past_key_values: Any, cache: Any) -> Any:
+    """The KV cache an attention module's forward was given, under either of Hugging Face's names:
+    `past_key_values`, or `cache` from transformers 5.24 on (its modules pass the new name; the old
+    one is still accepted). Both given must be the same object."""
+    if cache is None:
+        return past_key_values
+    if past_key_values is not None and past_key_values is not cache:
+        raise InvalidArgumentError("attention: got both `cache` and `past_key_values`; pass one KV cache")
+    return cache
+
+
 def rotary_attention(
     module: nn.Module,
     hidden_states: torch.Tensor,
@@ -340,8 +352,9 @@ class Attention(nn.Module):
     default `bias`, as Llama's attention_bias); num_heads query heads share num_kv_heads key/value
     heads. `sliding_window` W limits each query to the last W keys, itself included (Mistral's
     meaning). forward takes a Hugging Face attention module's arguments, (hidden_states,
-    position_embeddings, attention_mask, past_key_values, **kwargs) -> (output, weights), so it can
-    stand in for one; attention_mask=None means causal, a mask goes to `masked_attention`.
+    position_embeddings, attention_mask, past_key_values, **kwargs) -> (output, weights), the KV
+    cache also as `cache` (transformers >= 5.24 passes that name), so it can stand in for one;
+    attention_mask=None means causal, a mask goes to `masked_attention`.
     """
 
     def __init__(
@@ -383,10 +396,12 @@ class Attention(nn.Module):
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Any = None,
+        *,
+        cache: Any = None,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return rotary_attention(
-            self, hidden_states, position_embeddings, attention_mask, past_key_values,
+            self, hidden_states, position_embeddings, attention_mask, kv_cache(past_key_values, cache),
             attention_fn=attention_function, sliding_window=self.sliding_window, **kwargs,
         )  # fmt: skip
 
