@@ -261,6 +261,7 @@ def summarize(case: Case) -> list[dict[str, Any]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=110.0, help="skip torch.compile peers after this")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="the ops to time (all)")
     options = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_norms: needs a CUDA device; none is available", file=sys.stderr)
@@ -280,7 +281,7 @@ def main() -> int:
     print(f"device: {caps.name} ({caps.arch}, {caps.compute_units} units); capabilities: {caps_source}")
 
     cases, checks, notes = [], {}, []
-    for op in OPS:
+    for op in options.ops:
         for index, (rows, hidden) in enumerate(SHAPES):
             case = make_case(op, rows, hidden)
             impls = {"torchhal": ours[op], **{name: table[op] for name, table in peers.items()}}
