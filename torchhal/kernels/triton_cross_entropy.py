@@ -120,9 +120,10 @@ SPLIT_TOKENS_PER_HIDDEN = 4  # at most this many tokens per hidden unit: the wei
 
 
 class _SplitAccumulator:
-    """The fp32 weight gradient (V, W) as two slabs of vocabulary rows. Rounded to a 2-byte dtype,
-    each slab's values fit in the first half of its own memory, and the second slab's then fit in
-    the first slab's second half, so the rounded gradient is the first slab's memory, reused."""
+    """The fp32 weight gradient (V, W), split: as two slabs of vocabulary rows. Rounded to a 2-byte
+    dtype, each slab's values fit in the first half of its own memory, and the second slab's then
+    fit in the first slab's second half, so the rounded gradient is the first slab's memory,
+    reused. Not split (or for an fp32/fp64 weight): one slab, rounded by `.to()`."""
 
     def __init__(
         self, vocab: int, width: int, dtype: torch.dtype, device: torch.device, *, split: bool = True
@@ -130,9 +131,10 @@ class _SplitAccumulator:
         self.dtype = dtype
         acc_dtype = torch.promote_types(dtype, torch.float32)
         self.in_place = split and acc_dtype.itemsize == 2 * dtype.itemsize
-        split = (vocab + 1) // 2 if self.in_place else vocab
+        first_rows = (vocab + 1) // 2 if self.in_place else vocab
         self.slabs = tuple(
-            torch.zeros((rows, width), dtype=acc_dtype, device=device) for rows in (split, vocab - split)
+            torch.zeros((rows, width), dtype=acc_dtype, device=device)
+            for rows in (first_rows, vocab - first_rows)
         )
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
