@@ -86,8 +86,9 @@ def cases(hal: torchhal.HardwareAbstractionLayer, device: str) -> dict[str, Case
 
 def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     """Where the no-op dispatch time goes, layer by layer (each against the direct no-op call):
-    the tensor-metadata key alone (its floor: reading dtype, shape, strides and device of each
-    tensor and one dict lookup), the registry's dispatch, the HAL's, and the public op."""
+    the tensor-metadata key alone (its floor: reading type, dtype, shape, strides and device of
+    each tensor, each scalar's type, and one dict lookup), the registry's dispatch, the HAL's,
+    and the public op."""
     x, w = torch.randn(4, 64), torch.randn(64)
     q = torch.randn(1, 2, 8, 16)
     memo: dict[object, object] = {}
@@ -96,7 +97,10 @@ def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     def key_alone(*args: object) -> object:
         return memo.get(
             tuple(
-                (a.dtype, a.shape, a.stride(), a.device) if isinstance(a, torch.Tensor) else a for a in args
+                (type(a), a.dtype, a.shape, a.stride(), a.device)
+                if isinstance(a, torch.Tensor)
+                else (type(a), a)
+                for a in args
             )
         )
 

@@ -304,6 +304,9 @@ def test_seen_arguments_are_keyed_by_layout_for_tensor_subclasses_and_by_value_f
     assert len(calls) == 1
     hal.kernels.call("rms_norm", cpu, x, w, 1e-5)
     assert len(calls) == 2  # a new scalar: validated again
+    hal.kernels.call("rms_norm", cpu, x, w, 1)
+    hal.kernels.call("rms_norm", cpu, x, w, 1.0)
+    assert len(calls) == 4  # equal values of another type (1 == 1.0 == True hash alike): validated
     w.resize_(31)  # the same Parameter object, a new shape: validated again, and refused
     with pytest.raises(InvalidArgumentError):
         hal.kernels.call("rms_norm", cpu, x, w, 1e-6)

@@ -455,6 +455,14 @@ def test_weight_gradient_is_rounded_in_its_own_memory_when_split(dtype, vocab, s
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     # fp32: the accumulator is the gradient; 2-byte dtypes reuse its memory only when split
     assert (got.data_ptr() == first.data_ptr()) == (split or dtype == torch.float32)
+    assert first.shape[0] in (vocab, 8 * -(-first.shape[0] // 8))  # the second slab starts aligned
+
+
+def test_weight_gradient_of_zero_width_rounds_to_an_empty_matrix():
+    from torchhal.kernels import triton_cross_entropy
+
+    acc = triton_cross_entropy._SplitAccumulator(5, 0, torch.bfloat16, torch.device("cpu"))
+    assert acc.rounded().shape == (5, 0)
 
 
 def test_reference_autograd_path_agrees_with_torch(plain_fused):

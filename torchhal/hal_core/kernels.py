@@ -224,11 +224,13 @@ class KernelRegistry:
             tensor = _TENSOR or _tensor_type()
             parts: list[Hashable] = [route]
             for a in args:  # inline, not a helper: every op call runs this loop
-                # what a signature may depend on: each tensor's dtype, shape, strides and device
-                if type(a) in _NOT_TENSORS or not isinstance(a, tensor):
-                    parts.append(a)
+                # what a signature may depend on: each tensor's type, dtype, shape, strides and
+                # device; each scalar's type and value (True == 1 == 1.0 hash alike)
+                kind = type(a)
+                if kind in _NOT_TENSORS or not isinstance(a, tensor):
+                    parts.append((kind, a))
                 else:
-                    parts.append((a.dtype, a.shape, a.stride(), a.device))
+                    parts.append((kind, a.dtype, a.shape, a.stride(), a.device))
             key = tuple(parts)
             try:
                 hit = seen.get(key)

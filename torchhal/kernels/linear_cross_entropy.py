@@ -84,9 +84,9 @@ CHUNK_ALIGN = 128  # chunk rows round up to this (matmul tiles), when a chunk ha
 
 
 def min_chunk_rows(caps: DeviceCapabilities) -> int:
-    """Fewest rows per chunk for which the weight-gradient matmul, not its accumulator, sets the
-    pace, from the device's declared matmul peak and memory bandwidth (DEFAULT_MIN_CHUNK_ROWS
-    when it declares neither)."""
+    """Rows per chunk from which the weight-gradient matmul, not its accumulator, sets the pace,
+    from the device's declared matmul peak and memory bandwidth (DEFAULT_MIN_CHUNK_ROWS when it
+    declares neither); `ChunkPlan.chunk_rows` aims its chunks at it."""
     peaks = caps.declared_peaks
     if peaks is None or not peaks.memory_bandwidth_gbps:
         return DEFAULT_MIN_CHUNK_ROWS
@@ -112,10 +112,11 @@ class ChunkPlan:
 
     def chunk_rows(self, tokens: int, hidden: int, vocab: int) -> int:
         """Rows per chunk: as many chunks as keep a chunk's logits within hidden's size (tokens *
-        hidden elements) when that allows `min_rows` rows, else the count whose chunks come nearest
-        `min_rows` rows (the peak memory is the fp32 weight-gradient accumulator plus one chunk's
-        logits, so a chunk well past `min_rows` costs memory and buys little speed); the tokens
-        then spread evenly over them (rounded up to CHUNK_ALIGN rows)."""
+        hidden elements) when that allows `min_rows` rows, else tokens / `min_rows` chunks rounded
+        to the nearest count, at least one, so a chunk holds 3/4 to 3/2 of `min_rows` rows (all the
+        tokens when fewer): the peak memory is the fp32 weight-gradient accumulator plus one
+        chunk's logits, and a chunk well past `min_rows` costs memory and buys little speed. The
+        tokens then spread evenly over the chunks (rounded up to CHUNK_ALIGN rows)."""
         if tokens <= 0:
             return 1
         budget = tokens * hidden // max(vocab, 1)

@@ -116,6 +116,7 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 ROUNDING_SLICES = 16  # in-place rounding goes a slab's 1/16 at a time; the first slice via a copy
+SLAB_ALIGN_ROWS = 8  # the second slab's matmul operand starts 16-byte aligned in a 2-byte dtype
 SPLIT_TOKENS_PER_HIDDEN = 4  # at most this many tokens per hidden unit: the weight gradient splits
 
 
@@ -131,7 +132,8 @@ class _SplitAccumulator:
         self.dtype = dtype
         acc_dtype = torch.promote_types(dtype, torch.float32)
         self.in_place = split and acc_dtype.itemsize == 2 * dtype.itemsize
-        first_rows = (vocab + 1) // 2 if self.in_place else vocab
+        half = SLAB_ALIGN_ROWS * -(-((vocab + 1) // 2) // SLAB_ALIGN_ROWS)  # >= the second slab's rows
+        first_rows = min(vocab, half) if self.in_place else vocab
         self.slabs = tuple(
             torch.zeros((rows, width), dtype=acc_dtype, device=device)
             for rows in (first_rows, vocab - first_rows)
@@ -154,7 +156,8 @@ class _SplitAccumulator:
             _round_into(second, second_rounded)
             memory[first.numel() : first.numel() + second.numel()].copy_(second_rounded[: second.numel()])
         self.slabs = ()
-        return memory[: (first.shape[0] + second.shape[0]) * width].view(-1, width)
+        vocab = first.shape[0] + second.shape[0]
+        return memory[: vocab * width].view(vocab, width)
 
 
 def _round_into(slab: torch.Tensor, memory: torch.Tensor) -> None:
