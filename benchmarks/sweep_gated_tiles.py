@@ -13,15 +13,13 @@ backward through autograd.grad with its output gradient cloned once), do_bench m
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
-import triton.testing
 from gpu_capabilities import device_capabilities
+from sweep_common import ms, save
 
 from torchhal.kernels import triton_gated
 from torchhal.kernels.triton_rows import RowLaunch
@@ -40,10 +38,6 @@ class ForcedTile(RowLaunch):
 
     def elementwise(self, cols: int, element_bytes: int) -> tuple[int, int]:
         return self.block, self.forced_warps
-
-
-def ms(fn: Callable[[], Any]) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
 def shape_rows(base: RowLaunch, rows: int, hidden: int) -> list[dict[str, Any]]:
@@ -85,15 +79,7 @@ def main() -> None:
     caps, _ = device_capabilities("sweep_gated_tiles")
     base = RowLaunch.from_caps(caps)
     rows_out = [row for rows, hidden in SHAPES for row in shape_rows(base, rows, hidden)]
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "rows": rows_out,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save(args.out, rows_out)
     columns = [f"b{b}w{w}" for b in BLOCKS for w in WARPS]
     print("time / Liger's time: the launch rule (dflt) and forced tiles (b: block elements, w: warps)")
     print(f"{'case':11s} {'shape':11s}   dflt " + " ".join(f"{c:>9s}" for c in columns))

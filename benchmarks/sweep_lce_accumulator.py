@@ -12,12 +12,10 @@ the price of two matmuls of half the rows. This times both at chunk sizes around
 from __future__ import annotations
 
 import argparse
-import json
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
-import triton.testing
+from sweep_common import ms, save
 
 VOCAB, HIDDEN = 128256, 2048
 ROWS = (1280, 1664, 1920, 2048, 2560)
@@ -46,20 +44,10 @@ def main() -> None:
         flop = 2 * rows * VOCAB * HIDDEN
         row: dict[str, Any] = {"rows": rows}
         for name, fn in (("one", one), ("two", two)):
-            ms = float(triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median"))
-            row[f"{name}_ms"], row[f"{name}_tflops"] = ms, flop / ms / 1e9
+            time_ms = ms(fn, rep=100)
+            row[f"{name}_ms"], row[f"{name}_tflops"] = time_ms, flop / time_ms / 1e9
         rows_out.append(row)
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "vocab": VOCAB,
-        "hidden": HIDDEN,
-        "rows": rows_out,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save(args.out, rows_out, vocab=VOCAB, hidden=HIDDEN)
     print(f"weight-gradient accumulation, vocab {VOCAB} x hidden {HIDDEN}, bf16 in, fp32 out")
     print(f"{'rows':>6s} {'one ms':>8s} {'TF/s':>6s} {'two ms':>8s} {'TF/s':>6s} {'two/one':>8s}")
     for r in rows_out:

@@ -12,16 +12,14 @@ medians, L2 flushed), so the launch rules rest on measurements.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from typing import Any
 
 import torch
-import triton.testing
 from gpu_capabilities import device_capabilities
+from sweep_common import ms, save
 
 from torchhal.kernels import triton_norms, triton_rope
 from torchhal.kernels.triton_rows import RowLaunch
@@ -38,10 +36,6 @@ class ForcedWarps(RowLaunch):
 
     def warps(self, block: int, element_bytes: int, *_: int, **__: int) -> int:
         return self.forced
-
-
-def ms(fn: Callable[[], Any]) -> float:
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
 def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[[RowLaunch], Any], Callable[[], Any]]]:
@@ -123,15 +117,7 @@ def main() -> None:
                 row[f"w{warps}_ms"] = ms(lambda ours=ours, launch=launch: ours(launch))
             rows_out.append(row)
         torch.cuda.empty_cache()
-    result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "rows": rows_out,
-    }
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    save(args.out, rows_out)
     print("time / Liger's time, by warps per program (dflt: RowLaunch's own rule)")
     print(f"{'case':16s} {'shape':11s}    dflt " + " ".join(f"{'w' + str(w):>7s}" for w in WARPS))
     for r in rows_out:

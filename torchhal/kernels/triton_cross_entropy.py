@@ -198,43 +198,20 @@ def _chunked(
     vocab = weight.shape[0]
     device = hidden.device
     losses = torch.empty(tokens, dtype=torch.float32, device=device)
-    if scale is None:
-        _losses_and_gradients(plan, hidden, weight, target, bias, ignore_index, label_smoothing, losses)
-        return losses, None
-    acc_dtype = torch.promote_types(weight.dtype, torch.float32)
-    grad_hidden = torch.empty((tokens, width), dtype=hidden.dtype, device=device)
-    split = tokens <= SPLIT_TOKENS_PER_HIDDEN * width
-    grad_weight = _SplitAccumulator(vocab, width, weight.dtype, device, split=split)
-    grad_bias = torch.zeros(vocab, dtype=acc_dtype, device=device) if bias is not None else None
-    _losses_and_gradients(
-        plan, hidden, weight, target, bias, ignore_index, label_smoothing, losses,
-        (scale, grad_hidden, grad_weight, grad_bias),
-    )  # fmt: skip
-    return losses, (grad_hidden, grad_weight.rounded(), grad_bias)
-
-
-def _losses_and_gradients(
-    plan: ChunkPlan,
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target: torch.Tensor,
-    bias: torch.Tensor | None,
-    ignore_index: int,
-    label_smoothing: float,
-    losses: torch.Tensor,
-    grads: tuple[torch.Tensor, torch.Tensor, _SplitAccumulator, torch.Tensor | None] | None = None,
-) -> None:
-    """The chunk loop: losses into `losses`; with grads = (scale, grad_hidden, grad_weight,
-    grad_bias), the gradients too."""
-    tokens, _ = hidden.shape
-    vocab = weight.shape[0]
-    device = hidden.device
-    if tokens == 0:
-        return
-    rows = plan.chunk_rows(tokens, hidden.shape[1], vocab)
+    grads = None
+    if scale is not None:
+        acc_dtype = torch.promote_types(weight.dtype, torch.float32)
+        split = tokens <= SPLIT_TOKENS_PER_HIDDEN * width
+        grads = (
+            torch.empty((tokens, width), dtype=hidden.dtype, device=device),
+            _SplitAccumulator(vocab, width, weight.dtype, device, split=split),
+            torch.zeros(vocab, dtype=acc_dtype, device=device) if bias is not None else None,
+        )
+    rows = plan.chunk_rows(tokens, width, vocab)
     logits = torch.empty((rows, vocab), dtype=hidden.dtype, device=device)
     block, warps = plan.launch.elementwise(vocab, logits.element_size())
-    scale = torch.ones(1, dtype=torch.float32, device=device) if grads is None else grads[0]
+    if scale is None:
+        scale = torch.ones(1, dtype=torch.float32, device=device)
     for start in range(0, tokens, rows):
         end = min(start + rows, tokens)
         h = hidden[start:end]
@@ -250,11 +227,15 @@ def _losses_and_gradients(
             WRITE_GRAD=grads is not None, BLOCK=block, num_warps=warps,
         )  # fmt: skip
         if grads is not None:
-            _, grad_hidden, grad_weight, grad_bias = grads
+            grad_hidden, grad_weight, grad_bias = grads
             torch.mm(chunk, weight, out=grad_hidden[start:end])
             grad_weight.add(chunk.t(), h)
             if grad_bias is not None:
                 grad_bias += chunk.sum(0, dtype=grad_bias.dtype)
+    if grads is None:
+        return losses, None
+    grad_hidden, grad_weight, grad_bias = grads
+    return losses, (grad_hidden, grad_weight.rounded(), grad_bias)
 
 
 def _reduce(
