@@ -283,7 +283,7 @@ def test_keyword_calls_are_validated_every_time_and_fall_back(hal):
         hal.kernels.call("rms_norm", cpu, x, w, eps=1e-5), rms_norm.reference(x, w, 1e-5)
     )
     assert hal.kernels.fallback_counts == {"test/broken": 1}
-    assert hal.kernels._seen["rms_norm"] == {}  # keyword calls leave the memo alone
+    assert hal.kernels._seen["rms_norm"].entries == {}  # keyword calls leave the memo alone
     with pytest.raises(InvalidArgumentError):
         hal.kernels.call("rms_norm", cpu, torch.randn(5, 7), w, eps=1e-5)
 
@@ -310,6 +310,40 @@ def test_seen_arguments_are_keyed_by_layout_for_tensor_subclasses_and_by_value_f
     w.resize_(31)  # the same Parameter object, a new shape: validated again, and refused
     with pytest.raises(InvalidArgumentError):
         hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
+
+
+def test_alternating_layouts_are_each_validated_once_and_keep_their_own_selection(hal):
+    """The memo checks its last hit first: switching layouts must never reuse the other's hit."""
+    calls = []
+    opdef = hal.kernels.op("rms_norm")
+
+    def counting(*args):
+        calls.append(1)
+        return opdef.signature(*args)
+
+    hal.kernels._ops["rms_norm"] = type(opdef)(opdef.name, opdef.reference, counting, opdef.doc)
+    cpu = hal.device("cpu")
+    x32, w32 = torch.randn(6, 32), torch.randn(32)
+    x64, w64 = x32.double(), w32.double()
+    validated = []
+    for _ in range(3):
+        torch.testing.assert_close(
+            hal.kernels.call("rms_norm", cpu, x32, w32, 1e-6), rms_norm.reference(x32, w32)
+        )
+        out = hal.kernels.call("rms_norm", cpu, x64, w64, 1e-6)
+        assert out.dtype == torch.float64
+        torch.testing.assert_close(out, rms_norm.reference(x64, w64))
+        validated.append(len(calls))
+    assert validated[1] == validated[2] <= 3  # a new selection restarts the memo once; then no more
+
+
+def test_a_new_candidate_replaces_the_memos_last_hit(hal):
+    cpu = hal.device("cpu")
+    x, w = torch.randn(6, 32), torch.randn(32)
+    hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
+    hal.kernels.call("rms_norm", cpu, x, w, 1e-6)  # now the memo's last hit
+    hal.kernels.register("rms_norm", "doubled", lambda x, w, eps: 2 * x, provider="test", priority=100)
+    torch.testing.assert_close(hal.kernels.call("rms_norm", cpu, x, w, 1e-6), 2 * x)
 
 
 def test_ops_whose_signature_reads_contents_validate_every_call(settings):

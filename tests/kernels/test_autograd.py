@@ -123,6 +123,13 @@ def test_a_table_that_requires_grad_is_refused(fresh_ops):
         fresh_ops.rope(q, k, cos, sin)
 
 
+def test_a_table_that_alone_requires_grad_is_refused(fresh_ops):
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    cos, sin = torch.randn(4, 8), torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(UnsupportedError, match=r"rope: input 'sin' requires grad"):
+        fresh_ops.rope(q, k, cos, sin)
+
+
 def test_saved_inputs_are_guarded_against_inplace_changes(fresh_ops):
     x, w = _inputs(grad=True)
     base = x * 1

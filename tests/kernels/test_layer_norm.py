@@ -85,3 +85,8 @@ def test_layout_the_kernel_cannot_index_goes_to_the_reference(ops):
 def test_bad_input_is_refused(ops, args, error, match):
     with pytest.raises(error, match=match):
         ops.layer_norm(*args, 1e-5)
+
+
+def test_a_tensor_eps_is_refused(ops):
+    with pytest.raises(InvalidArgumentError, match=r"layer_norm: eps must be a finite number >= 0"):
+        ops.layer_norm(torch.randn(4, 8), *_params(8), torch.tensor(1e-5, requires_grad=True))

@@ -80,6 +80,13 @@ def test_bad_input_is_refused(ops, args, error, match):
         ops.rms_norm(*args)
 
 
+@pytest.mark.parametrize("eps", [-1e-6, float("nan"), True, torch.tensor(1e-6, requires_grad=True)])
+def test_bad_eps_is_refused(ops, eps):
+    """A tensor eps would get no gradient from any candidate: refused like any other bad value."""
+    with pytest.raises(InvalidArgumentError, match=r"rms_norm: eps must be a finite number >= 0, got"):
+        ops.rms_norm(torch.randn(4, 8), torch.randn(8), eps)
+
+
 def test_bad_backward_input_is_refused(ops):
     with pytest.raises(InvalidArgumentError, match=r"rms_norm_backward: dy and x shapes must agree"):
         ops.hal.kernels.call("rms_norm_backward", ops.hal.device("cpu"), torch.randn(3, 8), torch.randn(4, 8),

@@ -130,8 +130,8 @@ class KernelRegistry:
     _ops: dict[str, OpDef] = field(default_factory=dict)
     _candidates: dict[str, list[Candidate]] = field(default_factory=dict)
     _cache: dict[str, dict[tuple[str, Hashable], Selection]] = field(default_factory=dict)
-    # per memoised op: (route, *argument keys) -> (device, selection), for arguments already validated
-    _seen: dict[str, dict[tuple[Hashable, ...], tuple[Device, Selection]]] = field(default_factory=dict)
+    # per memoised op: the argument layouts already validated, and the selection each leads to
+    _seen: dict[str, _ArgumentMemo] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     fallback_counts: dict[str, int] = field(default_factory=dict)
 
@@ -152,7 +152,7 @@ class KernelRegistry:
         self._candidates[name] = [Candidate(name, REFERENCE, "torchhal", reference, None, -math.inf)]
         self._cache[name] = {}
         if memoize:
-            self._seen[name] = {}
+            self._seen[name] = _ArgumentMemo()
 
     def register(
         self,
@@ -174,7 +174,8 @@ class KernelRegistry:
             self._candidates[op].append(candidate)
             self._candidates[op].sort(key=lambda c: (-c.priority, c.name))
             self._cache[op].clear()
-            self._seen.get(op, {}).clear()
+            if op in self._seen:
+                self._seen[op].clear()
         return candidate
 
     def ops(self) -> tuple[str, ...]:
@@ -232,19 +233,24 @@ class KernelRegistry:
                 else:
                     parts.append((kind, a.dtype, a.shape, a.stride(), a.device))
             key = tuple(parts)
-            try:
-                hit = seen.get(key)
-            except TypeError:  # an unhashable argument: validate every time
-                key = None
+            last = seen.last  # one read: another thread may replace it
+            if key == last[0]:
+                hit = last[1]
+            else:
+                try:
+                    hit = seen.entries.get(key)
+                except TypeError:  # an unhashable argument: validate every time
+                    key = None
+                else:
+                    if hit is not None:
+                        seen.last = key, hit
         if hit is None:
             opdef = self._opdef(op)
             device = locate(op, args[0] if args else None)
             sig = opdef.signature(*args)
             selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args)
             if key is not None and seen is not None:
-                if len(seen) >= SEEN_LIMIT:
-                    seen.clear()  # bounded: many distinct shapes re-validate, never grow memory
-                seen[key] = device, selection
+                seen.remember(key, (device, selection))
         else:
             device, selection = hit
         try:
@@ -318,7 +324,8 @@ class KernelRegistry:
         )
         with self._lock:
             self._cache[op][(device.id, sig)] = selection
-            self._seen.get(op, {}).clear()  # a demotion replaces selections the memo points to
+            if op in self._seen:
+                self._seen[op].clear()  # a demotion replaces selections the memo points to
         return selection
 
     def _by_measurement(
@@ -397,6 +404,32 @@ class KernelRegistry:
                     raise
                 exc = next_exc
                 failures.append(exc)
+
+
+class _ArgumentMemo:
+    """One op's validated argument layouts: key -> (device, selection). The last key found is
+    compared first, by equality alone: an op is mostly called with one layout many times in a
+    row (once per layer of a model), and comparing two keys costs half of hashing one."""
+
+    __slots__ = ("entries", "last")
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[Hashable, ...], tuple[Device, Selection]] = {}
+        # (key, hit) in one tuple, so a reader never pairs one thread's key with another's hit
+        self.last: tuple[object, tuple[Device, Selection] | None] = (_NO_KEY, None)
+
+    def remember(self, key: tuple[Hashable, ...], hit: tuple[Device, Selection]) -> None:
+        if len(self.entries) >= SEEN_LIMIT:
+            self.entries.clear()  # bounded: many distinct shapes re-validate, never grow memory
+        self.entries[key] = hit
+        self.last = key, hit
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.last = _NO_KEY, None
+
+
+_NO_KEY = object()  # equal to no argument key
 
 
 # Argument types that are never tensors, tested before `isinstance(a, torch.Tensor)`: that test

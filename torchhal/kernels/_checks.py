@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torchhal.hal_core import InvalidArgumentError
@@ -25,3 +27,9 @@ def require_same(op: str, what: str, **values: object) -> None:
     if len(distinct) > 1:
         seen = ", ".join(f"{k}={v}" for k, v in values.items())
         raise InvalidArgumentError(f"{op}: {what} must agree, got {seen}")
+
+
+def require_eps(op: str, eps: object) -> None:
+    """A norm's epsilon: a finite number >= 0 (a tensor here would lose its gradient)."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+        raise InvalidArgumentError(f"{op}: eps must be a finite number >= 0, got {eps!r}")

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torchhal.hal_core import DeviceCapabilities, InvalidArgumentError, KernelRegistry, Unsupported
-from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
+from torchhal.kernels._checks import PROVIDER, require_eps, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import (
     RowLaunch,
@@ -36,8 +36,9 @@ class LayerNormSignature(NamedTuple):
     rows: bool  # every row tensor indexes as (rows, hidden); weight and bias have unit stride
 
 
-def _check(op: str, x: torch.Tensor, **params: torch.Tensor) -> None:
+def _check(op: str, x: torch.Tensor, eps: float, **params: torch.Tensor) -> None:
     """x (..., hidden) and 1-D parameters (weight, and bias for the forward) of length hidden."""
+    require_eps(op, eps)
     require_tensor(op, "x", x)
     for name, p in params.items():
         require_tensor(op, name, p)
@@ -61,14 +62,14 @@ def _layout(params: Sequence[torch.Tensor], rows: Sequence[torch.Tensor]) -> boo
 def signature(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
 ) -> LayerNormSignature:
-    _check("layer_norm", x, weight=weight, bias=bias)
+    _check("layer_norm", x, eps, weight=weight, bias=bias)
     return LayerNormSignature(x.dtype, weight.shape[0], _layout((weight, bias), (x,)))
 
 
 def backward_signature(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
 ) -> LayerNormSignature:
-    _check("layer_norm_backward", x, weight=weight)
+    _check("layer_norm_backward", x, eps, weight=weight)
     require_tensor("layer_norm_backward", "dy", dy)
     require_same("layer_norm_backward", "dy and x shapes", dy=tuple(dy.shape), x=tuple(x.shape))
     require_same("layer_norm_backward", "dtypes", dy=dy.dtype, x=x.dtype)

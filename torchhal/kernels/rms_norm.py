@@ -24,7 +24,7 @@ from torchhal.hal_core import (
     RejectionReason,
     Unsupported,
 )
-from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
+from torchhal.kernels._checks import PROVIDER, require_eps, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import (
     RowLaunch,
@@ -44,7 +44,8 @@ class RMSNormSignature(NamedTuple):
     rows: bool  # every row tensor indexes as (rows, hidden) and weight has unit stride
 
 
-def _check(op: str, x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    require_eps(op, eps)
     require_tensor(op, "x", x)
     require_tensor(op, "weight", weight)
     require_rank(op, "weight", weight, 1)
@@ -63,14 +64,14 @@ def _layout(weight: torch.Tensor, *rows: torch.Tensor) -> bool:
 
 
 def signature(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> RMSNormSignature:
-    _check("rms_norm", x, weight)
+    _check("rms_norm", x, weight, eps)
     return RMSNormSignature(x.dtype, weight.shape[0], _layout(weight, x))
 
 
 def backward_signature(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> RMSNormSignature:
-    _check("rms_norm_backward", x, weight)
+    _check("rms_norm_backward", x, weight, eps)
     require_tensor("rms_norm_backward", "dy", dy)
     require_same("rms_norm_backward", "dy and x shapes", dy=tuple(dy.shape), x=tuple(x.shape))
     require_same("rms_norm_backward", "dtypes", dy=dy.dtype, x=x.dtype)
