@@ -14,6 +14,10 @@ from torchhal.hal_core import DeviceCapabilities
 
 SHARED_MEMORY_HEADROOM = 0.8  # Triton also spends shared memory on layout conversions
 ACCUMULATOR_ELEMENTS_PER_LANE = 64
+# The dk/dv kernel at 16-bit: four warps, each lane holding 128 fp32 of dk and dv and 32 of the
+# two transposed score tiles, beat eight warps by 1.3-2x at every tile of a sweep on an H100
+# (benchmarks/sweep_attention_backward.py, docs/benchmarks.md, fifth session).
+DKDV_WARPS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,12 +75,12 @@ def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes
         tile = TileConfig(64, 32, 4, 1)
         return LaunchConfigs(tile, tile, tile, TileConfig(32, 64, 4, 1), caps.compute_units)
     budget = _Budget(int(caps.shared_memory_per_block_bytes * SHARED_MEMORY_HEADROOM), caps.simd_width)
-    # dk/dv keeps k, v and two accumulators resident: its query tile is the one that shrinks
-    # (to 16 rows at head dim 128) to stay within registers
+    # dk/dv keeps k, v and two accumulators resident: its key tile halves with the head dim so
+    # dk and dv stay at 128 fp32 per lane of its four warps (see DKDV_WARPS)
     if e <= 2:
         fwd_m, fwd_n = (128, 64) if d <= 128 else (64, 32)
-        dq_m, dq_n = (128, 32) if d <= 128 else (64, 32)
-        kv_m, kv_n = (32, 128) if d <= 64 else (16, 128) if d <= 128 else (32, 32)
+        dq_m, dq_n = (128, 64) if d <= 128 else (64, 32)
+        kv_m, kv_n = (16, 128) if d <= 64 else (32, 64) if d <= 128 else (32, 32)
         most = 3
     else:
         fwd_m, fwd_n = (32, 32) if d <= 64 else (16, 16)
@@ -90,10 +94,11 @@ def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes
 
     dq_stages = budget.stages(2 * dq_m * d * e, 2 * dq_n * d * e, most + 1)  # q and dO stay
     kv_stages = budget.stages(2 * kv_n * d * e, 2 * kv_m * d * e, most)  # k and v stay
+    kv_warps = DKDV_WARPS if e <= 2 and d <= 128 else budget.warps(2 * kv_n * d)  # dk and dv decide
     return LaunchConfigs(
         forward=forward(fwd_m),
         forward_narrow=forward(max(16, fwd_m // 2)),
-        backward_dq=TileConfig(dq_m, dq_n, budget.warps(dq_m * d), dq_stages),
-        backward_dkdv=TileConfig(kv_m, kv_n, budget.warps(2 * kv_n * d), kv_stages),  # dk and dv
+        backward_dq=TileConfig(dq_m, dq_n, budget.warps(dq_m * (d + 2 * dq_n)), dq_stages),  # dq, 2 scores
+        backward_dkdv=TileConfig(kv_m, kv_n, kv_warps, kv_stages),
         compute_units=caps.compute_units,
     )
