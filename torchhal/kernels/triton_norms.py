@@ -161,7 +161,7 @@ def layer_norm_forward(
     block = next_power_of_2(cols)
     _layer_norm_fwd[(rows,)](
         x, weight, bias, y, row_stride(x), cols, eps,
-        BLOCK=block, num_warps=launch.forward_warps(block, x.element_size()),
+        BLOCK=block, num_warps=launch.layer_norm_forward_warps(block, x.element_size()),
     )  # fmt: skip
     return y
 
