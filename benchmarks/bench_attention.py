@@ -1,7 +1,7 @@
 """Attention forward and backward TFLOP/s: torchhal's Triton FlashAttention against SDPA's backends.
 
 Usage: python benchmarks/bench_attention.py [--seqlens 512 ... 16384] [--head-dims 64 128]
-           [--compile-at 4096] [--compile-dims 128] [--tune]
+           [--compile-at 4096] [--compile-dims 128]
 (writes $OUT/bench_attention.json if OUT is set)
 
 FlashAttention's setup: bf16, batch x seqlen = 16k tokens, hidden 2048 (heads = 2048 / head dim),
@@ -17,8 +17,8 @@ shape, so only at the --compile-at seqlens and --compile-dims head dims, to keep
 2 minutes). Forward: one call without autograd. Backward: torchhal's backward kernels called
 directly with the forward's saved (out, lse); peers through torch.autograd.grad of a retained
 graph. Times are triton.testing.do_bench medians; do_bench clears the L2 cache before each call,
-and the inputs (3 x 64 MiB) exceed L2 anyway. --tune adds a sweep of Triton tile
-configurations at seqlen 4096 (several minutes), printing the fastest per kernel.
+and the inputs (3 x 64 MiB) exceed L2 anyway. The backward's tiles come from
+benchmarks/sweep_attention_backward.py.
 FLOPs: forward 4 * batch * heads * seqlen^2 * head_dim (halved when causal), backward 2.5x that.
 Targets: Triton forward >= 1.2x SDPA flash at seqlen >= 4k, backward >= 1.0x.
 """
@@ -26,8 +26,6 @@ Targets: Triton forward >= 1.2x SDPA flash at seqlen >= 4k, backward >= 1.0x.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
 import json
 import math
 import os
@@ -224,71 +222,6 @@ def measure_case(
     return row
 
 
-TUNE_TILES = {  # (block_m, block_n) per kernel; each with 4 and 8 warps, 2 and 3 stages
-    "fwd": [(128, 64), (128, 128), (64, 64), (128, 32)],
-    "bwd_dq": [(128, 32), (128, 64), (64, 64)],
-    "bwd_dkdv": [(32, 128), (16, 128), (64, 64), (32, 64)],
-}
-TUNED_FIELD = {
-    "fwd": ("forward", "forward_narrow"),
-    "bwd_dq": ("backward_dq",),
-    "bwd_dkdv": ("backward_dkdv",),
-}
-
-
-def tune(caps: Any, dims: list[int]) -> list[dict[str, Any]]:
-    """Triton tile sweep at seqlen 4096 (16k tokens): the fastest forward, dq and dk/dv tiles."""
-    found: list[dict[str, Any]] = []
-    for dim in dims:
-        for causal in (False, True):
-            found += tune_case(caps, dim, causal)
-    return found
-
-
-def tune_case(caps: Any, dim: int, causal: bool) -> list[dict[str, Any]]:
-    from torchhal.kernels import triton_attention_kernels as kernels
-    from torchhal.kernels.triton_attention_config import TileConfig, launch_configs
-
-    batch, heads, seqlen = TOKENS // 4096, HIDDEN // dim, 4096
-    q, k, v = inputs(batch, heads, seqlen, seqlen, dim)
-    grad = torch.randn_like(q)
-    problem = kernels.make_problem(
-        q, k, seq_q=seqlen, seq_k=seqlen, batch=batch, causal=causal, scale=None, window=None
-    )
-    base = launch_configs(caps, problem.head_dim_padded, 2)
-    out, lse = kernels.forward(q, k, v, problem, base)
-    rows = []
-    for kind, shapes in TUNE_TILES.items():
-        for (m, n), warps, stages in itertools.product(shapes, (4, 8), (2, 3)):
-            tile = TileConfig(m, n, warps, stages)
-            configs = _with(base, **dict.fromkeys(TUNED_FIELD[kind], tile))
-            if kind == "fwd":
-                call, call_args = kernels.forward, (q, k, v, problem, configs)
-            else:
-                call, call_args = kernels.backward, (grad, q, k, v, out, lse, problem, configs)
-            try:
-                ms = timed(lambda call=call, call_args=call_args: call(*call_args))
-            except Exception as exc:
-                print(f"  tune {kind} {tile}: {type(exc).__name__}")
-                continue
-            rows.append(
-                {
-                    "head_dim": dim,
-                    "causal": causal,
-                    "kernel": kind,
-                    "tile": dataclasses.asdict(tile),
-                    "ms": ms,
-                }
-            )
-        best = min((r for r in rows if r["kernel"] == kind), key=lambda r: r["ms"], default=None)
-        print(f"tune d={dim} causal={causal} {kind}: best {best}")
-    return rows
-
-
-def _with(configs: Any, **tiles: Any) -> Any:
-    return dataclasses.replace(configs, **tiles)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=SEQLENS)
@@ -297,7 +230,6 @@ def main() -> int:
     parser.add_argument(
         "--compile-dims", type=int, nargs="*", default=[128], help="head dims for torch.compile"
     )
-    parser.add_argument("--tune", action="store_true", help="also sweep Triton tile configurations")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_attention needs a CUDA GPU", file=sys.stderr)
@@ -324,7 +256,6 @@ def main() -> int:
             for seqlen in args.seqlens:
                 compile_at = set(args.compile_at) if dim in args.compile_dims else set()
                 rows.append(measure_case(caps, seqlen, dim, causal, compile_at, notes))
-    tuned = tune(caps, args.head_dims) if args.tune else []
 
     providers = ("triton", *PEERS)
     print(f"\ndevice {torch.cuda.get_device_name(0)} ({caps_source})")
@@ -361,7 +292,6 @@ def main() -> int:
         "hidden": HIDDEN,
         "checks": checks,
         "rows": rows,
-        "tune": tuned,
         "notes": notes,
         "seconds": time.perf_counter() - started,
     }
