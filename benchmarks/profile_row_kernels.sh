@@ -76,6 +76,7 @@ profile() {  # CASE IMPL: one ncu run; with the extra metrics unless ncu refuses
   return $rc
 }
 
+failed=()
 for name in "${cases[@]}"; do
   case_impls=("${impls[@]}")
   [ "$name" = copy ] && case_impls=(torch)
@@ -91,11 +92,13 @@ for name in "${cases[@]}"; do
     echo "$name $impl: ncu exit $rc, ${launches:-0} kernel launches profiled, $((SECONDS - start)) s"
     if [ "$rc" -ne 0 ] || [ "${launches:-0}" -eq 0 ]; then
       tail -n 6 "$dir/$name.$impl.log" "$dir/$name.$impl.csv" 2>&1
+      failed+=("$name.$impl")
     fi
   done
 done
 
 python3 "$here/summarize_ncu.py" "$dir" | tee "$OUT/ncu_summary.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || failed+=(summary)
 if [ "${NCU_KEEP_FILES:-0}" != 1 ]; then
   if tar -czf "$OUT/ncu.tar.gz" -C "$OUT" ncu; then
     rm -rf "$dir"
@@ -105,3 +108,7 @@ if [ "${NCU_KEEP_FILES:-0}" != 1 ]; then
   fi
 fi
 echo "total ${SECONDS} s"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "failed: ${failed[*]}"
+  exit 1
+fi

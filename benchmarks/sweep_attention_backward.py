@@ -1,7 +1,8 @@
 """Tiles, warps and stages of the Triton FlashAttention backward against SDPA flash (FA2), bf16, on a GPU.
 
-Why: the backward trails SDPA's flash backend by 0-17% at seqlen >= 2k (docs/benchmarks.md,
-"Backward, TFLOP/s"). This sweep looks for dq and dk/dv launch configurations that close the gap.
+Why: the backward's launch rules in triton_attention_config.py rest on this sweep. Its first run
+(docs/benchmarks.md, fifth session) took the backward from 0.83-1.01x SDPA's flash backend to
+1.00-1.45x; rerun it when the kernels or the device change.
 
 Shapes are bench_attention's (FlashAttention's): bf16, batch x seqlen = 16k tokens, hidden 2048
 (heads = 2048 / d), d 64 and 128, causal and full, seqlen 4096 and 16384. Per shape, torchhal's

@@ -262,11 +262,18 @@ def test_bad_shapes_and_dtypes_are_refused(plain_attn, change, message):
         (math.nan, None, "scale must be a finite number"),
         (None, (4, -1), "window must be"),
         (None, (1,), "window"),
+        (None, (2.5, 0), r"window must be \(left, right\), two ints >= 0, got \(2.5, 0\)"),
     ],
 )
 def test_bad_scale_and_window_are_refused(plain_attn, scale, window, message):
     with pytest.raises(InvalidArgumentError, match=message):
         plain_attn.attention(*_qkv(1, 2, 2, 5, 5, 8), False, scale, window)
+
+
+def test_a_tensor_causal_flag_is_refused(plain_attn):
+    """A tensor flag would be memoised by its layout, not its value: refused, naming what was seen."""
+    with pytest.raises(InvalidArgumentError, match=r"attention: causal must be a bool, got Tensor"):
+        plain_attn.attention(*_qkv(1, 2, 2, 5, 5, 8), torch.tensor(True), None, None)
 
 
 def test_integer_inputs_are_refused(plain_attn):

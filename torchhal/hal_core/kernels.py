@@ -174,8 +174,7 @@ class KernelRegistry:
             self._candidates[op].append(candidate)
             self._candidates[op].sort(key=lambda c: (-c.priority, c.name))
             self._cache[op].clear()
-            if op in self._seen:
-                self._seen[op].clear()
+            self._forget_layouts(op)
         return candidate
 
     def ops(self) -> tuple[str, ...]:
@@ -262,8 +261,15 @@ class KernelRegistry:
         with self._lock:
             for selections in self._cache.values():
                 selections.clear()
-            for memo in self._seen.values():
-                memo.clear()
+            for op in self._seen:
+                self._forget_layouts(op)
+
+    def _forget_layouts(self, op: str) -> None:
+        """Start `op`'s argument memo over (under the lock). A new memo, not the old one cleared:
+        a dispatch that read the old one before may still write to it, and must not write a
+        selection from before the change into the memo that later calls read."""
+        if op in self._seen:
+            self._seen[op] = _ArgumentMemo()
 
     def _opdef(self, op: str) -> OpDef:
         try:
@@ -323,9 +329,10 @@ class KernelRegistry:
             "kernel selected", op=op, device=device.id, signature=str(sig), candidate=chosen.qualified_name
         )
         with self._lock:
+            replaced = (device.id, sig) in self._cache[op]
             self._cache[op][(device.id, sig)] = selection
-            if op in self._seen:
-                self._seen[op].clear()  # a demotion replaces selections the memo points to
+            if replaced:  # a demotion: the memo may point to the selection it replaces
+                self._forget_layouts(op)
         return selection
 
     def _by_measurement(
@@ -409,7 +416,8 @@ class KernelRegistry:
 class _ArgumentMemo:
     """One op's validated argument layouts: key -> (device, selection). The last key found is
     compared first, by equality alone: an op is mostly called with one layout many times in a
-    row (once per layer of a model), and comparing two keys costs half of hashing one."""
+    row (once per layer of a model), and comparing two keys costs half of hashing one. Never
+    cleared: the registry replaces it (`KernelRegistry._forget_layouts`)."""
 
     __slots__ = ("entries", "last")
 
@@ -423,10 +431,6 @@ class _ArgumentMemo:
             self.entries.clear()  # bounded: many distinct shapes re-validate, never grow memory
         self.entries[key] = hit
         self.last = key, hit
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.last = _NO_KEY, None
 
 
 _NO_KEY = object()  # equal to no argument key

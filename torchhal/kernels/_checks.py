@@ -31,5 +31,12 @@ def require_same(op: str, what: str, **values: object) -> None:
 
 def require_eps(op: str, eps: object) -> None:
     """A norm's epsilon: a finite number >= 0 (a tensor here would lose its gradient)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not _finite_and_not_negative(eps):
         raise InvalidArgumentError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
+def _finite_and_not_negative(value: float) -> bool:
+    try:
+        return math.isfinite(value) and value >= 0
+    except OverflowError:  # an int beyond the float range
+        return False

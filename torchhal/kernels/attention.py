@@ -53,18 +53,28 @@ def _check(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    causal: bool,
     scale: float | None,
     window: Sequence[int] | None,
 ) -> None:
-    check_qkv(op, q, k, v, scale, rank=4)
+    check_qkv(op, q, k, v, causal, scale, rank=4)
     require_same(op, "batch sizes", q=q.shape[0], k=k.shape[0], v=v.shape[0])
     require_same(op, "key and value lengths", k=k.shape[2], v=v.shape[2])
-    if window is not None and (len(window) != 2 or min(window) < 0):
-        raise InvalidArgumentError(f"{op}: window must be (left, right) with both >= 0, got {window}")
+    if window is not None and (
+        len(window) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+    ):
+        raise InvalidArgumentError(f"{op}: window must be (left, right), two ints >= 0, got {window!r}")
 
 
 def check_qkv(
-    op: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, *, rank: int
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    *,
+    rank: int,
 ) -> None:
     """The checks attention and attention_varlen share: both layouts hold heads on dim 1 and the
     head dim last; each checks its own batch and token axes after."""
@@ -80,6 +90,8 @@ def check_qkv(
         raise InvalidArgumentError(
             f"{op}: heads_q must be a multiple of heads_kv, got {q.shape[1]} and {k.shape[1]}"
         )
+    if not isinstance(causal, (bool, int)):  # a tensor flag would be keyed by layout, not value
+        raise InvalidArgumentError(f"{op}: causal must be a bool, got {type(causal).__name__} {causal!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
         raise InvalidArgumentError(f"{op}: scale must be a finite number, got {scale!r}")
 
@@ -109,7 +121,7 @@ def signature(
     scale: float | None = None,
     window: Sequence[int] | None = None,
 ) -> AttentionSignature:
-    _check("attention", q, k, v, scale, window)
+    _check("attention", q, k, v, causal, scale, window)
     return _summary(q, k, v, causal, window)
 
 
@@ -121,7 +133,7 @@ def forward_signature(
     scale: float | None = None,
     window: Sequence[int] | None = None,
 ) -> AttentionSignature:
-    _check("attention_forward", q, k, v, scale, window)
+    _check("attention_forward", q, k, v, causal, scale, window)
     return _summary(q, k, v, causal, window)
 
 
@@ -137,7 +149,7 @@ def backward_signature(
     window: Sequence[int] | None = None,
 ) -> AttentionSignature:
     op = "attention_backward"
-    _check(op, q, k, v, scale, window)
+    _check(op, q, k, v, causal, scale, window)
     check_saved(op, q, v, grad_out, out, lse, lse_shape=(q.shape[0], q.shape[1], q.shape[2]))
     return _summary(q, k, v, causal, window)
 

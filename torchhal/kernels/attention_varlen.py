@@ -45,9 +45,10 @@ def _check(
     cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int,
     max_seqlen_k: int,
+    causal: bool,
     scale: float | None,
 ) -> None:
-    dense.check_qkv(op, q, k, v, scale, rank=3)
+    dense.check_qkv(op, q, k, v, causal, scale, rank=3)
     require_same(op, "key and value token counts", k=k.shape[0], v=v.shape[0])
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
         require_tensor(op, name, cu)
@@ -108,7 +109,7 @@ def signature(
     causal: bool = False,
     scale: float | None = None,
 ) -> VarlenSignature:
-    _check("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    _check("attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
     return _summary(q, k, v, max_seqlen_q, max_seqlen_k, causal)
 
 
@@ -123,7 +124,18 @@ def forward_signature(
     causal: bool = False,
     scale: float | None = None,
 ) -> VarlenSignature:
-    _check("attention_varlen_forward", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    _check(
+        "attention_varlen_forward",
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        causal,
+        scale,
+    )
     return _summary(q, k, v, max_seqlen_q, max_seqlen_k, causal)
 
 
@@ -142,7 +154,7 @@ def backward_signature(
     scale: float | None = None,
 ) -> VarlenSignature:
     op = "attention_varlen_backward"
-    _check(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+    _check(op, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
     dense.check_saved(op, q, v, grad_out, out, lse, lse_shape=(q.shape[1], q.shape[0]))
     return _summary(q, k, v, max_seqlen_q, max_seqlen_k, causal)
 

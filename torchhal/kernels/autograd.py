@@ -67,6 +67,11 @@ class DifferentiableOp:
         self._plain = functools.partial(dispatch, spec.op)  # the no-gradient path, bound once
         self._input_names = tuple(inspect.signature(spec.forward_fake).parameters)
         self._tensor_inputs = _tensor_parameters(spec.forward_fake)
+        if not set(spec.differentiable) <= set(self._tensor_inputs):
+            raise TypeError(
+                f"{spec.op}: differentiable inputs {spec.differentiable} must be annotated torch.Tensor "
+                f"in {spec.forward_fake.__name__}; tensor inputs found at {self._tensor_inputs}"
+            )
         self._forward_op = self._custom_op(namespace, spec.forward, spec.forward_fake)
         self._custom_op(namespace, spec.backward, spec.backward_fake)
         self._forward_op.register_autograd(self._compiled_backward, setup_context=self._compiled_setup)

@@ -1,9 +1,10 @@
 """Launch configurations for the Triton attention kernels, derived from a device's capabilities.
 
 No vendor names. Tile shapes follow from the head dim and element size; warps from the SIMD
-width (each lane holds about 64 fp32 accumulator elements); pipeline stages from the shared
-memory per block; the forward's query tile halves when the grid would leave compute units
-idle. This module does not import triton, so it can be read and tested where triton is absent.
+width (each lane holds about 64 fp32 accumulator elements, except in the 16-bit dk/dv kernel,
+see DKDV_LANES); pipeline stages from the shared memory per block; the forward's query tile
+halves when the grid would leave compute units idle. This module does not import triton, so it
+can be read and tested where triton is absent.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from torchhal.hal_core import DeviceCapabilities
 
 SHARED_MEMORY_HEADROOM = 0.8  # Triton also spends shared memory on layout conversions
 ACCUMULATOR_ELEMENTS_PER_LANE = 64
-# The dk/dv kernel at 16-bit: four warps, each lane holding 128 fp32 of dk and dv and 32 of the
-# two transposed score tiles, beat eight warps by 1.3-2x at every tile of a sweep on an H100
-# (benchmarks/sweep_attention_backward.py, docs/benchmarks.md, fifth session).
-DKDV_WARPS = 4
+# The 16-bit dk/dv kernel at head dims 64 and 128: 128 lanes (four 32-wide warps), each holding
+# 128 fp32 of dk and dv and 32 of the two transposed score tiles, beat twice the lanes by
+# 1.3-2x at every tile of a sweep on an H100 (benchmarks/sweep_attention_backward.py,
+# docs/benchmarks.md, fifth session).
+DKDV_LANES = 128
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,9 +53,14 @@ class _Budget:
     simd_width: int
 
     def warps(self, accumulator_elements: int) -> int:
-        """Enough warps that each lane holds about 64 fp32 accumulator elements; 4 to 8."""
+        """Enough warps that each lane holds about 64 fp32 accumulator elements; a power of 2
+        (as Triton requires), 4 to 8."""
         lanes = accumulator_elements // ACCUMULATOR_ELEMENTS_PER_LANE
-        return max(4, min(8, lanes // self.simd_width))
+        return max(4, min(8, _floor_power_of_2(lanes // self.simd_width)))
+
+    def fits(self, resident_bytes: int, per_stage_bytes: int) -> bool:
+        """Whether the resident tiles and one pipeline stage fit in shared memory."""
+        return resident_bytes + per_stage_bytes <= self.shared_memory
 
     def stages(self, resident_bytes: int, per_stage_bytes: int, most: int) -> int:
         """Pipeline depth that fits beside the tiles a program keeps resident; at least 1."""
@@ -63,8 +70,9 @@ class _Budget:
 def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes: int) -> LaunchConfigs:
     """Tiles for the forward, dq and dk/dv kernels on this device.
 
-    Tile shapes keep every kernel within 255 registers per lane without spills (ptxas reports
-    for sm_90 at padded head dims 32 to 256): fp16/bf16 take tensor-core sized tiles; fp32,
+    Tile shapes keep every kernel within 255 registers per lane (ptxas reports for sm_90 at
+    padded head dims 32 to 256; the 16-bit dk/dv kernel's measured best spills a little at head
+    dim 128 and still wins): fp16/bf16 take tensor-core sized tiles; fp32,
     computed as IEEE fp32 without TF32, runs its dot products on the FMA units and gets small
     tiles. A device that declares no shared memory (the CPU, through Triton's interpreter) has
     no register or shared-memory budget to respect: it gets 64-row tiles, few enough to keep
@@ -75,8 +83,8 @@ def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes
         tile = TileConfig(64, 32, 4, 1)
         return LaunchConfigs(tile, tile, tile, TileConfig(32, 64, 4, 1), caps.compute_units)
     budget = _Budget(int(caps.shared_memory_per_block_bytes * SHARED_MEMORY_HEADROOM), caps.simd_width)
-    # dk/dv keeps k, v and two accumulators resident: its key tile halves with the head dim so
-    # dk and dv stay at 128 fp32 per lane of its four warps (see DKDV_WARPS)
+    # dk/dv keeps k, v and two accumulators resident: from head dim 64 to 128 its key tile
+    # halves as the head dim doubles, so dk and dv stay at 128 fp32 per lane (see DKDV_LANES)
     if e <= 2:
         fwd_m, fwd_n = (128, 64) if d <= 128 else (64, 32)
         dq_m, dq_n = (128, 64) if d <= 128 else (64, 32)
@@ -92,9 +100,14 @@ def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes
         stages = budget.stages(block_m * d * e, 2 * fwd_n * d * e, most)
         return TileConfig(block_m, fwd_n, budget.warps(block_m * d), stages)
 
+    while dq_n > 16 and not budget.fits(2 * dq_m * d * e, 2 * dq_n * d * e):
+        dq_n //= 2  # devices with less shared memory per block than the tiles above assume
     dq_stages = budget.stages(2 * dq_m * d * e, 2 * dq_n * d * e, most + 1)  # q and dO stay
     kv_stages = budget.stages(2 * kv_n * d * e, 2 * kv_m * d * e, most)  # k and v stay
-    kv_warps = DKDV_WARPS if e <= 2 and d <= 128 else budget.warps(2 * kv_n * d)  # dk and dv decide
+    if e <= 2 and d <= 128:
+        kv_warps = max(1, DKDV_LANES // caps.simd_width)
+    else:
+        kv_warps = budget.warps(2 * kv_n * d)  # dk and dv decide
     return LaunchConfigs(
         forward=forward(fwd_m),
         forward_narrow=forward(max(16, fwd_m // 2)),
@@ -102,3 +115,7 @@ def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes
         backward_dkdv=TileConfig(kv_m, kv_n, kv_warps, kv_stages),
         compute_units=caps.compute_units,
     )
+
+
+def _floor_power_of_2(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
