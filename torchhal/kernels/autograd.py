@@ -66,7 +66,7 @@ class DifferentiableOp:
         self._dispatch = dispatch
         self._plain = functools.partial(dispatch, spec.op)  # the no-gradient path, bound once
         self._input_names = tuple(inspect.signature(spec.forward_fake).parameters)
-        self._tensor_inputs = _tensor_parameters(spec.forward_fake)
+        self._tensor_inputs = _tensor_parameters(spec.forward_fake, self._input_names)
         if not set(spec.differentiable) <= set(self._tensor_inputs):
             raise TypeError(
                 f"{spec.op}: differentiable inputs {spec.differentiable} must be annotated torch.Tensor "
@@ -151,13 +151,11 @@ class DifferentiableOp:
         return self._input_grads(ctx, self._traced_backward(*grads[: self.spec.outputs], *context))
 
 
-def _tensor_parameters(fake: Callable[..., Any]) -> tuple[int, ...]:
-    """Positions of the parameters annotated `torch.Tensor` or `torch.Tensor | None`."""
+def _tensor_parameters(fake: Callable[..., Any], names: Sequence[str]) -> tuple[int, ...]:
+    """Positions of `fake`'s parameters `names` annotated `torch.Tensor` or `torch.Tensor | None`."""
     hints = typing.get_type_hints(fake)
     tensor_types = (torch.Tensor, torch.Tensor | None)
-    return tuple(
-        i for i, name in enumerate(inspect.signature(fake).parameters) if hints.get(name) in tensor_types
-    )
+    return tuple(i for i, name in enumerate(names) if hints.get(name) in tensor_types)
 
 
 def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:

@@ -100,9 +100,10 @@ def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes
         stages = budget.stages(block_m * d * e, 2 * fwd_n * d * e, most)
         return TileConfig(block_m, fwd_n, budget.warps(block_m * d), stages)
 
-    while dq_n > 16 and not budget.fits(2 * dq_m * d * e, 2 * dq_n * d * e):
+    dq_resident = 2 * dq_m * d * e  # q and dO stay
+    while dq_n > 16 and not budget.fits(dq_resident, 2 * dq_n * d * e):
         dq_n //= 2  # devices with less shared memory per block than the tiles above assume
-    dq_stages = budget.stages(2 * dq_m * d * e, 2 * dq_n * d * e, most + 1)  # q and dO stay
+    dq_stages = budget.stages(dq_resident, 2 * dq_n * d * e, most + 1)
     kv_stages = budget.stages(2 * kv_n * d * e, 2 * kv_m * d * e, most)  # k and v stay
     if e <= 2 and d <= 128:
         kv_warps = max(1, DKDV_LANES // caps.simd_width)
