@@ -6,7 +6,7 @@ backward, with the warps forced to 4, 8, 16 and 32 beside RowLaunch's own rule a
 functional ops (rope too, whose tile is heads x half the head dim), in one run (do_bench
 medians, L2 flushed), so the launch rules rest on measurements.
 
-    python3 benchmarks/sweep_row_warps.py [--out sweep.json]
+    python3 benchmarks/sweep_row_warps.py [--cases "layer_norm fwd" ...] [--out sweep.json]
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[[RowLaunch], Any],
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--cases", nargs="+", help="only these cases, e.g. 'layer_norm fwd'")
     parser.add_argument("--out")
     args = parser.parse_args()
     caps, _ = device_capabilities("sweep_row_warps")
@@ -105,6 +106,8 @@ def main() -> None:
     rows_out: list[dict[str, Any]] = []
     for rows, hidden in SHAPES:
         for name, (ours, liger) in cases(rows, hidden).items():
+            if args.cases and name not in args.cases:
+                continue
             liger_ms = ms(liger)
             row: dict[str, Any] = {
                 "case": name,

@@ -41,8 +41,8 @@ def _gated_fwd(G, U, Y, g_stride, u_stride, n_cols, ACT: tl.constexpr, BLOCK: tl
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0)
+    u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0)
     a, _ = _activation(g.to(tl.float32), ACT)
     tl.store(Y + row * n_cols + cols, (a * u.to(tl.float32)).to(Y.dtype.element_ty), mask=mask)
 
@@ -54,9 +54,9 @@ def _gated_bwd(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    dy = tl.load(DY + row * dy_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    dy = tl.load(DY + row * dy_stride + cols, mask=mask, other=0.0)
+    g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0)
+    u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0)
     dy = dy.to(tl.float32)
     a, da = _activation(g.to(tl.float32), ACT)
     tl.store(DG + row * n_cols + cols, (dy * u.to(tl.float32) * da).to(DG.dtype.element_ty), mask=mask)

@@ -25,12 +25,6 @@ VECTORS_PER_THREAD = 2  # row elements each thread holds per tensor: two 16-byte
 # which keeps fp32 weight-gradient partials in registers too, with two but no more than 512
 # threads; RoPE, element-wise with no reduction, with 128 threads whatever its tile.
 FORWARD_VECTORS_PER_THREAD = 4
-# layer_norm's forward, with two reduction rounds, runs fastest in at most 128 threads while each
-# holds at most 128 row elements: at hidden 16384, 4 warps took 5% less time than 16 (the same
-# sweep; 255 registers, 132 spilled bytes a thread); at 8192 they tie. Longer rows would spill
-# kilobytes a thread (ptxas, 32768 at 4 warps: 6 KB) and keep the general forward rule.
-LAYER_NORM_FORWARD_THREADS = 128
-LAYER_NORM_FORWARD_ELEMENTS_PER_THREAD = 128
 MAX_BACKWARD_THREADS = 512
 ROPE_THREADS = 128
 RESIDENT_THREADS_PER_UNIT = 1024  # backward programs per compute unit aim at this many threads
@@ -129,11 +123,6 @@ class RowLaunch:
 
     def forward_warps(self, block: int, element_bytes: int) -> int:
         return self.warps(block, element_bytes, FORWARD_VECTORS_PER_THREAD)
-
-    def layer_norm_forward_warps(self, block: int, element_bytes: int) -> int:
-        if block > LAYER_NORM_FORWARD_THREADS * LAYER_NORM_FORWARD_ELEMENTS_PER_THREAD:
-            return self.forward_warps(block, element_bytes)
-        return self.warps(block, element_bytes, FORWARD_VECTORS_PER_THREAD, LAYER_NORM_FORWARD_THREADS)
 
     def backward_warps(self, block: int, element_bytes: int) -> int:
         return self.warps(block, element_bytes, most_threads=MAX_BACKWARD_THREADS)

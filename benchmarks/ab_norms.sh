@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# A/B of a kernel change on the GPU host: bench_norms of the build in .whl_old/ (before) and the
+# one in .whl/ (after), interleaved three times so drift hits both alike, then one table.
+# Build .whl_old/ from the older commit's worktree with benchmarks/build_device_wheels.sh.
+#   bash benchmarks/ab_norms.sh swiglu geglu layer_norm      (results under $OUT/ab/)
+set -uo pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site_old \
+  .whl_old/*.whl $(ls .whl/*.whl | grep -v torchhal) || exit 1
+export PYTHONUNBUFFERED=1
+ab=$OUT/ab
+runs=()
+for r in a b c; do
+  for build in old new; do
+    site=/tmp/site; [ $build = old ] && site=/tmp/site_old
+    mkdir -p "$ab/$build$r"
+    PYTHONPATH=$site OUT=$ab/$build$r timeout 150 python3 benchmarks/bench_norms.py --ops "$@" --budget-s 0 \
+      > "$ab/$build$r.log" 2>&1 || echo "bench_norms of $build$r failed: see $build$r.log"
+    runs+=("$build=$ab/$build$r/bench_norms.json")
+  done
+done
+python3 benchmarks/compare_norm_runs.py "${runs[@]}" | tee "$ab/compare.txt"
