@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from torchhal.hal_core import InvalidArgumentError, RejectionReason, UnsupportedError
 from torchhal.kernels import rms_norm
+from torchhal.kernels.triton_rows import RowLaunch
 
 
 def _weight(n: int) -> torch.Tensor:
@@ -22,6 +23,24 @@ def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, shape,
     assert ops.hal.kernels.select("rms_norm", cpu, x, w, eps).candidate.name == "triton"
     assert ops.hal.kernels.select("rms_norm_backward", cpu, dy, x, w, eps).candidate.name == "triton"
     check_op(ops.rms_norm, rms_norm.reference, (x, w, eps), (dy,), (0, 1))
+
+
+def test_long_rows_read_the_weight_again_per_row(ops, check_op):
+    """At hidden 12289 (block 16384) each interpreted thread holds 32 fp32 elements, so the backward
+    takes the path that reads the weight for every row (RowLaunch.reload_weight) instead of holding
+    it; the gradients must agree all the same."""
+    x, w, dy = torch.randn(3, 12289), _weight(12289), torch.randn(3, 12289)
+    launch = RowLaunch.from_caps(ops.hal.device("cpu").capabilities)
+    assert launch.reload_weight(16384, launch.backward_warps(16384, x.element_size()))
+    assert not launch.reload_weight(1024, launch.backward_warps(1024, x.element_size()))
+    check_op(ops.rms_norm, rms_norm.reference, (x, w, 1e-6), (dy,), (0, 1))
+
+
+@pytest.mark.parametrize(("hidden", "reload"), [(4096, False), (8192, False), (16384, True), (32768, True)])
+def test_weight_is_read_again_only_where_holding_it_would_spill(hidden, reload):
+    """The H100's rule in bf16 (32 lanes, 132 units): measured faster each side of 16384."""
+    launch = RowLaunch(simd_width=32, compute_units=132)
+    assert launch.reload_weight(hidden, launch.backward_warps(hidden, 2)) is reload
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -209,6 +209,7 @@ def _chunked(
         )
     rows = plan.chunk_rows(tokens, width, vocab)
     logits = torch.empty((rows, vocab), dtype=hidden.dtype, device=device)
+    chunk = logits[:0]  # bound even when there are no tokens, for the `del` below
     block, warps = plan.launch.elementwise(vocab, logits.element_size())
     if scale is None:
         scale = torch.ones(1, dtype=torch.float32, device=device)
@@ -232,6 +233,9 @@ def _chunked(
             grad_weight.add(chunk.t(), h)
             if grad_bias is not None:
                 grad_bias += chunk.sum(0, dtype=grad_bias.dtype)
+    # the chunk's logits go before the weight gradient is rounded: alive, they sat beside the
+    # accumulator and its rounded copy, the op's peak (16k tokens, vocab 128k: 1.99 GiB, not 1.5)
+    del logits, chunk
     if grads is None:
         return losses, None
     grad_hidden, grad_weight, grad_bias = grads

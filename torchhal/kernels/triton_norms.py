@@ -31,12 +31,14 @@ def _rms_norm_fwd(X, W, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rms_norm_bwd(
-    DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program, BLOCK: tl.constexpr
-):
+    DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program,
+    BLOCK: tl.constexpr, RELOAD_W: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if not RELOAD_W:
+        held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     row = pid * rows_per_program
     end = tl.minimum(row + rows_per_program, n_rows)
@@ -44,6 +46,10 @@ def _rms_norm_bwd(
         r = row.to(tl.int64)
         x = tl.load(X + r * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
         dy = tl.load(DY + r * dy_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        if RELOAD_W:  # RowLaunch.reload_weight: held, it would spill
+            w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        else:
+            w = held_w
         x = x.to(tl.float32)
         dy = dy.to(tl.float32)
         g = dy * w
@@ -148,7 +154,7 @@ def rms_norm_backward(
     partial = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd[(programs,)](
         dy, x, weight, dx, partial, row_stride(dy), row_stride(x), rows, cols, eps, per_program,
-        BLOCK=block, num_warps=warps,
+        BLOCK=block, RELOAD_W=launch.reload_weight(block, warps), num_warps=warps,
     )  # fmt: skip
     return dx, partial.sum(0).to(weight.dtype)
 

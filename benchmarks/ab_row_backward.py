@@ -1,0 +1,121 @@
+"""In-process A/B of the norm backward kernels: an older triton_norms.py against the installed one.
+
+Separate runs of bench_norms swing by up to 40% on the backward (both torchhal's and Liger's, one
+run to the next), more than the changes they should judge. This loads the older file as its own
+module beside `torchhal.kernels.triton_norms` and times, in each of several rounds, the old
+kernel, the new one (by its launch rule and with the warps forced, if asked) and Liger's backward
+one after the other (do_bench medians, L2 flushed), so drift hits them alike. Gradients of old
+and new are compared before anything is timed.
+
+    python3 benchmarks/ab_row_backward.py --old /tmp/old/triton_norms.py [--warps 4 8] [--out ab.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from gpu_capabilities import device_capabilities
+from sweep_common import ms, save
+from sweep_row_warps import ForcedWarps
+
+from torchhal.kernels import triton_norms
+from torchhal.kernels.triton_rows import RowLaunch
+
+SHAPES = [(32768, 4096), (16384, 8192), (8192, 16384)]
+
+
+def load_module(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location("triton_norms_old", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+Call = Callable[[Any, RowLaunch], Any]  # a kernel call, given the module and the launch
+
+
+def cases(rows: int, hidden: int) -> dict[str, tuple[Call, Callable[[], Any]]]:
+    """(kernel call for a module and a launch, Liger's backward) per op."""
+    import liger_kernel.transformers.functional as lf
+
+    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
+    w = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    b = (0.2 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
+    dy = torch.randn_like(x)
+    xl = x.clone().requires_grad_()
+    wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
+    rms_out = lf.liger_rms_norm(xl, wl, 1e-6)
+    ln_out = lf.liger_layer_norm(xl, wl, bl, 1e-5)
+    dyl = dy.clone()  # Liger's backward may overwrite its output gradient
+    return {
+        "rms_norm bwd": (
+            lambda m, launch: m.rms_norm_backward(launch, dy, x, w, 1e-6),
+            lambda: torch.autograd.grad(rms_out, (xl, wl), dyl, retain_graph=True),
+        ),
+        "layer_norm bwd": (
+            lambda m, launch: m.layer_norm_backward(launch, dy, x, w, 1e-5),
+            lambda: torch.autograd.grad(ln_out, (xl, wl, bl), dy, retain_graph=True),
+        ),
+    }
+
+
+def check(name: str, old_out: tuple[torch.Tensor, ...], new_out: tuple[torch.Tensor, ...]) -> None:
+    for i, (a, b) in enumerate(zip(old_out, new_out, strict=True)):
+        err = (a.double() - b.double()).abs().max().item() / max(a.double().abs().max().item(), 1e-30)
+        if err > 1e-2:
+            raise SystemExit(f"{name}: gradient {i} of old and new differ by {err:.3g} (relative to max)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--old", required=True, help="path of the older triton_norms.py")
+    parser.add_argument("--warps", type=int, nargs="*", default=[], help="also the new kernel at these warps")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    old = load_module(args.old)
+    caps, _ = device_capabilities("ab_row_backward")
+    base = RowLaunch.from_caps(caps)
+    forced = {f"new_w{w}": ForcedWarps(**vars(base), forced=w) for w in args.warps}
+    variants: dict[str, Callable[[Call], Any]] = {
+        "old": lambda f: f(old, base),
+        "new": lambda f: f(triton_norms, base),
+        **{name: (lambda f, launch=launch: f(triton_norms, launch)) for name, launch in forced.items()},
+    }
+    rows_out: list[dict[str, Any]] = []
+    for rows, hidden in SHAPES:
+        for name, (ours, liger) in cases(rows, hidden).items():
+            check(name, ours(old, base), ours(triton_norms, base))
+            times: dict[str, list[float]] = {v: [] for v in (*variants, "liger")}
+            for _ in range(args.rounds):
+                for v, run in variants.items():
+                    times[v].append(ms(lambda run=run, ours=ours: run(ours)))
+                times["liger"].append(ms(liger))
+            rows_out.append({"case": name, "shape": f"{rows}x{hidden}", "ms": times})
+        torch.cuda.empty_cache()
+    save(args.out, rows_out, rounds=args.rounds)
+    names = list(variants)
+    print("speed vs Liger, median over rounds (range); new's speed over old's; Liger's ms median")
+    print(f"{'case':15s} {'shape':11s} " + " ".join(f"{v:>18s}" for v in names) + "  new/old  liger ms")
+    for r in rows_out:
+        liger = r["ms"]["liger"]
+        cells = []
+        for v in names:
+            ratios = [lt / t for lt, t in zip(liger, r["ms"][v], strict=True)]
+            cells.append(f"{statistics.median(ratios):5.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+        gain = statistics.median(o / n for o, n in zip(r["ms"]["old"], r["ms"]["new"], strict=True))
+        print(
+            f"{r['case']:15s} {r['shape']:11s} "
+            + " ".join(f"{c:>18s}" for c in cells)
+            + f"  {gain:7.3f}  {statistics.median(liger):8.3f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
