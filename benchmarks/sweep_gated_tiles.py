@@ -2,7 +2,8 @@
 
 The gated kernels tile each row in blocks of `RowLaunch.elementwise` (ELEMENTWISE_BLOCK_BYTES per
 tensor per program, warps for two 16-byte vectors per thread), a (rows, blocks) grid; Liger runs
-one program per row. Both sit at 95-98% of the copy bandwidth, Liger 2-5% ahead in repeated runs.
+one program per row. Both sit at 97-100% of the copy bandwidth, Liger up to 3% ahead at hidden
+16384 (docs/benchmarks.md, sixth session).
 This times the forward and backward kernels with the block forced to 2048-16384 elements and the
 warps to 4, 8 and 16, beside the launch rule and Liger's functional ops (forward under no_grad,
 backward through autograd.grad with its output gradient cloned once), do_bench medians, one run.
