@@ -14,9 +14,12 @@ for r in a b c; do
   for build in old new; do
     site=/tmp/site; [ $build = old ] && site=/tmp/site_old
     mkdir -p "$ab/$build$r"
-    PYTHONPATH=$site OUT=$ab/$build$r timeout 150 python3 benchmarks/bench_norms.py --ops "$@" --budget-s 0 \
-      > "$ab/$build$r.log" 2>&1 || echo "bench_norms of $build$r failed: see $build$r.log"
-    runs+=("$build=$ab/$build$r/bench_norms.json")
+    if PYTHONPATH=$site OUT=$ab/$build$r timeout 150 python3 benchmarks/bench_norms.py --ops "$@" --budget-s 0 \
+      > "$ab/$build$r.log" 2>&1; then
+      runs+=("$build=$ab/$build$r/bench_norms.json")
+    else
+      echo "bench_norms of $build$r failed (left out of the table): see $build$r.log"
+    fi
   done
 done
 python3 benchmarks/compare_norm_runs.py "${runs[@]}" | tee "$ab/compare.txt"

@@ -27,13 +27,19 @@ def main(pairs: list[str]) -> None:
         for result in results:
             for row in result["summary"]:
                 cases[(row["op"], row["shape"], row["direction"])][label].append(row)
-    print("per run: torchhal GB/s | speed vs Liger | fraction of copy")
+    print("per run, in order: torchhal GB/s | speed vs Liger | fraction of copy ('-': not measured)")
     for (op, shape, direction), by_label in cases.items():
         for label, rows in by_label.items():
-            gbps = " ".join(f"{r['torchhal_gbps']:6.0f}" for r in rows)
-            liger = " ".join(f"{r['vs_liger']:5.2f}" for r in rows if r.get("vs_liger"))
-            copy = " ".join(f"{r['fraction_of_copy']:5.2f}" for r in rows if r.get("fraction_of_copy"))
+            gbps = " ".join(_cell(r, "torchhal_gbps", "6.0f") for r in rows)
+            liger = " ".join(_cell(r, "vs_liger", "5.2f") for r in rows)
+            copy = " ".join(_cell(r, "fraction_of_copy", "5.2f") for r in rows)
             print(f"{op:10s} {shape:11s} {direction:8s} {label:5s} {gbps} | {liger} | {copy}")
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    width = int(fmt.split(".")[0])
+    return format(value, fmt) if value is not None else "-".rjust(width)
 
 
 if __name__ == "__main__":

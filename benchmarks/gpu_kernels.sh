@@ -19,7 +19,8 @@ for what in "${@:-all}"; do
   esac
   if [ ${#tests[@]} -gt 0 ]; then
     # a fresh machine compiles every kernel specialisation on first use: all of tests/kernels/gpu
-    # took more than 280 s there (docs/benchmarks.md, sixth session)
+    # took more than 280 s there (docs/benchmarks.md, sixth session), so on a cold machine run
+    # the tests and the benchmarks in separate device calls (each call has 600 s)
     timeout 540 python3 -m pytest -q -m gpu -p no:cacheprovider -x "${tests[@]}" 2>&1 | tee "$OUT/gpu_tests_$what.log" | tail -15
   fi
   for b in "${benches[@]}"; do

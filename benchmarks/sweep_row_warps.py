@@ -91,7 +91,7 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[[RowLaunch], Any],
         ),
         "layer_norm bwd": (
             lambda launch: triton_norms.layer_norm_backward(launch, dy, x, w, 1e-5),
-            lambda: torch.autograd.grad(ln_out, (xl, wl, bl), dy, retain_graph=True),
+            lambda: torch.autograd.grad(ln_out, (xl, wl, bl), dyl, retain_graph=True),
         ),
     }
 
@@ -105,7 +105,11 @@ def main() -> None:
     base = RowLaunch.from_caps(caps)
     rows_out: list[dict[str, Any]] = []
     for rows, hidden in SHAPES:
-        for name, (ours, liger) in cases(rows, hidden).items():
+        shape_cases = cases(rows, hidden)
+        unknown = set(args.cases or ()) - set(shape_cases)
+        if unknown:
+            raise SystemExit(f"sweep_row_warps: no cases {sorted(unknown)}; known: {sorted(shape_cases)}")
+        for name, (ours, liger) in shape_cases.items():
             if args.cases and name not in args.cases:
                 continue
             liger_ms = ms(liger)
