@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from torchhal.hal_core import InvalidArgumentError, telemetry
+from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 from torchhal.kernels import nn as thnn
 
 HIDDEN = 123  # odd: no power-of-two luck in the row kernels
@@ -216,6 +216,24 @@ def test_kv_cache_steps_match_the_full_sequence(on_plain, window):
             parts.append(attn(x[:, lo:hi], (cos[:, lo:hi], sin[:, lo:hi]), past_key_values=cache)[0])
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
     assert "attention" in {op for op, _ in on_plain}
+
+
+def test_a_hugging_face_cache_under_a_name_it_does_not_know_is_refused(on_plain):
+    """Under an unknown keyword a Cache would not be updated and attention would see only the new
+    keys, a wrong answer: refused, naming the keyword, the cache untouched. Under `cache` (the name
+    transformers >= 5.24 passes) it is filled."""
+    transformers = pytest.importorskip("transformers", reason="a Hugging Face Cache needs transformers")
+    attn, x, cos, sin = _attention_case()
+    cache = transformers.DynamicCache()
+    with (
+        torch.no_grad(),
+        pytest.raises(UnsupportedError, match=r"Attention.forward: got a KV cache as \['kv'\]"),
+    ):
+        attn(x, (cos, sin), kv=cache)
+    assert cache.get_seq_length() == 0
+    with torch.no_grad():
+        attn(x, (cos, sin), cache=cache)
+    assert cache.get_seq_length() == 13
 
 
 def _fallbacks(reason):

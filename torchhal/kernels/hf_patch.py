@@ -302,26 +302,11 @@ class _AttentionForward:
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         module = self.module
-        _no_other_cache(module, kwargs)
         return thnn.rotary_attention(
-            module, hidden_states, position_embeddings, attention_mask, thnn.kv_cache(past_key_values, cache),
+            module, hidden_states, position_embeddings, attention_mask,
+            thnn.kv_cache(module, past_key_values, cache, kwargs),
             attention_fn=_attention_interface(module), sliding_window=self.window(module), **kwargs,
         )  # fmt: skip
-
-
-def _no_other_cache(module: nn.Module, kwargs: dict[str, Any]) -> None:
-    """Refuse a KV cache under a name the patched forward does not know: it would not be updated,
-    and attention would see only the new keys (a wrong answer, not an error). transformers 5.24
-    renamed `past_key_values` `cache`; this catches the next such rename."""
-    from transformers.cache_utils import Cache
-
-    stray = [name for name, value in kwargs.items() if isinstance(value, Cache)]
-    if stray:
-        raise UnsupportedError(
-            f"torchhal.kernels.patch: {type(module).__name__}.forward got a KV cache as {stray}, an argument "
-            "the patched forward does not know (only `cache` and `past_key_values`); this transformers "
-            "version is not supported"
-        )
 
 
 def _attention_interface(module: nn.Module) -> thnn.AttentionFn:

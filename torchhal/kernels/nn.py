@@ -18,6 +18,7 @@ fast path never stands in for a case it cannot compute.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 from torchhal import ops
-from torchhal.hal_core import InvalidArgumentError, telemetry
+from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 
 __all__ = [
     "FALLBACK_COUNTER",
@@ -286,10 +287,21 @@ def attention_function(
     )  # fmt: skip
 
 
-def kv_cache(past_key_values: Any, cache: Any) -> Any:
-    """The KV cache an attention module's forward was given, under either of Hugging Face's names:
+def kv_cache(module: nn.Module, past_key_values: Any, cache: Any, others: dict[str, Any]) -> Any:
+    """The KV cache `module`'s forward was given, under either of Hugging Face's names:
     `past_key_values`, or `cache` from transformers 5.24 on (its modules pass the new name; the old
-    one is still accepted). Both given must be the same object."""
+    one is still accepted). Both given must be the same object. A Hugging Face Cache among `others`
+    (the forward's other keyword arguments) is refused: it would not be updated, and attention
+    would see only the new keys, a wrong answer rather than an error (the 5.24 rename did that to a
+    forward that knew only the old name)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")  # no such Cache exists before its import
+    if cache_utils is not None:
+        stray = [name for name, value in others.items() if isinstance(value, cache_utils.Cache)]
+        if stray:
+            raise UnsupportedError(
+                f"{type(module).__name__}.forward: got a KV cache as {stray}, an argument it does not "
+                "know (only `cache` and `past_key_values`); it would not be updated"
+            )
     if cache is None:
         return past_key_values
     if past_key_values is not None and past_key_values is not cache:
@@ -401,7 +413,8 @@ class Attention(nn.Module):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return rotary_attention(
-            self, hidden_states, position_embeddings, attention_mask, kv_cache(past_key_values, cache),
+            self, hidden_states, position_embeddings, attention_mask,
+            kv_cache(self, past_key_values, cache, kwargs),
             attention_fn=attention_function, sliding_window=self.sliding_window, **kwargs,
         )  # fmt: skip
 
