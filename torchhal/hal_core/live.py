@@ -9,6 +9,7 @@ readers. Torch is imported on first use, never when this module is.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -20,10 +21,13 @@ def torch_properties(props: object) -> dict[str, Any]:
         if key.startswith("_"):
             continue
         value = getattr(props, key)
-        if isinstance(value, (bool, int, float, str)):
+        if key == "uuid":  # CUDA: a _CUuuid, whose str() is canonical; XPU: its 16 raw bytes
+            raw = isinstance(value, (bytes, list))
+            out[key] = str(uuid.UUID(bytes=bytes(value))) if raw else str(value)
+        elif isinstance(value, (bool, int, float, str)):
             out[key] = value
-        elif key == "uuid":  # a _CUuuid object; str() gives the canonical 8-4-4-4-12 form
-            out[key] = str(value)
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, int) for v in value):
+            out[key] = list(value)  # e.g. XPU's sub-group sizes
     return out
 
 
@@ -45,7 +49,9 @@ class LiveProbe:
         return torch_properties(self._torch_device().get_device_properties(index))
 
     def can_access_peer(self, index: int, peer: int) -> bool:
-        return bool(self._torch_device().can_device_access_peer(index, peer))
+        """Peer access as torch reports it; a torch release without the query reports none."""
+        query = getattr(self._torch_device(), "can_device_access_peer", None)
+        return bool(query(index, peer)) if query is not None else False
 
     def memory(self, index: int) -> dict[str, int]:
         """Device-wide free and total bytes, and this process's live allocations (not the allocator cache)."""
