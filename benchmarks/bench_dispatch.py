@@ -7,13 +7,14 @@ figure is the dispatch alone, free of the kernel's own timing noise); and, where
 present, the selected GPU kernels on tiny GPU tensors. Measured interleaved (A B A B ...) in
 batches; reports the median per-call difference (and its minimum, the floor least disturbed by
 a shared machine), with telemetry unconfigured and with an in-memory exporter configured.
-Usage: python benchmarks/bench_dispatch.py [--out results.json]
+Usage: python benchmarks/bench_dispatch.py [--out results.json] [--pin CORE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -124,7 +125,12 @@ def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
+    parser.add_argument(
+        "--pin", type=int, help="run on this CPU core only (unpinned, H100-host medians swung up to 60%%)"
+    )
     args = parser.parse_args()
+    if args.pin is not None:
+        os.sched_setaffinity(0, {args.pin})
     torch.set_num_threads(1)
     hals = {
         "cpu": torchhal.HardwareAbstractionLayer(),
@@ -132,6 +138,7 @@ def main() -> None:
     }
     targets = [("cpu", "cpu"), ("noop", "cpu")] + ([("cpu", "cuda")] if torch.cuda.is_available() else [])
     results: dict[str, object] = {
+        "pinned_core": args.pin,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread",
         "torch": torch.__version__,
