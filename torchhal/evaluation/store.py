@@ -3,7 +3,7 @@
 One sqlite row per finished sample, committed as soon as it is measured. The file runs in WAL
 mode with `synchronous=NORMAL`: a committed row survives the process being killed (it is in
 the OS's buffers and the WAL), though not a power cut; several processes (ranks of a sharded
-evaluation on one host) may write the same file, each waiting up to `timeout_s` for the lock.
+evaluation on one host) may open and write the same file, each waiting up to `timeout_s` for the lock.
 Rows are keyed by (experiment, variant, key): `experiment` is a hash of everything that makes
 samples comparable (configuration and environment), `key` is a round number or an input hash.
 """
@@ -48,13 +48,7 @@ class SampleStore:
         self.session = uuid.uuid4().hex[:12]
         if not self.path.parent.exists():
             raise ConfigurationError(f"sample store {self.path}: directory {self.path.parent} does not exist")
-        try:
-            self._db = sqlite3.connect(self.path, timeout=timeout_s, isolation_level=None)
-            mode = self._db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
-            self._db.execute("PRAGMA synchronous=NORMAL")
-            self._db.executescript(_SCHEMA)
-        except sqlite3.DatabaseError as exc:
-            raise ConfigurationError(f"sample store {self.path}: not a usable sqlite file: {exc}") from exc
+        self._db, mode = _open_waiting(self.path, timeout_s)
         if str(mode).lower() != "wal":
             log.warning("sample store not in WAL mode", path=str(self.path), mode=mode)
 
@@ -104,3 +98,41 @@ class SampleStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _open_waiting(path: Path, timeout_s: float) -> tuple[sqlite3.Connection, str]:
+    """`_open`, tried again while another process holds the new file's lock, for up to `timeout_s`.
+
+    Two processes opening a new file at once both read it, then both ask to write (the WAL
+    switch, the schema): sqlite answers one "database is locked" at once, without waiting out its
+    busy timeout, since waiting would deadlock. Its turn comes when the other has finished."""
+    deadline = time.monotonic() + timeout_s
+    pause_s = 0.005
+    while True:
+        try:
+            return _open(path, timeout_s)
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() + pause_s > deadline:
+                raise _unusable(path, exc) from exc
+            log.debug("sample store locked while opening; trying again", path=str(path), pause_s=pause_s)
+        except sqlite3.DatabaseError as exc:
+            raise _unusable(path, exc) from exc
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, 0.5)
+
+
+def _unusable(path: Path, exc: Exception) -> ConfigurationError:
+    return ConfigurationError(f"sample store {path}: not a usable sqlite file: {exc}")
+
+
+def _open(path: Path, timeout_s: float) -> tuple[sqlite3.Connection, str]:
+    """A connection to `path` in WAL mode with the schema in place, and the journal mode it got."""
+    db = sqlite3.connect(path, timeout=timeout_s, isolation_level=None)
+    try:
+        mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+        db.execute("PRAGMA synchronous=NORMAL")
+        db.executescript(_SCHEMA)
+    except BaseException:
+        db.close()
+        raise
+    return db, str(mode)
