@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from gpu_capabilities import device_capabilities
 from sweep_common import ms, save
-from sweep_row_warps import ForcedWarps
+from sweep_row_warps import ForcedWarps, cases
 
 from torchhal.kernels import triton_norms
 from torchhal.kernels.triton_rows import RowLaunch
@@ -38,32 +38,8 @@ def load_module(path: str) -> Any:
     return module
 
 
-Call = Callable[[Any, RowLaunch], Any]  # a kernel call, given the module and the launch
-
-
-def cases(rows: int, hidden: int) -> dict[str, tuple[Call, Callable[[], Any]]]:
-    """(kernel call for a module and a launch, Liger's backward) per op."""
-    import liger_kernel.transformers.functional as lf
-
-    x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
-    w = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
-    b = (0.2 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
-    dy = torch.randn_like(x)
-    xl = x.clone().requires_grad_()
-    wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
-    rms_out = lf.liger_rms_norm(xl, wl, 1e-6)
-    ln_out = lf.liger_layer_norm(xl, wl, bl, 1e-5)
-    dyl = dy.clone()  # Liger's backward may overwrite its output gradient
-    return {
-        "rms_norm bwd": (
-            lambda m, launch: m.rms_norm_backward(launch, dy, x, w, 1e-6),
-            lambda: torch.autograd.grad(rms_out, (xl, wl), dyl, retain_graph=True),
-        ),
-        "layer_norm bwd": (
-            lambda m, launch: m.layer_norm_backward(launch, dy, x, w, 1e-5),
-            lambda: torch.autograd.grad(ln_out, (xl, wl, bl), dyl, retain_graph=True),
-        ),
-    }
+Call = Callable[[RowLaunch, Any], Any]  # a kernel call, given the launch and the kernels module
+BACKWARDS = ("rms_norm bwd", "layer_norm bwd")  # sweep_row_warps' cases, on the same inputs for both
 
 
 def check(name: str, variant: str, old_out: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]) -> None:
@@ -88,14 +64,16 @@ def main() -> None:
     base = RowLaunch.from_caps(caps)
     forced = {f"new_w{w}": ForcedWarps(**vars(base), forced=w) for w in args.warps}
     variants: dict[str, Callable[[Call], Any]] = {
-        "old": lambda f: f(old, base),
-        "new": lambda f: f(triton_norms, base),
-        **{name: (lambda f, launch=launch: f(triton_norms, launch)) for name, launch in forced.items()},
+        "old": lambda f: f(base, old),
+        "new": lambda f: f(base, triton_norms),
+        **{name: (lambda f, launch=launch: f(launch, triton_norms)) for name, launch in forced.items()},
     }
     rows_out: list[dict[str, Any]] = []
     for rows, hidden in SHAPES:
-        for name, (ours, liger) in cases(rows, hidden).items():
-            reference = ours(old, base)
+        shape_cases = cases(rows, hidden)
+        for name in BACKWARDS:
+            ours, liger = shape_cases[name]
+            reference = ours(base, old)
             for v, run in variants.items():
                 check(name, v, reference, run(ours))
             times: dict[str, list[float]] = {v: [] for v in (*variants, "liger")}

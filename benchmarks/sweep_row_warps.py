@@ -38,8 +38,9 @@ class ForcedWarps(RowLaunch):
         return self.forced
 
 
-def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[[RowLaunch], Any], Callable[[], Any]]]:
-    """(torchhal kernel call for a launch, Liger's call) per op and direction."""
+def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[..., Any], Callable[[], Any]]]:
+    """(torchhal kernel call for a launch, Liger's call) per op and direction. The norms' calls
+    take the kernels module as an optional second argument (ab_row_backward.py passes an older one)."""
     import liger_kernel.transformers.functional as lf
 
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
@@ -78,19 +79,19 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[[RowLaunch], Any],
             lambda: torch.autograd.grad(rope_out, (ql, kl), (dql, dkl), retain_graph=True),
         ),
         "rms_norm fwd": (
-            lambda launch: triton_norms.rms_norm_forward(launch, x, w, 1e-6),
+            lambda launch, m=triton_norms: m.rms_norm_forward(launch, x, w, 1e-6),
             lambda: lf.liger_rms_norm(x, w, 1e-6),
         ),
         "rms_norm bwd": (
-            lambda launch: triton_norms.rms_norm_backward(launch, dy, x, w, 1e-6),
+            lambda launch, m=triton_norms: m.rms_norm_backward(launch, dy, x, w, 1e-6),
             lambda: torch.autograd.grad(rms_out, (xl, wl), dyl, retain_graph=True),
         ),
         "layer_norm fwd": (
-            lambda launch: triton_norms.layer_norm_forward(launch, x, w, b, 1e-5),
+            lambda launch, m=triton_norms: m.layer_norm_forward(launch, x, w, b, 1e-5),
             lambda: lf.liger_layer_norm(x, w, b, 1e-5),
         ),
         "layer_norm bwd": (
-            lambda launch: triton_norms.layer_norm_backward(launch, dy, x, w, 1e-5),
+            lambda launch, m=triton_norms: m.layer_norm_backward(launch, dy, x, w, 1e-5),
             lambda: torch.autograd.grad(ln_out, (xl, wl, bl), dyl, retain_graph=True),
         ),
     }
