@@ -1,11 +1,14 @@
 """Data-parallel scaling of a random-initialised ~1B-parameter Llama: 1 GPU against 2 with DDP and FSDP2.
 
-Three phases on every rank, each through torchhal.distributed (init, prepare, train) with the
-precision policy the HAL chooses (bf16 on an H200): "local" (each GPU trains its own copy: the
-1-GPU baseline, measured with both GPUs busy), "ddp" and "fsdp" (FSDP2, one unit per decoder
-layer). Same micro-batch per GPU in every phase (weak scaling), so the scaling efficiency is
-tokens/s on 2 GPUs ÷ (2 × tokens/s on 1). Peak memory per GPU is the allocator's peak within
-the phase. Step time is wall time after the device synchronised (median of the timed steps).
+Four phases on every rank, each through torchhal.distributed (init, prepare, train) with the
+precision policy the HAL chooses (bf16 on an H200): "local" (each GPU trains its own copy under
+autocast over fp32 parameters: DDP's 1-GPU baseline, measured with both GPUs busy), "ddp",
+"fsdp_alone" (each GPU runs FSDP2 on a one-rank sub-mesh: bf16 parameter copies as FSDP2 keeps
+them, FSDP2's 1-GPU baseline) and "fsdp" (FSDP2 over all ranks, one unit per decoder layer).
+Same micro-batch per GPU in every phase (weak scaling), so the scaling efficiency is tokens/s on
+2 GPUs ÷ (2 × tokens/s of the strategy's own 1-GPU baseline). Peak memory per GPU is the
+allocator's peak within the phase. Step time is wall time after the device synchronised
+(median of the timed steps).
 
     NCCL_NVLS_ENABLE=0 torchrun --nproc-per-node 2 benchmarks/bench_train_scaling.py --out scaling.json
 Needs `transformers` (LlamaConfig, LlamaForCausalLM).
@@ -27,7 +30,8 @@ import torch.distributed as dist
 
 from torchhal import distributed as thd
 
-PHASES = ("local", "ddp", "fsdp")
+PHASES = ("local", "ddp", "fsdp_alone", "fsdp")
+BASELINE = {"ddp": "local", "fsdp": "fsdp_alone"}  # each strategy against 1 GPU under its own precision
 
 
 def parse_args() -> argparse.Namespace:
@@ -68,7 +72,16 @@ def run_phase(ctx: thd.DistContext, args: argparse.Namespace, strategy: str) -> 
     torch.accelerator.memory.reset_peak_memory_stats(device.index)
     model = build_model(args, device)
     params = sum(p.numel() for p in model.parameters())
-    prepared = thd.prepare(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4), ctx=ctx, strategy=strategy)
+    mesh = None
+    if strategy == "fsdp_alone":  # a (world, 1) mesh: this rank's sub-mesh along "alone" is itself
+        mesh = thd.Mesh.create(ctx, (ctx.world_size, 1), ("replicas", "alone"))["alone"]
+    prepared = thd.prepare(
+        model,
+        lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+        ctx=ctx,
+        strategy="fsdp" if strategy == "fsdp_alone" else strategy,
+        mesh=mesh,
+    )
     gen = torch.Generator(device=device).manual_seed(1000 + ctx.rank)
     total = args.warmup + args.steps
     batches = (
@@ -121,13 +134,12 @@ def main() -> None:
     args = parse_args()
     ctx = thd.init()
     phases = {name: run_phase(ctx, args, name) for name in args.phases.split(",")}
-    if "local" in phases:
-        one_gpu = phases["local"]["tokens_per_s_per_gpu"]
-        for name in ("ddp", "fsdp"):
-            if name in phases:
-                phases[name]["scaling_efficiency"] = phases[name]["tokens_per_s_total"] / (
-                    ctx.world_size * one_gpu
-                )
+    for name, baseline in BASELINE.items():
+        if name in phases and baseline in phases:
+            one_gpu = phases[baseline]["tokens_per_s_per_gpu"]
+            phases[name]["scaling_baseline"] = baseline
+            total = phases[name]["tokens_per_s_total"]
+            phases[name]["scaling_efficiency"] = total / (ctx.world_size * one_gpu)
     if ctx.is_main:
         for name, phase in phases.items():
             eff = phase.get("scaling_efficiency")
@@ -135,7 +147,7 @@ def main() -> None:
                 f"{name:>5}: {phase['tokens_per_s_total']:10.0f} tokens/s on {ctx.world_size} GPU(s) "
                 f"({phase['tokens_per_s_per_gpu']:.0f} per GPU), "
                 f"peak {phase['peak_memory_gib_max']:.1f} GiB/GPU"
-                + ("" if eff is None else f", scaling efficiency {eff:.3f}"),
+                + ("" if eff is None else f", scaling efficiency {eff:.3f} vs {phase['scaling_baseline']}"),
                 flush=True,
             )
         if args.out:
@@ -149,7 +161,7 @@ def main() -> None:
                 "backend": ctx.backend,
                 "world_size": ctx.world_size,
                 "config": {k: v for k, v in vars(args).items() if k != "out"},
-                "peer": "local: each GPU training alone (the 1-GPU baseline), measured in the same run",
+                "peer": "local / fsdp_alone: each GPU training alone (the 1-GPU baselines), same run",
                 "phases": phases,
             }
             with open(args.out, "w") as f:

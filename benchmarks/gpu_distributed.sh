@@ -16,6 +16,6 @@ if [ "$what" = allreduce ] || [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 100 $run benchmarks/bench_allreduce.py --out "$OUT/allreduce.json" 2>&1 | tail -25
 fi
 if [ "$what" = training ] || [ "$what" = all ]; then
-  timeout 220 $run benchmarks/bench_train_scaling.py --out "$OUT/scaling.json" 2>&1 | tail -25
+  timeout 300 $run benchmarks/bench_train_scaling.py --out "$OUT/scaling.json" 2>&1 | tail -25
   timeout 100 python3 benchmarks/bench_recovery.py --fault kill --out "$OUT/recovery_kill.json" 2>&1 | tail -20
 fi
