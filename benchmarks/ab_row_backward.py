@@ -9,6 +9,7 @@ gradients are compared with the old kernel's before anything is timed. The old f
 the installed `triton_rows`, so "old" is the old kernels under the current launch rules.
 
     python3 benchmarks/ab_row_backward.py --old /tmp/old/triton_norms.py [--warps 4 8] [--out ab.json]
+        [--variant NAME=PATH ...]   # more kernels files, each timed beside old and new
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ SHAPES = [(32768, 4096), (16384, 8192), (8192, 16384)]
 
 
 def load_module(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location("triton_norms_old", path)
+    spec = importlib.util.spec_from_file_location(f"triton_norms_{abs(hash(path))}", path)
     assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -56,6 +57,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--old", required=True, help="path of the older triton_norms.py")
     parser.add_argument("--warps", type=int, nargs="*", default=[], help="also the new kernel at these warps")
+    parser.add_argument("--variant", action="append", default=[], help="NAME=PATH of another triton_norms.py")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -68,6 +70,10 @@ def main() -> None:
         "new": lambda f: f(base, triton_norms),
         **{name: (lambda f, launch=launch: f(launch, triton_norms)) for name, launch in forced.items()},
     }
+    for spec in args.variant:
+        name, _, path = spec.partition("=")
+        module = load_module(path)
+        variants[name] = lambda f, module=module: f(base, module)
     rows_out: list[dict[str, Any]] = []
     for rows, hidden in SHAPES:
         shape_cases = cases(rows, hidden)

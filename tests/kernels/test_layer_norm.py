@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from torchhal.hal_core import InvalidArgumentError, RejectionReason, UnsupportedError
 from torchhal.kernels import layer_norm
+from torchhal.kernels.triton_rows import RowLaunch
 
 
 def _params(n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,6 +27,17 @@ def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, shape,
     assert ops.hal.kernels.select("layer_norm", cpu, x, w, b, eps).candidate.name == "triton"
     assert ops.hal.kernels.select("layer_norm_backward", cpu, dy, x, w, eps).candidate.name == "triton"
     check_op(ops.layer_norm, layer_norm.reference, (x, w, b, eps), (dy,), (0, 1, 2))
+
+
+def test_long_rows_are_read_again_after_the_sums(ops, check_op):
+    """At hidden 12289 (block 16384) each interpreted thread holds 32 fp32 elements, so the backward
+    reads the row and the weight again after the sums (RowLaunch.reload_row); the mean is far from
+    0 so that a second read recentred differently from the first would show."""
+    x, dy = torch.randn(3, 12289) + 3.0, torch.randn(3, 12289)
+    w, b = _params(12289)
+    launch = RowLaunch.from_caps(ops.hal.device("cpu").capabilities)
+    assert launch.reload_row(16384, launch.backward_warps(16384, x.element_size()))
+    check_op(ops.layer_norm, layer_norm.reference, (x, w, b, 1e-5), (dy,), (0, 1, 2))
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

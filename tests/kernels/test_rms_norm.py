@@ -25,23 +25,23 @@ def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, shape,
     check_op(ops.rms_norm, rms_norm.reference, (x, w, eps), (dy,), (0, 1))
 
 
-def test_long_rows_read_the_weight_again_per_row(ops, check_op):
+def test_long_rows_are_read_again_after_the_sums(ops, check_op):
     """At hidden 12289 (block 16384) each interpreted thread holds 32 fp32 elements, so the backward
-    takes the path that reads the weight for every row (RowLaunch.reload_weight) instead of holding
-    it; the gradients must agree all the same."""
+    takes the path that reads the row and the weight again after the sums (RowLaunch.reload_row)
+    instead of holding them; the gradients must agree all the same."""
     x, w, dy = torch.randn(3, 12289), _weight(12289), torch.randn(3, 12289)
     launch = RowLaunch.from_caps(ops.hal.device("cpu").capabilities)
-    assert launch.reload_weight(16384, launch.backward_warps(16384, x.element_size()))
-    assert not launch.reload_weight(1024, launch.backward_warps(1024, x.element_size()))
+    assert launch.reload_row(16384, launch.backward_warps(16384, x.element_size()))
+    assert not launch.reload_row(1024, launch.backward_warps(1024, x.element_size()))
     check_op(ops.rms_norm, rms_norm.reference, (x, w, 1e-6), (dy,), (0, 1))
 
 
 @pytest.mark.parametrize(("hidden", "reload"), [(4096, False), (8192, False), (16384, True), (32768, True)])
-def test_weight_is_read_again_only_where_holding_it_would_spill(hidden, reload):
-    """The rule in bf16 on 32-lane SIMD: reload from 32 elements a thread (16384 on 16 warps), where
-    the H100 measured it faster; hold below (4096 and 8192 measured faster holding)."""
+def test_rows_are_read_again_only_where_holding_them_would_spill(hidden, reload):
+    """The rule in bf16 on 32-lane SIMD: read again from 32 elements a thread (16384 on 16 warps),
+    where the H100 measured it faster; hold below (4096 and 8192 measured faster holding)."""
     launch = RowLaunch(simd_width=32, compute_units=132)
-    assert launch.reload_weight(hidden, launch.backward_warps(hidden, 2)) is reload
+    assert launch.reload_row(hidden, launch.backward_warps(hidden, 2)) is reload
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -32,30 +32,36 @@ def _rms_norm_fwd(X, W, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
 @triton.jit
 def _rms_norm_bwd(
     DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program,
-    BLOCK: tl.constexpr, RELOAD_W: tl.constexpr,
+    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    if not RELOAD_W:
+    if not RELOAD_ROW:
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     row = pid * rows_per_program
     end = tl.minimum(row + rows_per_program, n_rows)
     while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         r = row.to(tl.int64)
-        x = tl.load(X + r * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        dy = tl.load(DY + r * dy_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        if RELOAD_W:  # RowLaunch.reload_weight: held, it would spill
+        xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
+        if RELOAD_ROW:  # first reads stay in L1, for the second read after the sums
+            x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         else:
+            x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             w = held_w
-        x = x.to(tl.float32)
-        dy = dy.to(tl.float32)
         g = dy * w
         # both sums in one round: mean(g * xhat) = rstd * mean(g * x)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         mean_gx = tl.sum(g * x, axis=0) / n_cols
+        if RELOAD_ROW:  # RowLaunch.reload_row: read again from L1 rather than held across the sums
+            x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            g = dy * w
         xhat = x * rstd
         dx = (g - xhat * (rstd * mean_gx)) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
@@ -82,22 +88,29 @@ def _layer_norm_fwd(X, W, B, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
 
 @triton.jit
 def _layer_norm_bwd(
-    DY, X, W, DX, DW, DB, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program, BLOCK: tl.constexpr
-):
+    DY, X, W, DX, DW, DB, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program,
+    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr,
+):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if not RELOAD_ROW:
+        held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
     row = pid * rows_per_program
     end = tl.minimum(row + rows_per_program, n_rows)
     while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         r = row.to(tl.int64)
-        x = tl.load(X + r * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        dy = tl.load(DY + r * dy_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        x = x.to(tl.float32)
-        dy = dy.to(tl.float32)
+        xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
+        if RELOAD_ROW:  # first reads stay in L1, for the second read after the sums
+            x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+        else:
+            x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = held_w
         mean = tl.sum(x, axis=0) / n_cols
         diff = tl.where(mask, x - mean, 0.0)
         g = dy * w
@@ -105,6 +118,12 @@ def _layer_norm_bwd(
         rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
         mean_g = tl.sum(g, axis=0) / n_cols
         mean_gd = tl.sum(g * diff, axis=0) / n_cols
+        if RELOAD_ROW:  # RowLaunch.reload_row: read again from L1 rather than held across the sums
+            x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            diff = tl.where(mask, x - mean, 0.0)
+            g = dy * w
         xhat = diff * rstd
         dx = (g - mean_g - xhat * (rstd * mean_gd)) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
@@ -154,7 +173,7 @@ def rms_norm_backward(
     partial = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd[(programs,)](
         dy, x, weight, dx, partial, row_stride(dy), row_stride(x), rows, cols, eps, per_program,
-        BLOCK=block, RELOAD_W=launch.reload_weight(block, warps), num_warps=warps,
+        BLOCK=block, RELOAD_ROW=launch.reload_row(block, warps), num_warps=warps,
     )  # fmt: skip
     return dx, partial.sum(0).to(weight.dtype)
 
@@ -188,6 +207,6 @@ def layer_norm_backward(
     db = torch.empty_like(dw)
     _layer_norm_bwd[(programs,)](
         dy, x, weight, dx, dw, db, row_stride(dy), row_stride(x), rows, cols, eps, per_program,
-        BLOCK=block, num_warps=warps,
+        BLOCK=block, RELOAD_ROW=launch.reload_row(block, warps), num_warps=warps,
     )  # fmt: skip
     return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)

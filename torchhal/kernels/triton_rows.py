@@ -26,16 +26,20 @@ VECTORS_PER_THREAD = 2  # row elements each thread holds per tensor: two 16-byte
 # threads; RoPE, element-wise with no reduction, with 128 threads whatever its tile.
 FORWARD_VECTORS_PER_THREAD = 4
 MAX_BACKWARD_THREADS = 512
-# rms_norm's backward holds its weight in fp32 registers across the row loop while each thread
-# holds fewer row elements than this; from this many on, x, dy, the weight and the partial weight
-# gradient no longer fit (ptxas, hidden 16384 on 16 warps: 184 spilled bytes a thread, 68 with the
-# weight read again), and reading it again for every row (from L1/L2) ran 8.5% faster on an H100.
-# At 4096 and 8192 (16 elements a thread) reading it again ran 13-16% slower
-# (benchmarks/ab_row_backward.py, docs/benchmarks.md). layer_norm's backward, which spills either
-# way at 16384 (308 bytes, 260), always holds it: reading it again ran 4.6% slower there.
-RELOAD_WEIGHT_ELEMENTS_PER_THREAD = 32
+# The norm backwards hold x, dy, the weight and the partial weight gradient(s) across a row's sums
+# while each thread holds fewer row elements than this. From this many on they no longer fit (ptxas,
+# hidden 16384 on 16 warps: rms_norm 184 spilled bytes a thread, layer_norm 308), so the row and the
+# weight are read once for the sums and again (from L1) for dx and the weight gradient: rms_norm
+# then spills nothing, layer_norm 164 bytes, and on an H100 they ran 14.6% and 7.7% faster
+# (benchmarks/ab_row_backward.py, docs/benchmarks.md). At 4096 and 8192 (16 elements a thread)
+# everything fits, and reading the weight again there ran 13-16% slower.
+RELOAD_ROW_ELEMENTS_PER_THREAD = 32
 ROPE_THREADS = 128
-RESIDENT_THREADS_PER_UNIT = 1024  # backward programs per compute unit aim at this many threads
+# Backward programs per compute unit aim at this many threads. The norm backwards take 100-125
+# registers a thread, so no more than 512 threads of them are resident on an H100 SM at once;
+# aiming at 1024 ran a second wave and wrote twice the partial weight-gradient rows, and 512 ran
+# 2-6% faster at every measured shape (benchmarks/ab_row_backward.py, docs/benchmarks.md).
+RESIDENT_THREADS_PER_UNIT = 512
 MIN_ROWS_PER_PROGRAM = 8  # below this, a backward program's partial weight gradient costs more than it saves
 MAX_BLOCK = 32768  # one row per program: beyond this, registers spill
 ELEMENTWISE_BLOCK_BYTES = 8192  # per tensor per program of an element-wise kernel
@@ -135,9 +139,10 @@ class RowLaunch:
     def backward_warps(self, block: int, element_bytes: int) -> int:
         return self.warps(block, element_bytes, most_threads=MAX_BACKWARD_THREADS)
 
-    def reload_weight(self, block: int, warps: int) -> bool:
-        """Whether rms_norm's backward reads its weight again for every row instead of holding it."""
-        return block // (warps * self.simd_width) >= RELOAD_WEIGHT_ELEMENTS_PER_THREAD
+    def reload_row(self, block: int, warps: int) -> bool:
+        """Whether a norm backward reads each row and its weight again after the row's sums instead
+        of holding them across the reduction."""
+        return block // (warps * self.simd_width) >= RELOAD_ROW_ELEMENTS_PER_THREAD
 
     def elementwise(self, cols: int, element_bytes: int) -> tuple[int, int]:
         """(block, warps) of an element-wise kernel tiling rows of `cols` elements."""
