@@ -41,7 +41,7 @@ from torchhal.hal_core import (
     VendorAdapter,
     telemetry,
 )
-from torchhal.hal_core.collectives import Communicator
+from torchhal.hal_core.collectives import Communicator, Islands
 
 SUITE_TIMEOUT = timedelta(seconds=30)
 SHORT_TIMEOUT = timedelta(seconds=2)
@@ -284,6 +284,38 @@ def check_barrier_waits_for_the_slowest(ctx: Ctx) -> None:
     assert store.check(keys), f"rank {ctx.rank} left the barrier before every rank arrived"
 
 
+def _record_calls(islands: Islands) -> list[str]:
+    """Wrap the collectives of this rank's island and lane communicators so that the calls a
+    hierarchical all-reduce makes through them are recorded ("island.reduce_scatter", ...)."""
+    calls: list[str] = []
+    for who, comm in (("island", islands.island), ("lane", islands.lane)):
+        for name in ("reduce_scatter", "all_gather", "all_reduce", "reduce", "broadcast") if comm else ():
+            inner = getattr(comm, name)
+
+            def recorded(*args: object, _inner: Callable = inner, _tag: str = f"{who}.{name}", **kw: object):
+                calls.append(_tag)
+                return _inner(*args, **kw)
+
+            setattr(comm, name, recorded)
+    return calls
+
+
+def _check_hierarchical(ctx: Ctx, islands: Islands, tag: str, expected_calls: list[str]) -> None:
+    """Every op, on a shape that splits evenly over an island and one that needs padding, equals
+    the flat all-reduce and the reference, and takes exactly the expected path."""
+    calls = _record_calls(islands)
+    for op in ("sum", "avg", "max", "product"):
+        for shape in ((6, 8), (5, 7)):
+            xs = ctx.inputs(f"{tag}_{op}_{shape}", shape)
+            hier, flat = xs[ctx.rank].clone(), xs[ctx.rank].clone()
+            calls.clear()
+            islands.hierarchical_all_reduce(hier, op=op)
+            assert calls == expected_calls, (op, shape, calls)
+            ctx.comm.all_reduce(flat, op=op)
+            torch.testing.assert_close(hier, flat)
+            torch.testing.assert_close(hier, _reduced(xs, op).float())
+
+
 @check
 def check_hierarchical_equals_flat(ctx: Ctx) -> None:
     half = ctx.world // 2  # ranks from here on pose as another vendor: two islands (one when alone)
@@ -293,13 +325,27 @@ def check_hierarchical_equals_flat(ctx: Ctx) -> None:
     assert [(i.vendor, list(i.ranks)) for i in islands.layout] == expected
     assert islands.is_leader == (ctx.rank in (0, half))
     assert islands.island.world_size == len(next(ranks for _, ranks in expected if ctx.rank in ranks))
-    for op in ("sum", "avg", "max", "product"):
-        xs = ctx.inputs(f"hier_{op}", (6, 7))
-        hier, flat = xs[ctx.rank].clone(), xs[ctx.rank].clone()
-        islands.hierarchical_all_reduce(hier, op=op)
-        ctx.comm.all_reduce(flat, op=op)
-        torch.testing.assert_close(hier, flat)
-        torch.testing.assert_close(hier, _reduced(xs, op).float())
+    assert islands.form == "sharded"  # equal islands: every rank carries its shard across
+    bridged = ["lane.all_reduce"] if len(expected) > 1 else []
+    if bridged:
+        assert islands.lane is not None and islands.lane.world_size == len(expected)
+    _check_hierarchical(ctx, islands, "hier", ["island.reduce_scatter", *bridged, "island.all_gather"])
+
+
+@check
+def check_hierarchical_unequal_islands_bridge_their_leaders(ctx: Ctx) -> None:
+    """Rank 0 alone against the rest: with 4 ranks the islands (1 and 3) have no common sharding,
+    so the leaders carry the whole tensor across, and the fallback is counted."""
+    islands = ctx.comm.islands(vendor="acme" if ctx.rank >= 1 else None)
+    if ctx.world == 2:  # 1 and 1: equal, so sharded
+        assert islands.form == "sharded"
+        return
+    assert islands.form == "leaders"
+    assert (islands.lane is not None) == islands.is_leader == (ctx.rank in (0, 1))
+    before = telemetry.counts().get("torchhal.collective.hierarchical_leaders,islands=2", 0)
+    bridged = ["lane.all_reduce"] if islands.is_leader else []
+    _check_hierarchical(ctx, islands, "unequal", ["island.reduce", *bridged, "island.broadcast"])
+    assert telemetry.counts()["torchhal.collective.hierarchical_leaders,islands=2"] == before + 8
 
 
 @check

@@ -230,6 +230,7 @@ def check_islands_by_vendor(state: State) -> None:
 
 def check_hierarchical_all_reduce_equals_flat(state: State) -> None:
     islands = state.group.islands
+    assert islands.form == "sharded" and islands.lane is not None and islands.lane.world_size == 2
     for shape in ((1000,), (7, 13)):
         everyone = [
             torch.randn(shape, generator=state.generator(f"grad{shape}{r}")) for r in range(state.world)

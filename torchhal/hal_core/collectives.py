@@ -394,12 +394,22 @@ class Communicator:
                 sub = self._subgroup(list(island.ranks), island.backend, self.device)
                 own = sub if sub is not None else own
             host = self.hal.device("cpu")
-            bridge = self._subgroup([i.leader for i in islands], HOST_BACKEND, host)
+            sizes = {len(i.ranks) for i in islands}
+            # Equal islands get one host lane per island position (lane 0 joins the leaders);
+            # unequal ones only the leaders' bridge.
+            lanes = range(sizes.pop()) if len(sizes) == 1 else range(1)
+            lane: Communicator | None = None
+            for position in lanes:
+                sub = self._subgroup([i.ranks[position] for i in islands], HOST_BACKEND, host)
+                lane = sub if sub is not None else lane
         assert own is not None, "every rank belongs to its own island"
         me = dist.get_rank()
-        result = Islands(self, next(i for i in islands if me in i.ranks), islands, own, bridge)
+        result = Islands(self, next(i for i in islands if me in i.ranks), islands, own, lane)
         log.info(
-            "islands formed", islands=[list(i.ranks) for i in islands], leaders=[i.leader for i in islands]
+            "islands formed",
+            islands=[list(i.ranks) for i in islands],
+            leaders=[i.leader for i in islands],
+            form=result.form,
         )
         return result
 
@@ -601,7 +611,13 @@ class Communicator:
 
 
 class Islands:
-    """This rank's view of a job split into single-vendor islands joined by a host bridge."""
+    """This rank's view of a job split into single-vendor islands joined by a host bridge.
+
+    When the islands are of equal size the bridge is sharded: the rank at position j of every
+    island joins host lane j, so each rank carries 1/size of the tensor across islands and the
+    lanes run side by side. Islands of unequal sizes have no common sharding, so only their
+    leaders are bridged (`form` says which; the leader form is logged and counted when used).
+    """
 
     def __init__(
         self,
@@ -609,46 +625,75 @@ class Islands:
         mine: Island,
         layout: tuple[Island, ...],
         island: Communicator,
-        bridge: Communicator | None,
+        lane: Communicator | None,
     ) -> None:
         self.parent = parent
         self.mine = mine  # this rank's island
         self.layout = layout  # every island, ordered by its first rank
         self.island = island  # collectives inside this rank's island, on its own backend
-        self.bridge = bridge  # leaders only: gloo across islands, on host tensors
+        self.lane = lane  # gloo across islands on host tensors: this rank's position's lane, or leaders only
+        self.form = "sharded" if len({len(i.ranks) for i in layout}) == 1 else "leaders"
 
     @property
     def is_leader(self) -> bool:
-        return self.bridge is not None
+        return self.mine.leader == dist.get_rank()
 
     def hierarchical_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """All-reduce in place: reduce to the island leader, all-reduce leaders over gloo, broadcast back.
+        """All-reduce in place across islands; equals `parent.all_reduce(tensor, op)` up to the
+        order of floating-point operations.
 
-        The leader copies to host memory for the bridge and back, explicitly. Equals
-        `parent.all_reduce(tensor, op)` up to the order of floating-point operations.
+        Sharded form: reduce-scatter inside the island, all-reduce each shard across islands on
+        its host lane, all-gather inside the island. Leader form: reduce to the island leader,
+        all-reduce the leaders over gloo, broadcast back. Host copies for the bridge are explicit.
         """
         parent = self.parent
         parent._check_tensor("hierarchical_all_reduce", tensor, in_place=True)
         _check_op("hierarchical_all_reduce", op, tensor)
         step = "sum" if op == "avg" else op
-        with parent._span("hierarchical_all_reduce", tensor, op=op, islands=len(self.layout)):
-            self.island.reduce(tensor, dst=0, op=step)
-            if self.bridge is not None:
-                on_host = tensor.device.type == "cpu"
-                staged = tensor if on_host else tensor.to("cpu")
-                if not on_host:
-                    log.debug(
-                        "bridge host copy",
-                        bytes=tensor.numel() * tensor.element_size(),
-                        device=str(tensor.device),
-                    )
-                self.bridge.all_reduce(staged, step)
-                if not on_host:
-                    tensor.copy_(staged)
-            self.island.broadcast(tensor, src=0)
+        with parent._span("hierarchical_all_reduce", tensor, op=op, islands=len(self.layout), form=self.form):
+            if self.form == "sharded":
+                self._sharded(tensor, step)
+            else:
+                telemetry.count("torchhal.collective.hierarchical_leaders", islands=str(len(self.layout)))
+                log.debug(
+                    "hierarchical all-reduce through island leaders",
+                    reason="islands of unequal sizes have no common sharding",
+                    sizes=[len(i.ranks) for i in self.layout],
+                )
+                self.island.reduce(tensor, dst=0, op=step)
+                if self.lane is not None:
+                    self._bridge(tensor, step)
+                self.island.broadcast(tensor, src=0)
             if op == "avg":
                 tensor.div_(parent.world_size)
         return tensor
+
+    def _sharded(self, tensor: torch.Tensor, op: str) -> None:
+        flat = tensor.view(-1)
+        size = self.island.world_size
+        shard_len = -(-flat.numel() // size)
+        padding = shard_len * size - flat.numel()
+        # reduce_scatter takes equal shards: a padded tail is reduced and gathered but never
+        # copied back, so its values do not matter
+        padded = torch.cat([flat, flat.new_zeros(padding)]) if padding else flat
+        shard = self.island.reduce_scatter(padded, op)
+        if len(self.layout) > 1:
+            self._bridge(shard, op)
+        gathered = self.island.all_gather(shard)
+        flat.copy_(gathered[: flat.numel()])
+
+    def _bridge(self, tensor: torch.Tensor, op: str) -> None:
+        """All-reduce `tensor` on this rank's host lane, staged through host memory where needed."""
+        assert self.lane is not None
+        on_host = tensor.device.type == "cpu"
+        staged = tensor if on_host else tensor.to("cpu")
+        if not on_host:
+            log.debug(
+                "bridge host copy", bytes=tensor.numel() * tensor.element_size(), device=str(tensor.device)
+            )
+        self.lane.all_reduce(staged, op)
+        if not on_host:
+            tensor.copy_(staged)
 
 
 def _check_op(name: str, op: str, tensor: torch.Tensor) -> None:
