@@ -141,12 +141,29 @@ def test_no_checkpoint_loads_nothing(tmp_path):
     assert_restored(model, optimizer, before)
 
 
-def test_async_save_holds_the_state_of_its_step(tmp_path):
+def test_async_save_holds_the_state_of_its_step(tmp_path, monkeypatch):
+    """The save goes through DCP's async path (staged now, written in the background), never the
+    blocking one, and the checkpoint holds the state of its step although training went on."""
+    import torch.distributed.checkpoint as dcp
+
+    async_calls = []
+    real_async_save = dcp.async_save
+
+    def spy(*args, **kwargs):
+        async_calls.append(kwargs.get("checkpoint_id"))
+        return real_async_save(*args, **kwargs)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("blocking=False must not write through dcp.save")
+
+    monkeypatch.setattr(dcp, "async_save", spy)
+    monkeypatch.setattr(dcp, "save", refuse)
     model, optimizer = make(1)
     step(model, optimizer)
     expected = snapshot(model, optimizer)
     ckpt = Checkpointer(tmp_path)
     assert ckpt.save(1, model, optimizer, blocking=False) is None
+    assert len(async_calls) == 1
     for _ in range(3):  # training goes on while the save runs
         step(model, optimizer)
     info = ckpt.wait()
