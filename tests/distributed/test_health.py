@@ -109,6 +109,47 @@ def test_non_finite_values_name_the_step(tmp_path, loss, grad_norm, what):
     assert telemetry.counts()["torchhal.health.non_finite"] == before + 1
 
 
+def skipped_step(step: int, *, loss: float, grad_norm: float | None) -> StepStats:
+    """A step record as `train` writes it when the fp16 gradient scaler skipped the optimizer step."""
+    return StepStats(step, loss, 0.01, 64, 6400.0, grad_norm, scale=2.0**15, scaler_skipped=True)
+
+
+@pytest.mark.parametrize("grad_norm", [math.nan, math.inf])
+def test_a_step_the_scaler_skipped_is_counted_and_logged_not_raised(tmp_path, grad_norm):
+    telemetry.configure(log_level="info", log_stream=(stream := io.StringIO()))
+    zero, _ = monitors(tmp_path)
+    step = random.randrange(1, 1000)
+    skips, faults = "torchhal.health.scaler_skipped", "torchhal.health.non_finite"
+    before = telemetry.counts()
+    zero.observe(skipped_step(step, loss=random.uniform(0.5, 5.0), grad_norm=grad_norm))
+    after = telemetry.counts()
+    assert after.get(skips, 0) == before.get(skips, 0) + 1
+    assert after.get(faults, 0) == before.get(faults, 0)
+    (line,) = [x for x in stream.getvalue().splitlines() if "scaler skipped" in x]
+    assert f"step={step}" in line and f"grad_norm={grad_norm}" in line and "rank=0" in line
+    assert zero._steps == step + 1  # a skipped step is still a step done (the heartbeat reports it)
+
+
+def test_the_same_non_finite_norm_without_a_scaler_skip_raises(tmp_path):
+    zero, _ = monitors(tmp_path)
+    step = random.randrange(1, 1000)
+    before = telemetry.counts().get("torchhal.health.scaler_skipped", 0)
+    not_skipped = StepStats(step, 1.5, 0.01, 64, 6400.0, math.nan, scale=2.0**15, scaler_skipped=False)
+    with pytest.raises(NonFiniteError, match=f"step {step} on rank 0: gradient norm nan"):
+        zero.observe(not_skipped)
+    with pytest.raises(NonFiniteError, match=f"step {step + 1} on rank 0: gradient norm nan"):
+        zero.observe(stats(step + 1, grad_norm=math.nan))  # no scaler at all
+    assert telemetry.counts().get("torchhal.health.scaler_skipped", 0) == before
+
+
+@pytest.mark.parametrize("loss", [math.nan, math.inf])
+def test_a_non_finite_loss_raises_even_when_the_scaler_skipped(tmp_path, loss):
+    zero, _ = monitors(tmp_path)
+    step = random.randrange(1, 1000)
+    with pytest.raises(NonFiniteError, match=f"step {step} on rank 0: loss {loss}"):
+        zero.observe(skipped_step(step, loss=loss, grad_norm=math.nan))
+
+
 def test_stragglers_function():
     base = random.uniform(0.01, 1.0)
     medians = {0: base, 1: base * 1.1, 2: base * 0.9, 3: base * 2.5}

@@ -6,6 +6,7 @@ import copy
 import io
 import itertools
 import math
+import random
 from datetime import timedelta
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 from torchhal import HardwareAbstractionLayer
 from torchhal import distributed as thd
+from torchhal.distributed.health import HealthMonitor
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 from torchhal.hal_core.settings import Settings
 
@@ -151,6 +153,43 @@ def test_fp16_scales_the_loss_through_the_gradient_scaler(ctx):
             assert scaled.item() / stat.grad_norm == pytest.approx(scales[step], rel=1e-3)
     with pytest.raises(InvalidArgumentError, match="policy 'fp16' needs a gradient scaler"):
         thd.train(prepared.model, prepared.optimizer, batches(1), steps=1, ctx=ctx, policy=prepared.policy)
+
+
+def test_an_fp16_overflow_step_the_scaler_skips_passes_the_health_monitor(ctx, tmp_path):
+    """A scaler skip is GradScaler's normal behaviour: recorded and counted, not a NonFiniteError."""
+    policy = thd.choose_precision(ctx.device, prefer="fp16")
+    prepared = thd.prepare(Net(), adamw, ctx=ctx, strategy="ddp", policy=policy)
+    init_scale = 2.0 ** random.randint(8, 12)
+    scaler = torch.amp.GradScaler("cpu", init_scale=init_scale)
+    blow_up = random.uniform(1e8, 1e9)  # fp16 gradients of loss x scale overflow on the first step only
+    calls = itertools.count()
+
+    def loss_fn(model: nn.Module, batch) -> torch.Tensor:
+        loss = model(*batch)
+        return loss * blow_up if next(calls) == 0 else loss
+
+    monitor = HealthMonitor(dist.FileStore(str(tmp_path / "health"), 1), rank=0, world_size=1)
+    before = telemetry.counts().get("torchhal.health.scaler_skipped", 0)
+    weights = [p.detach().clone() for p in prepared.model.parameters()]
+    stats = thd.train(
+        prepared.model,
+        prepared.optimizer,
+        batches(2),
+        steps=2,
+        ctx=ctx,
+        policy=prepared.policy,
+        scaler=scaler,
+        clip_grad_norm=1e9,
+        loss_fn=loss_fn,
+        on_step=monitor.observe,
+    )
+    first, second = stats
+    assert first.scaler_skipped and not math.isfinite(first.grad_norm) and math.isfinite(first.loss)
+    assert first.scale == init_scale / 2  # the scaler backed off
+    assert not second.scaler_skipped and math.isfinite(second.grad_norm) and second.scale == init_scale / 2
+    assert telemetry.counts()["torchhal.health.scaler_skipped"] == before + 1
+    changed = [not torch.equal(w, p) for w, p in zip(weights, prepared.model.parameters(), strict=True)]
+    assert all(changed)  # the second step did update the weights
 
 
 def test_fsdp_on_one_rank_shards_each_block_and_trains(ctx):

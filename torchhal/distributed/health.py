@@ -8,7 +8,8 @@ peers'. When a collective fails, `diagnose()` (or `guard()`) turns the failure i
 `CollectiveError` that says which rank is dead (its heartbeat older than `deadline`, with the
 age) or hung (alive, but it never reported the failure its peers saw), within `deadline`
 seconds. Pair it with a short process-group timeout so a hang surfaces in seconds. `observe()`
-checks each step's loss and gradient norm for NaN/inf and, on rank 0, flags stragglers: ranks
+checks each step's loss and gradient norm for NaN/inf (a non-finite gradient norm on a step the
+fp16 gradient scaler skipped is counted, not raised) and, on rank 0, flags stragglers: ranks
 whose median step time exceeds the median of the others' by `straggler_factor`.
 Heartbeats carry wall-clock time: hosts must agree on it to well under `deadline` (NTP does).
 """
@@ -133,16 +134,32 @@ class HealthMonitor:
 
     def observe(self, stats: StepStats) -> None:
         """Record a finished step (pass it as `train(on_step=...)`): non-finite values raise
-        NonFiniteError naming the step; rank 0 also checks the ranks' step times for stragglers."""
+        NonFiniteError naming the step; rank 0 also checks the ranks' step times for stragglers.
+
+        A step the fp16 gradient scaler skipped is not an error: the scaler found inf/nan
+        gradients, left the weights alone and lowered its scale. Its non-finite gradient norm is
+        counted (`torchhal.health.scaler_skipped`) and logged instead; a non-finite loss still raises.
+        """
         bad = {
             name: value
             for name, value in (("loss", stats.loss), ("gradient norm", stats.grad_norm))
             if value is not None and not math.isfinite(value)
         }
+        if stats.scaler_skipped:
+            bad.pop("gradient norm", None)
         if bad:
             telemetry.count("torchhal.health.non_finite")
             detail = ", ".join(f"{name} {value}" for name, value in bad.items())
             raise NonFiniteError(f"step {stats.step} on rank {self.rank}: {detail}")
+        if stats.scaler_skipped:
+            telemetry.count("torchhal.health.scaler_skipped")
+            log.info(
+                "gradient scaler skipped the optimizer step",
+                rank=self.rank,
+                step=stats.step,
+                grad_norm=stats.grad_norm,
+                scale=stats.scale,
+            )
         with self._lock:
             self._times.append(stats.step_time_s)
             self._steps = stats.step + 1

@@ -39,6 +39,7 @@ class StepStats:
     tokens_per_s: float
     grad_norm: float | None  # before clipping; None when not clipping
     scale: float | None = None  # the gradient scaler's scale after the step (fp16)
+    scaler_skipped: bool = False  # the scaler found inf/nan gradients and skipped the optimizer step
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,6 +108,8 @@ def train(
                 span.set_attribute("tokens_per_s", result.tokens_per_s)
                 if result.grad_norm is not None:
                     span.set_attribute("grad_norm", result.grad_norm)
+                if result.scale is not None:
+                    span.set_attribute("scaler_skipped", result.scaler_skipped)
                 if (step - first_step) % log_every == 0 or step == first_step + steps - 1:
                     log.info("train step", rank=ctx.rank, device=ctx.device.id, **result.as_dict())
             stats.append(result)
@@ -140,9 +143,15 @@ def _step(
         if scaler is not None:
             scaler.unscale_(optimizer)
         norm = _as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+    skipped, scale = False, None
     if scaler is not None:
+        # GradScaler skips the optimizer step on inf/nan gradients and then lowers its scale
+        # (it never lowers it otherwise): a smaller scale after update() means a skipped step.
+        scale_before = scaler.get_scale()
         scaler.step(optimizer)
         scaler.update()
+        scale = float(scaler.get_scale())
+        skipped = scale < scale_before
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -157,7 +166,8 @@ def _step(
         tokens=tokens,
         tokens_per_s=tokens / elapsed if elapsed > 0 else math.inf,
         grad_norm=norm,
-        scale=None if scaler is None else float(scaler.get_scale()),
+        scale=scale,
+        scaler_skipped=skipped,
     )
 
 
