@@ -8,6 +8,7 @@ plain-torch `direct_*` figures, another dtype's entry).
 
 from __future__ import annotations
 
+import io
 import random
 from datetime import datetime, timedelta, timezone
 
@@ -19,7 +20,7 @@ from torchhal_simasic.spec import bundled_spec
 
 from torchhal import HardwareAbstractionLayer
 from torchhal import distributed as thd
-from torchhal.hal_core import Device, DType, MeasuredProfile, UnsupportedError
+from torchhal.hal_core import Device, DType, MeasuredProfile, UnsupportedError, telemetry
 from torchhal.hal_core import profile as profile_module
 from torchhal.hal_core.settings import Settings
 
@@ -142,12 +143,15 @@ def test_a_dtype_the_profile_did_not_measure_is_refused_with_what_it_measured(tm
 
 
 def test_a_device_without_a_cached_profile_is_measured_once_then_read_back(tmp_path, monkeypatch):
-    """The documented behaviour: `hal.profile` measures on a cache miss and stores the result."""
+    """The documented behaviour: `hal.profile` measures on a cache miss (saying so, since it is
+    seconds of device work) and stores the result."""
     hal = make_hal(tmp_path)
     asic = hal.device("simasic:0")
     path = profile_module.cache_path(hal.settings.cache_dir, asic)
     assert not path.exists()
+    telemetry.configure(log_level="info", log_stream=(stream := io.StringIO()))
     rate = thd.profiled_throughput(hal, asic, torch.float32)
+    assert stream.getvalue().count("measuring device profile") == 1
     stored = MeasuredProfile.model_validate_json(path.read_text())
     assert stored.device_id == "simasic:0" and stored.simulated
     assert rate == stored.matmul_tflops[DType.FP32] > 0
@@ -158,3 +162,4 @@ def test_a_device_without_a_cached_profile_is_measured_once_then_read_back(tmp_p
     monkeypatch.setattr(profile_module, "measure", refuse)
     fresh = make_hal(tmp_path)  # a new HAL has no profile in memory: it reads the cached one
     assert thd.profiled_throughput(fresh, fresh.device("simasic:0"), torch.float32) == rate
+    assert stream.getvalue().count("measuring device profile") == 1

@@ -58,11 +58,14 @@ def measure_or_load(
     path = cache_path(hal.settings.cache_dir, device)
     if path.exists() and not refresh:
         return MeasuredProfile.model_validate_json(path.read_text())
+    # seconds of device work a caller may not expect (HeteroGroup.create asks for a rate): said
+    log.info("measuring device profile", device=device.id, reason="refresh" if refresh else "none cached")
     profile = measure(hal, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(profile.model_dump_json(indent=2))
     tmp.replace(path)  # atomic: a crash never leaves half a profile
+    log.info("device profile cached", device=device.id, path=str(path))
     return profile
 
 
