@@ -2,11 +2,11 @@
 
 Forward: one program per row, a block covering the row, statistics and the affine transform in
 fp32, one rounding to the output dtype. Backward: `RowLaunch.backward_programs` programs, each
-walking a contiguous run of rows; it recomputes the row statistics from x (the row is in
-registers anyway, so nothing is saved by the forward), taking the sums that do not depend on
-each other in one round (each round is a cross-warp reduction, a barrier), writes dx, and
-accumulates its partial weight (and bias) gradient in fp32 registers; the partials are summed
-across programs after.
+walking a contiguous run of rows; it recomputes the row statistics from x (the row is read
+anyway, so nothing is saved by the forward), taking the sums that do not depend on each other in
+one round (each round is a cross-warp reduction, a barrier), writes dx, and accumulates its
+partial weight (and bias) gradient in fp32 registers; the partials are summed across programs
+after. Rows too long to hold across the sums are read again from L1 (`RowLaunch.reload_row`).
 """
 
 from __future__ import annotations
