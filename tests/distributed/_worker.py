@@ -270,7 +270,8 @@ def check_split_follows_throughput_and_balances_step_time(state: State) -> None:
     assert max(times) / min(times) < max(even) / min(even)
 
 
-def check_weighted_sync_matches_whole_batch_reference(state: State) -> None:
+def _assert_synced_gradients_equal_whole_batch(state: State) -> None:
+    """One backward on this rank's share, the weighted sync, against the whole batch in one model."""
     group = state.group
     model, reference = state.model(), state.model()
     x, y = state.batch(0)
@@ -281,6 +282,11 @@ def check_weighted_sync_matches_whole_batch_reference(state: State) -> None:
         torch.testing.assert_close(
             p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def check_weighted_sync_matches_whole_batch_reference(state: State) -> None:
+    group = state.group
+    _assert_synced_gradients_equal_whole_batch(state)
     model = state.model()
     reference, norms = reference_run(state.model(), state, clip=0.5)
     policy = thd.choose_precision(state.ctx.device, prefer="fp32")
@@ -303,6 +309,25 @@ def check_weighted_sync_matches_whole_batch_reference(state: State) -> None:
         prepared.model.named_parameters(), reference.named_parameters(), strict=True
     ):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def check_rebalance_agrees_on_every_rank_and_keeps_the_sync_exact(state: State) -> None:
+    """Each rank times its share of a matmul workload through the HAL on its own device's timer
+    (simulated time on the ASICs, which charge only the HAL's ops; wall time on the CPUs); every
+    rank gets the same new split, and the weighted sync stays exact under it."""
+    group, ctx = state.group, state.ctx
+    x = ctx.device.empty((64 * group.local_batch, 128), torch.float32).normal_()
+    w = ctx.device.empty((128, 128), torch.float32).normal_()
+    ctx.hal.kernels.call("matmul", ctx.device, x, w)  # warm-up
+    timer = ctx.device.timer()
+    start = timer.mark()
+    ctx.hal.kernels.call("matmul", ctx.device, x, w)
+    sizes = group.rebalance(timer.elapsed_ms(start, timer.mark()) / 1e3)
+    everyone: list[object] = [None] * state.world
+    dist.all_gather_object(everyone, sizes)
+    assert all(other == sizes for other in everyone), everyone
+    assert sum(sizes) == GLOBAL_BATCH and min(sizes) >= 1 and group.local_batch == sizes[state.rank]
+    _assert_synced_gradients_equal_whole_batch(state)
 
 
 def check_mesh_keeps_islands_on_the_inner_dimension(state: State) -> None:
@@ -330,6 +355,7 @@ SCENARIOS: dict[str, list[Callable[[State], None]]] = {
         check_hierarchical_all_reduce_equals_flat,
         check_split_follows_throughput_and_balances_step_time,
         check_weighted_sync_matches_whole_batch_reference,
+        check_rebalance_agrees_on_every_rank_and_keeps_the_sync_exact,
         check_mesh_keeps_islands_on_the_inner_dimension,
     ],
 }

@@ -11,6 +11,7 @@ from torchhal.distributed.hetero import (
     measured_throughput,
     modelled_step_times,
     profiled_throughput,
+    rebalanced_split,
     split_batch,
 )
 from torchhal.distributed.init import DistContext, init, local_device
@@ -34,6 +35,7 @@ __all__ = [
     "prepare",
     "profiled_throughput",
     "rank_order",
+    "rebalanced_split",
     "split_batch",
     "train",
     "transformer_blocks",

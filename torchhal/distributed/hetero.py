@@ -1,11 +1,13 @@
 """Heterogeneous data parallelism: ranks on devices of different vendors or speeds train one model.
 
 Ranks form single-vendor islands joined by a host (gloo) bridge (`Communicator.islands`); each
-rank takes a share of the global batch proportional to its device's matmul throughput, so
-step times balance; gradients are averaged with each rank weighted by its share of the batch,
-through the Communicator's hierarchical all-reduce. The sync is explicit (after backward,
-before the optimizer) rather than a DDP comm hook: DDP averages ranks equally, which is wrong
-for unequal batch shares, and needs one backend for every rank's tensors.
+rank takes a share of the global batch proportional to its device's matmul throughput, and once
+steps have run, `rebalance` re-splits it by each rank's measured step time, so step times
+balance (a matmul rate predicts a whole step only roughly); gradients are averaged with each
+rank weighted by its share of the batch, through the Communicator's hierarchical all-reduce.
+The sync is explicit (after backward, before the optimizer) rather than a DDP comm hook: DDP
+averages ranks equally, which is wrong for unequal batch shares, and needs one backend for
+every rank's tensors.
 """
 
 from __future__ import annotations
@@ -64,6 +66,26 @@ def split_batch(global_batch: int, throughputs: Sequence[float]) -> tuple[int, .
         r = max(range(n), key=lambda r: (quota[r] - sizes[r], -r))
         sizes[r] += 1
     return tuple(sizes)
+
+
+def rebalanced_split(
+    global_batch: int, batch_sizes: Sequence[int], step_times_s: Sequence[float]
+) -> tuple[int, ...]:
+    """Batch sizes proportional to each rank's measured samples per second (batch ÷ step time).
+
+    A step's time is roughly a fixed part plus a part per sample, so one re-split lands near
+    balance and a second one closer still.
+    """
+    if len(batch_sizes) != len(step_times_s):
+        raise InvalidArgumentError(
+            f"rebalanced_split: {len(batch_sizes)} batch sizes for {len(step_times_s)} step times"
+        )
+    bad = [(r, t) for r, t in enumerate(step_times_s) if not (math.isfinite(t) and t > 0)]
+    if bad:
+        raise InvalidArgumentError(
+            f"rebalanced_split: step times must be finite and > 0 s, got {bad} (rank, seconds)"
+        )
+    return split_batch(global_batch, [b / t for b, t in zip(batch_sizes, step_times_s, strict=True)])
 
 
 def modelled_step_times(
@@ -198,6 +220,27 @@ class HeteroGroup:
                     assert grad is not None
                     grad.copy_(flat[start : start + grad.numel()].view_as(grad))
                     start += grad.numel()
+
+    def rebalance(self, step_time_s: float) -> tuple[int, ...]:
+        """Collective: re-split the global batch by every rank's measured step time.
+
+        Each rank passes its own step time (e.g. the median of its last steps, on its device's
+        timer); every rank gets the same new sizes, which `local_batch`, `offset` and
+        `local_slice` then follow. Call it between steps, on every rank.
+        """
+        gathered: list[Any] = [None] * self.ctx.world_size
+        dist.all_gather_object(gathered, float(step_time_s), group=self.ctx.communicator.group)
+        before = self.batch_sizes
+        self.batch_sizes = rebalanced_split(self.global_batch, before, gathered)
+        telemetry.count("torchhal.distributed.rebalanced")
+        log.info(
+            "batch re-split by measured step times",
+            rank=self.ctx.rank,
+            step_times_s=gathered,
+            before=list(before),
+            after=list(self.batch_sizes),
+        )
+        return self.batch_sizes
 
     def report(self) -> dict[str, Any]:
         times = [b / t for b, t in zip(self.batch_sizes, self.throughputs, strict=True)]
