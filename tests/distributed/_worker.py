@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchhal import distributed as thd
+from torchhal.hal_core import telemetry
 
 TIMEOUT = timedelta(seconds=20)
 DIM, DEPTH, GLOBAL_BATCH, STEPS = 12, 3, 12, 3
@@ -331,7 +332,10 @@ def check_rebalance_agrees_on_every_rank_and_keeps_the_sync_exact(state: State) 
 
 
 def check_mesh_keeps_islands_on_the_inner_dimension(state: State) -> None:
+    key = "torchhal.distributed.mesh_inner_spans_islands"
+    before = telemetry.counts().get(key, 0)
     mesh = thd.Mesh.create(state.ctx, (2, 2), ("outer", "inner"))
+    assert telemetry.counts().get(key, 0) == before  # each inner group stays on one island
     assert mesh.order == (0, 2, 1, 3), mesh.order  # simasic:0 precedes cpu in every rank's topology
     assert mesh.device_mesh.mesh.tolist() == [[0, 2], [1, 3]]
     for name, groups in (("inner", ((0, 2), (1, 3))), ("outer", ((0, 1), (2, 3)))):
@@ -339,6 +343,8 @@ def check_mesh_keeps_islands_on_the_inner_dimension(state: State) -> None:
         dist.all_reduce(t, group=mesh.group(name))
         (members,) = [g for g in groups if state.rank in g]
         assert t.item() == sum(r + 1 for r in members), (name, t.item())
+    thd.Mesh.create(state.ctx, (1, 4), ("outer", "inner"))  # an inner group of 4 spans both islands
+    assert telemetry.counts()[key] == before + 1
 
 
 SCENARIOS: dict[str, list[Callable[[State], None]]] = {

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import json
+
 import pytest
 import torch
 from torchhal_amd.adapter import AmdAdapter
@@ -93,11 +96,14 @@ def test_a_device_with_no_trainable_format_is_refused():
         choose_precision(device)
 
 
-def test_the_choice_is_counted_and_reported():
+def test_the_choice_is_counted_logged_and_reported():
     key = "torchhal.distributed.precision,device=acme:0,policy=bf16"
     before = telemetry.counts().get(key, 0)
+    telemetry.configure(log_level="info", log_format="json", log_stream=(stream := io.StringIO()))
     policy = choose_precision(fake_device())
     assert telemetry.counts()[key] == before + 1
+    (line,) = [json.loads(x) for x in stream.getvalue().splitlines() if "precision policy chosen" in x]
+    assert (line["device"], line["policy"]) == ("acme:0", "bf16") and "matrix units" in line["reason"]
     assert policy.report() == {
         "policy": "bf16",
         "compute_dtype": "bfloat16",
