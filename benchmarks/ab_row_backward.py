@@ -72,6 +72,10 @@ def main() -> None:
     }
     for spec in args.variant:
         name, _, path = spec.partition("=")
+        if not name or not path or name in (*variants, "liger"):
+            parser.error(
+                f"--variant takes NAME=PATH with a new NAME (not old, new, liger or a new_w*), got {spec!r}"
+            )
         module = load_module(path)
         variants[name] = lambda f, module=module: f(base, module)
     rows_out: list[dict[str, Any]] = []
@@ -89,7 +93,7 @@ def main() -> None:
                 times["liger"].append(ms(liger))
             rows_out.append({"case": name, "shape": f"{rows}x{hidden}", "ms": times})
         torch.cuda.empty_cache()
-    save(args.out, rows_out, rounds=args.rounds)
+    save(args.out, rows_out, rounds=args.rounds, old=args.old, variants=args.variant)
     names = list(variants)
     print("speed vs Liger, median over rounds (range); new's speed over old's; Liger's ms median")
     print(f"{'case':15s} {'shape':11s} " + " ".join(f"{v:>18s}" for v in names) + "  new/old  liger ms")

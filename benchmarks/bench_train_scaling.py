@@ -144,7 +144,7 @@ def main() -> None:
         for name, phase in phases.items():
             eff = phase.get("scaling_efficiency")
             print(
-                f"{name:>5}: {phase['tokens_per_s_total']:10.0f} tokens/s on {ctx.world_size} GPU(s) "
+                f"{name:>10}: {phase['tokens_per_s_total']:10.0f} tokens/s on {ctx.world_size} GPU(s) "
                 f"({phase['tokens_per_s_per_gpu']:.0f} per GPU), "
                 f"peak {phase['peak_memory_gib_max']:.1f} GiB/GPU"
                 + ("" if eff is None else f", scaling efficiency {eff:.3f} vs {phase['scaling_baseline']}"),

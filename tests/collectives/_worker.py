@@ -284,25 +284,35 @@ def check_barrier_waits_for_the_slowest(ctx: Ctx) -> None:
     assert store.check(keys), f"rank {ctx.rank} left the barrier before every rank arrived"
 
 
-def _record_calls(islands: Islands) -> list[str]:
+def _record_calls(islands: Islands) -> list[tuple[str, int]]:
     """Wrap the collectives of this rank's island and lane communicators so that the calls a
-    hierarchical all-reduce makes through them are recorded ("island.reduce_scatter", ...)."""
-    calls: list[str] = []
+    hierarchical all-reduce makes through them are recorded with the elements each one carries
+    (("island.reduce_scatter", 48), ...)."""
+    calls: list[tuple[str, int]] = []
     for who, comm in (("island", islands.island), ("lane", islands.lane)):
         for name in ("reduce_scatter", "all_gather", "all_reduce", "reduce", "broadcast") if comm else ():
             inner = getattr(comm, name)
 
-            def recorded(*args: object, _inner: Callable = inner, _tag: str = f"{who}.{name}", **kw: object):
-                calls.append(_tag)
-                return _inner(*args, **kw)
+            def recorded(
+                tensor: torch.Tensor,
+                *args: object,
+                _inner: Callable = inner,
+                _tag: str = f"{who}.{name}",
+                **kw: object,
+            ):
+                calls.append((_tag, tensor.numel()))
+                return _inner(tensor, *args, **kw)
 
             setattr(comm, name, recorded)
     return calls
 
 
-def _check_hierarchical(ctx: Ctx, islands: Islands, tag: str, expected_calls: list[str]) -> None:
+def _check_hierarchical(
+    ctx: Ctx, islands: Islands, tag: str, expected_calls: Callable[[int], list[tuple[str, int]]]
+) -> None:
     """Every op, on a shape that splits evenly over an island and one that needs padding, equals
-    the flat all-reduce and the reference, and takes exactly the expected path."""
+    the flat all-reduce and the reference, and takes exactly the path `expected_calls(numel)`
+    gives, moving the elements it says."""
     calls = _record_calls(islands)
     for op in ("sum", "avg", "max", "product"):
         for shape in ((6, 8), (5, 7)):
@@ -310,7 +320,7 @@ def _check_hierarchical(ctx: Ctx, islands: Islands, tag: str, expected_calls: li
             hier, flat = xs[ctx.rank].clone(), xs[ctx.rank].clone()
             calls.clear()
             islands.hierarchical_all_reduce(hier, op=op)
-            assert calls == expected_calls, (op, shape, calls)
+            assert calls == expected_calls(hier.numel()), (op, shape, calls)
             ctx.comm.all_reduce(flat, op=op)
             torch.testing.assert_close(hier, flat)
             torch.testing.assert_close(hier, _reduced(xs, op).float())
@@ -318,18 +328,34 @@ def _check_hierarchical(ctx: Ctx, islands: Islands, tag: str, expected_calls: li
 
 @check
 def check_hierarchical_equals_flat(ctx: Ctx) -> None:
-    half = ctx.world // 2  # ranks from here on pose as another vendor: two islands (one when alone)
+    half = ctx.world // 2  # ranks from here on pose as another vendor: two islands
     islands = ctx.comm.islands(vendor="acme" if ctx.rank >= half else None)
-    expected = [(ctx.comm.device.capabilities.vendor, range(half)), ("acme", range(half, ctx.world))]
-    expected = [(vendor, list(ranks)) for vendor, ranks in expected if ranks]
+    expected = [
+        (ctx.comm.device.capabilities.vendor, list(range(half))),
+        ("acme", list(range(half, ctx.world))),
+    ]
     assert [(i.vendor, list(i.ranks)) for i in islands.layout] == expected
     assert islands.is_leader == (ctx.rank in (0, half))
-    assert islands.island.world_size == len(next(ranks for _, ranks in expected if ctx.rank in ranks))
+    assert islands.island.world_size == half
     assert islands.form == "sharded"  # equal islands: every rank carries its shard across
-    bridged = ["lane.all_reduce"] if len(expected) > 1 else []
-    if bridged:
-        assert islands.lane is not None and islands.lane.world_size == len(expected)
-    _check_hierarchical(ctx, islands, "hier", ["island.reduce_scatter", *bridged, "island.all_gather"])
+    assert islands.lane is not None and islands.lane.world_size == 2
+
+    def sharded(n: int) -> list[tuple[str, int]]:
+        shard = -(-n // half)
+        return [
+            ("island.reduce_scatter", shard * half),
+            ("lane.all_reduce", shard),
+            ("island.all_gather", shard),
+        ]
+
+    _check_hierarchical(ctx, islands, "hier", sharded)
+
+
+@check
+def check_hierarchical_one_island_all_reduces_on_its_own_backend(ctx: Ctx) -> None:
+    islands = ctx.comm.islands()
+    assert islands.form == "single" and islands.lane is None and islands.island.world_size == ctx.world
+    _check_hierarchical(ctx, islands, "single", lambda n: [("island.all_reduce", n)])
 
 
 @check
@@ -344,7 +370,8 @@ def check_hierarchical_unequal_islands_bridge_their_leaders(ctx: Ctx) -> None:
     assert (islands.lane is not None) == islands.is_leader == (ctx.rank in (0, 1))
     before = telemetry.counts().get("torchhal.collective.hierarchical_leaders,islands=2", 0)
     bridged = ["lane.all_reduce"] if islands.is_leader else []
-    _check_hierarchical(ctx, islands, "unequal", ["island.reduce", *bridged, "island.broadcast"])
+    path = ["island.reduce", *bridged, "island.broadcast"]
+    _check_hierarchical(ctx, islands, "unequal", lambda n: [(name, n) for name in path])
     assert telemetry.counts()["torchhal.collective.hierarchical_leaders,islands=2"] == before + 8
 
 

@@ -114,6 +114,23 @@ def skipped_step(step: int, *, loss: float, grad_norm: float | None) -> StepStat
     return StepStats(step, loss, 0.01, 64, 6400.0, grad_norm, scale=2.0**15, scaler_skipped=True)
 
 
+def test_skips_in_a_row_up_to_the_limit_raise_and_a_good_step_resets_the_run(tmp_path):
+    """Gradients that stay non-finite however far the scale falls are a diverged run, not noise."""
+    limit = random.randint(3, 6)
+    zero, _ = monitors(tmp_path, max_scaler_skips=limit)
+    for step in range(limit - 1):
+        zero.observe(skipped_step(step, loss=1.0, grad_norm=math.inf))
+    zero.observe(stats(limit - 1))  # a step that went through: the run starts over
+    for step in range(limit, 2 * limit - 1):
+        zero.observe(skipped_step(step, loss=1.0, grad_norm=math.inf))
+    with pytest.raises(
+        NonFiniteError, match=rf"step {2 * limit - 1} on rank 0: .* skipped {limit} steps in a row"
+    ):
+        zero.observe(skipped_step(2 * limit - 1, loss=1.0, grad_norm=math.inf))
+    with pytest.raises(InvalidArgumentError, match="max_scaler_skips must be >= 1, got 0"):
+        monitors(tmp_path, max_scaler_skips=0)
+
+
 @pytest.mark.parametrize("grad_norm", [math.nan, math.inf])
 def test_a_step_the_scaler_skipped_is_counted_and_logged_not_raised(tmp_path, grad_norm):
     telemetry.configure(log_level="info", log_stream=(stream := io.StringIO()))

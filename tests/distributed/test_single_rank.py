@@ -7,6 +7,7 @@ import io
 import itertools
 import math
 import random
+import time
 from datetime import timedelta
 
 import pytest
@@ -90,6 +91,24 @@ def test_train_emits_a_span_per_step_and_a_log_line_every_few_steps(ctx):
     lines = [line for line in stream.getvalue().splitlines() if "train step" in line]
     assert len(lines) == 2 and "step=10" in lines[0] and "step=12" in lines[1]  # first, then every 2nd
     assert "trace_id=" in lines[0]
+    assert all(stat.compute_s is None for stat in stats)  # no gradient sync: nothing to tell apart
+
+
+def test_with_a_gradient_sync_each_step_reports_its_compute_time_before_the_sync(ctx):
+    """compute_s is forward and backward only: a sync that sleeps adds to step_time_s, not to it."""
+    pause = random.uniform(0.2, 0.3)
+    prepared = thd.prepare(Net(), adamw, ctx=ctx, strategy="local")
+    stats = thd.train(
+        prepared.model,
+        prepared.optimizer,
+        batches(2),
+        steps=2,
+        ctx=ctx,
+        policy=prepared.policy,
+        grad_sync=lambda model: time.sleep(pause),
+    )
+    for stat in stats:
+        assert stat.compute_s is not None and 0 < stat.compute_s < pause < stat.step_time_s
 
 
 def test_first_loss_and_gradient_norm_match_an_independent_computation(ctx):
@@ -171,6 +190,12 @@ def test_an_fp16_overflow_step_the_scaler_skips_passes_the_health_monitor(ctx, t
     monitor = HealthMonitor(dist.FileStore(str(tmp_path / "health"), 1), rank=0, world_size=1)
     before = telemetry.counts().get("torchhal.health.scaler_skipped", 0)
     weights = [p.detach().clone() for p in prepared.model.parameters()]
+    after_step: list[list[torch.Tensor]] = []
+
+    def observe(stats: thd.StepStats) -> None:
+        after_step.append([p.detach().clone() for p in prepared.model.parameters()])
+        monitor.observe(stats)
+
     stats = thd.train(
         prepared.model,
         prepared.optimizer,
@@ -181,15 +206,17 @@ def test_an_fp16_overflow_step_the_scaler_skips_passes_the_health_monitor(ctx, t
         scaler=scaler,
         clip_grad_norm=1e9,
         loss_fn=loss_fn,
-        on_step=monitor.observe,
+        on_step=observe,
     )
     first, second = stats
     assert first.scaler_skipped and not math.isfinite(first.grad_norm) and math.isfinite(first.loss)
     assert first.scale == init_scale / 2  # the scaler backed off
     assert not second.scaler_skipped and math.isfinite(second.grad_norm) and second.scale == init_scale / 2
     assert telemetry.counts()["torchhal.health.scaler_skipped"] == before + 1
-    changed = [not torch.equal(w, p) for w, p in zip(weights, prepared.model.parameters(), strict=True)]
-    assert all(changed)  # the second step did update the weights
+    assert all(torch.equal(w, p) for w, p in zip(weights, after_step[0], strict=True))  # skipped: untouched
+    assert all(
+        p.isfinite().all() and not torch.equal(w, p) for w, p in zip(weights, after_step[1], strict=True)
+    )
 
 
 def test_fsdp_on_one_rank_shards_each_block_and_trains(ctx):

@@ -82,6 +82,7 @@ class HealthMonitor:
         deadline: float = 5.0,
         straggler_factor: float = 2.0,
         window: int = 20,
+        max_scaler_skips: int = 20,
         on_failure: Callable[[CollectiveError], None] | None = None,
     ) -> None:
         if not 0 < interval < deadline:
@@ -94,6 +95,10 @@ class HealthMonitor:
             raise InvalidArgumentError(f"HealthMonitor: straggler_factor must be > 1, got {straggler_factor}")
         if window < 1:
             raise InvalidArgumentError(f"HealthMonitor: window must be >= 1, got {window}")
+        if max_scaler_skips < 1:
+            raise InvalidArgumentError(
+                f"HealthMonitor: max_scaler_skips must be >= 1, got {max_scaler_skips}"
+            )
         self.store = dist.PrefixStore("torchhal_health/", store)
         self.rank, self.world_size = rank, world_size
         self.interval, self.deadline = interval, deadline
@@ -107,6 +112,8 @@ class HealthMonitor:
         self._started_at = time.time()
         self._failure: CollectiveError | None = None
         self._flagged: set[int] = set()
+        self.max_scaler_skips = max_scaler_skips
+        self._scaler_skips = 0  # in a row
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -138,7 +145,9 @@ class HealthMonitor:
 
         A step the fp16 gradient scaler skipped is not an error: the scaler found inf/nan
         gradients, left the weights alone and lowered its scale. Its non-finite gradient norm is
-        counted (`torchhal.health.scaler_skipped`) and logged instead; a non-finite loss still raises.
+        counted (`torchhal.health.scaler_skipped`) and logged instead; a non-finite loss still
+        raises, and so do `max_scaler_skips` skips in a row (gradients that stay non-finite
+        however far the scale falls).
         """
         bad = {
             name: value
@@ -151,6 +160,14 @@ class HealthMonitor:
             telemetry.count("torchhal.health.non_finite")
             detail = ", ".join(f"{name} {value}" for name, value in bad.items())
             raise NonFiniteError(f"step {stats.step} on rank {self.rank}: {detail}")
+        self._scaler_skips = self._scaler_skips + 1 if stats.scaler_skipped else 0
+        if self._scaler_skips >= self.max_scaler_skips:  # the scale only falls: this run diverged
+            telemetry.count("torchhal.health.non_finite")
+            raise NonFiniteError(
+                f"step {stats.step} on rank {self.rank}: the gradient scaler skipped {self._scaler_skips} "
+                f"steps in a row (max_scaler_skips {self.max_scaler_skips}; scale now {stats.scale}), "
+                f"gradient norm {stats.grad_norm}"
+            )
         if stats.scaler_skipped:
             telemetry.count("torchhal.health.scaler_skipped")
             log.info(

@@ -224,9 +224,12 @@ class HeteroGroup:
     def rebalance(self, step_time_s: float) -> tuple[int, ...]:
         """Collective: re-split the global batch by every rank's measured step time.
 
-        Each rank passes its own step time (e.g. the median of its last steps, on its device's
-        timer); every rank gets the same new sizes, which `local_batch`, `offset` and
-        `local_slice` then follow. Call it between steps, on every rank.
+        Each rank passes its own compute time per step, e.g. the median `StepStats.compute_s` of
+        its last steps (forward and backward on its device's timer). Not `step_time_s`: that
+        includes the blocking gradient sync, which makes every rank wait for the slowest, so it
+        is nearly the same on every rank and would leave the split as it is. Every rank gets the
+        same new sizes, which `local_batch`, `offset` and `local_slice` then follow. Call it
+        between steps, on every rank.
         """
         gathered: list[Any] = [None] * self.ctx.world_size
         dist.all_gather_object(gathered, float(step_time_s), group=self.ctx.communicator.group)
@@ -247,7 +250,8 @@ class HeteroGroup:
         return {
             "throughputs_tflops": list(self.throughputs),
             "batch_sizes": list(self.batch_sizes),
-            "step_time_imbalance": max(times) / min(times),  # slowest / fastest modelled rank
+            # slowest / fastest rank as the matmul rates model it (not measured; see rebalance)
+            "modelled_step_time_imbalance": max(times) / min(times),
             "islands": [list(i.ranks) for i in self.islands.layout],
         }
 

@@ -40,6 +40,9 @@ class StepStats:
     grad_norm: float | None  # before clipping; None when not clipping
     scale: float | None = None  # the gradient scaler's scale after the step (fp16)
     scaler_skipped: bool = False  # the scaler found inf/nan gradients and skipped the optimizer step
+    # forward and backward on the device's own timer, before the gradient sync (set when train has
+    # a grad_sync): this rank's own speed, which a blocking sync hides from step_time_s
+    compute_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,11 +134,14 @@ def _step(
     grad_sync: Callable[[nn.Module], None] | None,
 ) -> StepStats:
     start = time.perf_counter()
+    timer = ctx.device.timer() if grad_sync is not None else None  # compute_s, for a grad_sync
+    mark = timer.mark() if timer is not None else None
     with policy.autocast():
         loss = compute_loss(model, batch)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise InvalidArgumentError(f"train: the loss must be a scalar tensor, got {_describe(loss)}")
     (scaler.scale(loss) if scaler is not None else loss).backward()
+    compute_s = None if timer is None else timer.elapsed_ms(mark, timer.mark()) / 1e3
     if grad_sync is not None:
         grad_sync(model)
     norm = None
@@ -168,6 +174,7 @@ def _step(
         grad_norm=norm,
         scale=scale,
         scaler_skipped=skipped,
+        compute_s=compute_s,
     )
 
 

@@ -395,16 +395,17 @@ class Communicator:
                 own = sub if sub is not None else own
             host = self.hal.device("cpu")
             sizes = {len(i.ranks) for i in islands}
-            # Equal islands get one host lane per island position (lane 0 joins the leaders);
-            # unequal ones only the leaders' bridge.
-            lanes = range(sizes.pop()) if len(sizes) == 1 else range(1)
+            # One island needs no bridge; equal islands get one host lane per island position
+            # (lane 0 joins the leaders); unequal ones only the leaders' bridge.
+            form = "single" if len(islands) == 1 else "sharded" if len(sizes) == 1 else "leaders"
+            lanes = {"single": range(0), "sharded": range(sizes.pop()), "leaders": range(1)}[form]
             lane: Communicator | None = None
             for position in lanes:
                 sub = self._subgroup([i.ranks[position] for i in islands], HOST_BACKEND, host)
                 lane = sub if sub is not None else lane
         assert own is not None, "every rank belongs to its own island"
         me = dist.get_rank()
-        result = Islands(self, next(i for i in islands if me in i.ranks), islands, own, lane)
+        result = Islands(self, next(i for i in islands if me in i.ranks), islands, own, lane, form)
         log.info(
             "islands formed",
             islands=[list(i.ranks) for i in islands],
@@ -617,6 +618,7 @@ class Islands:
     island joins host lane j, so each rank carries 1/size of the tensor across islands and the
     lanes run side by side. Islands of unequal sizes have no common sharding, so only their
     leaders are bridged (`form` says which; the leader form is logged and counted when used).
+    A single island is all-reduced on its own backend.
     """
 
     def __init__(
@@ -626,13 +628,14 @@ class Islands:
         layout: tuple[Island, ...],
         island: Communicator,
         lane: Communicator | None,
+        form: str,
     ) -> None:
         self.parent = parent
         self.mine = mine  # this rank's island
         self.layout = layout  # every island, ordered by its first rank
         self.island = island  # collectives inside this rank's island, on its own backend
         self.lane = lane  # gloo across islands on host tensors: this rank's position's lane, or leaders only
-        self.form = "sharded" if len({len(i.ranks) for i in layout}) == 1 else "leaders"
+        self.form = form  # "sharded", "leaders" or "single"
 
     @property
     def is_leader(self) -> bool:
@@ -651,7 +654,9 @@ class Islands:
         _check_op("hierarchical_all_reduce", op, tensor)
         step = "sum" if op == "avg" else op
         with parent._span("hierarchical_all_reduce", tensor, op=op, islands=len(self.layout), form=self.form):
-            if self.form == "sharded":
+            if self.form == "single":
+                self.island.all_reduce(tensor, step)
+            elif self.form == "sharded":
                 self._sharded(tensor, step)
             else:
                 telemetry.count("torchhal.collective.hierarchical_leaders", islands=str(len(self.layout)))
@@ -677,10 +682,8 @@ class Islands:
         # copied back, so its values do not matter
         padded = torch.cat([flat, flat.new_zeros(padding)]) if padding else flat
         shard = self.island.reduce_scatter(padded, op)
-        if len(self.layout) > 1:
-            self._bridge(shard, op)
-        gathered = self.island.all_gather(shard)
-        flat.copy_(gathered[: flat.numel()])
+        self._bridge(shard, op)
+        flat.copy_(self.island.all_gather(shard)[: flat.numel()])
 
     def _bridge(self, tensor: torch.Tensor, op: str) -> None:
         """All-reduce `tensor` on this rank's host lane, staged through host memory where needed."""

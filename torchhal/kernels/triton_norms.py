@@ -45,7 +45,7 @@ def _rms_norm_bwd(
     while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         r = row.to(tl.int64)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
-        if RELOAD_ROW:  # first reads stay in L1, for the second read after the sums
+        if RELOAD_ROW:  # x and dy stay in L1 for their second read after the sums; w, read per row, is held
             x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -57,10 +57,9 @@ def _rms_norm_bwd(
         # both sums in one round: mean(g * xhat) = rstd * mean(g * x)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         mean_gx = tl.sum(g * x, axis=0) / n_cols
-        if RELOAD_ROW:  # RowLaunch.reload_row: read again from L1 rather than held across the sums
+        if RELOAD_ROW:  # RowLaunch.reload_row: x and dy again from L1 rather than held across the sums
             x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             g = dy * w
         xhat = x * rstd
         dx = (g - xhat * (rstd * mean_gx)) * rstd
@@ -103,7 +102,7 @@ def _layer_norm_bwd(
     while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         r = row.to(tl.int64)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
-        if RELOAD_ROW:  # first reads stay in L1, for the second read after the sums
+        if RELOAD_ROW:  # x and dy stay in L1 for their second read after the sums; w, read per row, is held
             x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
             dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
@@ -118,10 +117,9 @@ def _layer_norm_bwd(
         rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
         mean_g = tl.sum(g, axis=0) / n_cols
         mean_gd = tl.sum(g * diff, axis=0) / n_cols
-        if RELOAD_ROW:  # RowLaunch.reload_row: read again from L1 rather than held across the sums
+        if RELOAD_ROW:  # RowLaunch.reload_row: x and dy again from L1 rather than held across the sums
             x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
             diff = tl.where(mask, x - mean, 0.0)
             g = dy * w
         xhat = diff * rstd

@@ -28,15 +28,18 @@ FORWARD_VECTORS_PER_THREAD = 4
 MAX_BACKWARD_THREADS = 512
 # The norm backwards hold x, dy, the weight and the partial weight gradient(s) across a row's sums
 # while each thread holds fewer row elements than this. From this many on they no longer fit (ptxas,
-# hidden 16384 on 16 warps: rms_norm 184 spilled bytes a thread, layer_norm 308), so the row and the
-# weight are read once for the sums and again (from L1) for dx and the weight gradient: rms_norm
-# then spills nothing, layer_norm 164 bytes, and on an H100 they ran 14.6% and 7.7% faster
-# (benchmarks/ab_row_backward.py, docs/benchmarks.md). At 4096 and 8192 (16 elements a thread)
-# everything fits, and reading the weight again there ran 13-16% slower.
+# hidden 16384 on 16 warps: rms_norm 184 spilled bytes a thread, layer_norm 308), so x and dy are
+# read once for the sums and again (from L1) for dx and the weight gradient, while the weight,
+# read once per row, stays held: rms_norm then spills nothing, layer_norm 164 bytes, and on an
+# H100 they ran 14.6% and 6.7-7.7% faster (benchmarks/ab_row_backward.py, docs/benchmarks.md).
+# At 4096 and 8192 (16 elements a thread) everything fits, and reading the weight again there ran
+# 13-16% slower; reading x and dy again there was not measured. Measured on an H100 only; other
+# devices (a wave64 GPU with a smaller L1, say) get the same rule until a sweep there says otherwise.
 RELOAD_ROW_ELEMENTS_PER_THREAD = 32
 ROPE_THREADS = 128
 # Backward programs per compute unit aim at this many threads. The norm backwards take 100-125
-# registers a thread, so no more than 512 threads of them are resident on an H100 SM at once;
+# registers a thread, so no more than 512 threads of them are resident on an H100 SM at once
+# (as for the rule above, other devices get it unmeasured);
 # aiming at 1024 ran a second wave and wrote twice the partial weight-gradient rows, and 512 ran
 # 2-6% faster at every measured shape (benchmarks/ab_row_backward.py, docs/benchmarks.md).
 RESIDENT_THREADS_PER_UNIT = 512
@@ -140,8 +143,8 @@ class RowLaunch:
         return self.warps(block, element_bytes, most_threads=MAX_BACKWARD_THREADS)
 
     def reload_row(self, block: int, warps: int) -> bool:
-        """Whether a norm backward reads each row and its weight again after the row's sums instead
-        of holding them across the reduction."""
+        """Whether a norm backward reads each row's x and dy again after the row's sums instead of
+        holding them across the reduction."""
         return block // (warps * self.simd_width) >= RELOAD_ROW_ELEMENTS_PER_THREAD
 
     def elementwise(self, cols: int, element_bytes: int) -> tuple[int, int]:

@@ -1,4 +1,5 @@
 """Experiment: the norm backwards with half the programs (RESIDENT_THREADS_PER_UNIT 512 instead of 1024)."""
+
 import dataclasses
 
 from torchhal.kernels import triton_norms as _tn
