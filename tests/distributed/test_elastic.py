@@ -4,7 +4,10 @@ uninterrupted run. Also the torchrun command and environment `elastic` builds.""
 
 from __future__ import annotations
 
+import io
+
 import pytest
+import torch.distributed as dist
 
 from tests.distributed.ft_launch import (
     FAULT_AT,
@@ -17,7 +20,7 @@ from tests.distributed.ft_launch import (
     torch_load,
 )
 from torchhal.distributed import elastic
-from torchhal.hal_core import ConfigurationError, InvalidArgumentError
+from torchhal.hal_core import ConfigurationError, InvalidArgumentError, telemetry
 
 
 @pytest.mark.multiprocess
@@ -69,3 +72,25 @@ def test_start_outside_torchrun_names_what_is_missing(monkeypatch, tmp_path):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ConfigurationError, match="missing RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT"):
         elastic.ElasticJob.start(tmp_path)
+
+
+def test_a_restart_on_torchruns_shared_store_is_warned_and_counted(monkeypatch, tmp_path):
+    """torchrun's agent store, reused by a restarted generation, is the failure the workaround
+    avoids: a generation after the first that finds it in use says so (and counts it)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    key = "torchhal.elastic.shared_store_restart"
+    for gen, agent_store, warned in ((1, "False", False), (0, "True", False), (2, "True", True)):
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", agent_store)
+        telemetry.configure(log_level="warning", log_stream=(stream := io.StringIO()))
+        before = telemetry.counts().get(key, 0)
+        store = dist.FileStore(str(tmp_path / f"store{gen}{agent_store}"), 1)
+        job = elastic.ElasticJob.start(
+            tmp_path / f"ckpt{gen}{agent_store}", device="cpu", store=store, gen=gen
+        )
+        try:
+            assert telemetry.counts().get(key, 0) == before + warned
+            assert ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in stream.getvalue()) == warned
+            assert job.generation == gen
+        finally:
+            job.close()
