@@ -376,7 +376,7 @@ class Communicator:
         return self._subgroup([self._global(r) for r in members], self.backend, self.device)
 
     def islands(self, *, vendor: str | None = None) -> Islands:
-        """Group the ranks by (vendor, backend) into islands joined by a gloo bridge of their leaders.
+        """Group the ranks by (vendor, backend) into islands joined by gloo host lanes (see `Islands`).
 
         Collective over this communicator. `vendor` overrides this rank's device vendor (to
         split a host-only job into islands in tests, or to keep two runtimes of one vendor apart).
