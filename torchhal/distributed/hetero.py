@@ -221,8 +221,8 @@ class HeteroGroup:
                     grad.copy_(flat[start : start + grad.numel()].view_as(grad))
                     start += grad.numel()
 
-    def rebalance(self, step_time_s: float) -> tuple[int, ...]:
-        """Collective: re-split the global batch by every rank's measured step time.
+    def rebalance(self, compute_s: float) -> tuple[int, ...]:
+        """Collective: re-split the global batch by every rank's measured compute time per step.
 
         Each rank passes its own compute time per step, e.g. the median `StepStats.compute_s` of
         its last steps (forward and backward on its device's timer). Not `step_time_s`: that
@@ -232,14 +232,14 @@ class HeteroGroup:
         between steps, on every rank.
         """
         gathered: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, float(step_time_s), group=self.ctx.communicator.group)
+        dist.all_gather_object(gathered, float(compute_s), group=self.ctx.communicator.group)
         before = self.batch_sizes
         self.batch_sizes = rebalanced_split(self.global_batch, before, gathered)
         telemetry.count("torchhal.distributed.rebalanced")
         log.info(
-            "batch re-split by measured step times",
+            "batch re-split by measured compute times",
             rank=self.ctx.rank,
-            step_times_s=gathered,
+            compute_s=gathered,
             before=list(before),
             after=list(self.batch_sizes),
         )
