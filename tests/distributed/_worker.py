@@ -15,7 +15,9 @@ from __future__ import annotations
 import copy
 import json
 import os
+import statistics
 import sys
+import time
 import traceback
 import zlib
 from collections.abc import Callable
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchhal import distributed as thd
+from torchhal.distributed.health import HealthMonitor
 from torchhal.hal_core import telemetry
 
 TIMEOUT = timedelta(seconds=20)
@@ -149,6 +152,46 @@ def check_ddp_matches_whole_batch_reference(state: State) -> None:
         prepared.model.module.named_parameters(), reference.named_parameters(), strict=True
     ):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def check_a_slow_rank_is_flagged_by_its_forward_time(state: State) -> None:
+    """Rank 1's forward sleeps 30 ms a step. Under DDP the gradient all-reduce makes every rank's
+    step last as long as rank 1's, so whole-step times look alike; the forward times do not, and
+    rank 0's monitor flags rank 1 from them."""
+    store = dist.FileStore(str(state.out / "straggler_store"), state.world)
+    monitor = HealthMonitor(store, rank=state.rank, world_size=state.world, interval=0.05, deadline=10.0)
+    prepared = thd.prepare(
+        state.model(), lambda p: torch.optim.SGD(p, lr=1e-3), ctx=state.ctx, strategy="ddp"
+    )
+    rows = even_rows(state)
+
+    def slow_on_rank_1(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if state.rank == 1:
+            time.sleep(0.03)
+        return model(*batch)
+
+    key = "torchhal.health.straggler,rank=1"
+    before = telemetry.counts().get(key, 0)
+    with monitor:
+        stats = thd.train(
+            prepared.model,
+            prepared.optimizer,
+            [tuple(t[rows] for t in state.batch(step % STEPS)) for step in range(20)],
+            steps=20,
+            ctx=state.ctx,
+            policy=prepared.policy,
+            loss_fn=slow_on_rank_1,
+            on_step=monitor.observe,
+        )
+    forward = statistics.median(s.forward_s for s in stats)
+    whole = statistics.median(s.step_time_s for s in stats)
+    both: list[object] = [None] * state.world
+    dist.all_gather_object(both, (forward, whole))
+    (fast_forward, fast_whole), (slow_forward, slow_whole) = both
+    assert slow_forward > 0.03 > 5 * fast_forward, both
+    assert max(fast_whole, slow_whole) < 1.5 * min(fast_whole, slow_whole), both  # the sync evens them
+    flagged = telemetry.counts().get(key, 0) - before  # rank 0 checks; a median that dips re-arms it
+    assert flagged >= 1 if state.rank == 0 else flagged == 0, (state.rank, flagged, monitor.peers())
 
 
 def check_fsdp_matches_whole_batch_reference(state: State) -> None:
@@ -352,6 +395,7 @@ SCENARIOS: dict[str, list[Callable[[State], None]]] = {
         check_prefix_generations,
         check_mesh_in_rank_order,
         check_ddp_matches_whole_batch_reference,
+        check_a_slow_rank_is_flagged_by_its_forward_time,
         check_fsdp_matches_whole_batch_reference,
         check_fsdp_bf16_policy_computes_in_bf16_and_keeps_fp32_state,
     ],

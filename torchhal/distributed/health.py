@@ -10,7 +10,11 @@ age) or hung (alive, but it never reported the failure its peers saw), within `d
 seconds. Pair it with a short process-group timeout so a hang surfaces in seconds. `observe()`
 checks each step's loss and gradient norm for NaN/inf (a non-finite gradient norm on a step the
 fp16 gradient scaler skipped is counted, not raised) and, on rank 0, flags stragglers: ranks
-whose median step time exceeds the median of the others' by `straggler_factor`.
+whose median step time exceeds the median of the others' by `straggler_factor`. The step time it
+compares is the forward's (`StepStats.forward_s`) where `train` recorded it: a synchronous step
+lasts as long as the slowest rank's on every rank, so whole-step times cannot tell the straggler
+apart, while the forward runs no collective under DDP, local or heterogeneous training (under
+FSDP it waits on parameter all-gathers, so a straggler shows only in part).
 Heartbeats carry wall-clock time: hosts must agree on it to well under `deadline` (NTP does).
 """
 
@@ -45,18 +49,19 @@ class NonFiniteError(TorchHALError, FloatingPointError):
 
 @dataclass(frozen=True)
 class Heartbeat:
-    """What a rank last published: when, how many steps it had done, its median step time."""
+    """What a rank last published: when, how many steps it had done, and the median of its per-step
+    times (`StepStats.forward_s` where recorded, else `step_time_s`)."""
 
     time: float
     steps: int
-    median_step_s: float | None
+    median_s: float | None
 
     def age(self, now: float) -> float:
         return max(0.0, now - self.time)
 
 
 def stragglers(medians: Mapping[int, float], factor: float) -> dict[int, float]:
-    """Ranks whose median step time exceeds `factor` x the median of the other ranks' medians,
+    """Ranks whose median (forward) time exceeds `factor` x the median of the other ranks' medians,
     mapped to that ratio. Needs at least two ranks."""
     slow = {}
     for rank, mine in medians.items():
@@ -177,8 +182,8 @@ class HealthMonitor:
                 grad_norm=stats.grad_norm,
                 scale=stats.scale,
             )
-        with self._lock:
-            self._times.append(stats.step_time_s)
+        with self._lock:  # a synchronous step lasts as long as the slowest rank's on every rank
+            self._times.append(stats.forward_s if stats.forward_s is not None else stats.step_time_s)
             self._steps = stats.step + 1
         if self.rank == 0:
             self._check_stragglers(stats.step)
@@ -266,7 +271,7 @@ class HealthMonitor:
     def _beat(self) -> None:
         with self._lock:
             median = statistics.median(self._times) if self._times else None
-            beat = {"time": time.time(), "steps": self._steps, "median_step_s": median}
+            beat = {"time": time.time(), "steps": self._steps, "median_s": median}
         self.store.set(f"hb/{self.rank}", json.dumps(beat))
 
     # -- store reads ---------------------------------------------------------------------------
@@ -276,7 +281,7 @@ class HealthMonitor:
         if not self.store.check([key]):
             return None
         raw = json.loads(self.store.get(key))
-        return Heartbeat(float(raw["time"]), int(raw["steps"]), raw["median_step_s"])
+        return Heartbeat(float(raw["time"]), int(raw["steps"]), raw["median_s"])
 
     def _others(self) -> list[int]:
         return [r for r in range(self.world_size) if r != self.rank]
@@ -322,9 +327,9 @@ class HealthMonitor:
 
     def _check_stragglers(self, step: int) -> None:
         medians = {
-            r: beat.median_step_s
+            r: beat.median_s
             for r, beat in self.peers().items()
-            if beat is not None and beat.median_step_s is not None
+            if beat is not None and beat.median_s is not None
         }
         if len(medians) < 2:
             return
@@ -337,7 +342,7 @@ class HealthMonitor:
         attributes: dict[str, Any] = {
             "rank": rank,
             "ratio": ratio,
-            "median_step_s": medians[rank],
+            "median_s": medians[rank],
             "factor": self.straggler_factor,
             "step": step,
         }

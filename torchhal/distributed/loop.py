@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torchhal.hal_core import InvalidArgumentError, telemetry
+from torchhal.hal_core import DeviceTimer, HostTimer, InvalidArgumentError, telemetry
 
 if TYPE_CHECKING:
     from torchhal.distributed.init import DistContext
@@ -43,6 +43,9 @@ class StepStats:
     # forward and backward on the device's own timer, before the gradient sync (set when train has
     # a grad_sync): this rank's own speed, which a blocking sync hides from step_time_s
     compute_s: float | None = None
+    # the forward's real elapsed time (set by train): no collective runs in it under DDP, local and
+    # heterogeneous training, so it shows a straggler that the synchronised step_time_s hides
+    forward_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -134,10 +137,13 @@ def _step(
     grad_sync: Callable[[nn.Module], None] | None,
 ) -> StepStats:
     start = time.perf_counter()
+    clock = _real_time(ctx)
+    began = clock.mark()
     timer = ctx.device.timer() if grad_sync is not None else None  # compute_s, for a grad_sync
     mark = timer.mark() if timer is not None else None
     with policy.autocast():
         loss = compute_loss(model, batch)
+    forwarded = clock.mark()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise InvalidArgumentError(f"train: the loss must be a scalar tensor, got {_describe(loss)}")
     (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -164,6 +170,7 @@ def _step(
     value = float(loss.detach())
     ctx.device.synchronize()
     elapsed = time.perf_counter() - start
+    forward_s = clock.elapsed_ms(began, forwarded) / 1e3
     tokens = _tokens(batch)
     return StepStats(
         step=step,
@@ -175,7 +182,14 @@ def _step(
         scale=scale,
         scaler_skipped=skipped,
         compute_s=compute_s,
+        forward_s=forward_s,
     )
+
+
+def _real_time(ctx: DistContext) -> DeviceTimer:
+    """A timer of real elapsed time on this rank: its device's own (events on a GPU), or for a
+    simulated device, whose timer reports simulated time, the host clock."""
+    return HostTimer(ctx.device.synchronize) if ctx.device.simulated else ctx.device.timer()
 
 
 def _call_model(model: nn.Module, batch: Batch) -> torch.Tensor:
