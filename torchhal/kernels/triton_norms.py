@@ -30,6 +30,20 @@ def _rms_norm_fwd(X, W, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _read_row(xs, dys, mask, KEEP_IN_L1: tl.constexpr):
+    """x and dy of one row in fp32. KEEP_IN_L1 reads them with the default cache policy, so that
+    their second read after the row's sums (`RowLaunch.reload_row`) hits L1; otherwise they are
+    read once, evict-first."""
+    if KEEP_IN_L1:
+        x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    return x, dy
+
+
+@triton.jit
 def _rms_norm_bwd(
     DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program,
     BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr,
@@ -45,21 +59,17 @@ def _rms_norm_bwd(
     while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         r = row.to(tl.int64)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
-        if RELOAD_ROW:  # x and dy stay in L1 for their second read after the sums; w, read per row, is held
-            x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
+        x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=RELOAD_ROW)
+        if RELOAD_ROW:  # read per row and held across the sums
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         else:
-            x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             w = held_w
         g = dy * w
         # both sums in one round: mean(g * xhat) = rstd * mean(g * x)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         mean_gx = tl.sum(g * x, axis=0) / n_cols
         if RELOAD_ROW:  # RowLaunch.reload_row: x and dy again from L1 rather than held across the sums
-            x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=False)
             g = dy * w
         xhat = x * rstd
         dx = (g - xhat * (rstd * mean_gx)) * rstd
@@ -102,13 +112,10 @@ def _layer_norm_bwd(
     while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         r = row.to(tl.int64)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
-        if RELOAD_ROW:  # x and dy stay in L1 for their second read after the sums; w, read per row, is held
-            x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
+        x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=RELOAD_ROW)
+        if RELOAD_ROW:  # read per row and held across the sums
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         else:
-            x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             w = held_w
         mean = tl.sum(x, axis=0) / n_cols
         diff = tl.where(mask, x - mean, 0.0)
@@ -118,8 +125,7 @@ def _layer_norm_bwd(
         mean_g = tl.sum(g, axis=0) / n_cols
         mean_gd = tl.sum(g * diff, axis=0) / n_cols
         if RELOAD_ROW:  # RowLaunch.reload_row: x and dy again from L1 rather than held across the sums
-            x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=False)
             diff = tl.where(mask, x - mean, 0.0)
             g = dy * w
         xhat = diff * rstd
