@@ -1,6 +1,7 @@
 """torchhal's Triton rms_norm, layer_norm, swiglu, geglu and rope against their peers, bf16, on a GPU.
 
-Usage: python benchmarks/bench_norms.py [--budget-s 110]   (writes $OUT/bench_norms.json if OUT is set)
+Usage: python benchmarks/bench_norms.py [--budget-s 110] [--ops rms_norm ...] [--shapes 16384x8192 ...]
+(writes $OUT/bench_norms.json if OUT is set)
 
 For each op, the first shape is checked before anything is timed: every implementation's outputs
 and gradients against the reference in fp64, torchhal's within FlashAttention's rule of the eager
@@ -258,10 +259,26 @@ def summarize(case: Case) -> list[dict[str, Any]]:
     return rows
 
 
+def shape(text: str) -> tuple[int, int]:
+    rows, sep, hidden = text.partition("x")
+    if not sep or not rows.isdigit() or not hidden.isdigit() or int(rows) < 1 or int(hidden) < 1:
+        raise argparse.ArgumentTypeError(
+            f"a shape is ROWSxHIDDEN with both positive, e.g. 8192x16384; got {text!r}"
+        )
+    return int(rows), int(hidden)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget-s", type=float, default=110.0, help="skip torch.compile peers after this")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), help="the ops to time (all)")
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=shape,
+        default=SHAPES,
+        help="ROWSxHIDDEN, checked at the first (default: %(default)s)",
+    )
     options = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_norms: needs a CUDA device; none is available", file=sys.stderr)
@@ -282,7 +299,7 @@ def main() -> int:
 
     cases, checks, notes = [], {}, []
     for op in options.ops:
-        for index, (rows, hidden) in enumerate(SHAPES):
+        for index, (rows, hidden) in enumerate(options.shapes):
             case = make_case(op, rows, hidden)
             impls = {"torchhal": ours[op], **{name: table[op] for name, table in peers.items()}}
             over_budget = time.perf_counter() - start > options.budget_s

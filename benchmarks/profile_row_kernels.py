@@ -87,7 +87,8 @@ def torchhal_call(op: str, direction: str, case: Case) -> Callable[[], Any]:
     x, w, b, eps = case.args
     if direction == "fwd":
         return lambda: triton_norms.layer_norm_forward(launch, x, w, b, eps)
-    return lambda: triton_norms.layer_norm_backward(launch, dy, x, w, eps)
+    _, mean, rstd = triton_norms.layer_norm_forward_with_stats(launch, x, w, b, eps)
+    return lambda: triton_norms.layer_norm_backward(launch, dy, x, w, mean, rstd)
 
 
 def liger_call(op: str, direction: str, case: Case) -> Callable[[], Any]:

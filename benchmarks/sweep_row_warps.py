@@ -21,7 +21,7 @@ import torch
 from gpu_capabilities import device_capabilities
 from sweep_common import ms, save
 
-from torchhal.kernels import triton_norms, triton_rope
+from torchhal.kernels import layer_norm, triton_norms, triton_rope
 from torchhal.kernels.triton_rows import RowLaunch
 
 SHAPES = [(32768, 4096), (8192, 16384), (16384, 8192)]
@@ -67,6 +67,7 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[..., Any], Callabl
     )
     ql, kl = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
     rope_out = lf.liger_rope(ql * 1, kl * 1, cos.squeeze(1), sin.squeeze(1))[:2]
+    _, *ln_stats = layer_norm.reference_forward(x, w, b, 1e-5)  # the backward's saved mean and rstd
     # Liger's backwards may overwrite their output gradients: cloned once, as bench_norms does
     dql, dkl, dyl = dq.clone(), dk.clone(), dy.clone()
     return {
@@ -91,7 +92,7 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[..., Any], Callabl
             lambda: lf.liger_layer_norm(x, w, b, 1e-5),
         ),
         "layer_norm bwd": (
-            lambda launch, m=triton_norms: m.layer_norm_backward(launch, dy, x, w, 1e-5),
+            lambda launch, m=triton_norms: m.layer_norm_backward(launch, dy, x, w, *ln_stats),
             lambda: torch.autograd.grad(ln_out, (xl, wl, bl), dyl, retain_graph=True),
         ),
     }

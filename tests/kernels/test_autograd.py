@@ -7,7 +7,7 @@ import torch
 
 import torchhal
 from torchhal.hal_core import UnsupportedError
-from torchhal.kernels import rms_norm, rope
+from torchhal.kernels import layer_norm, rms_norm, rope
 from torchhal.kernels.autograd import AutogradSpec, DifferentiableOp
 
 
@@ -23,7 +23,10 @@ def _spy(hal, op, calls):
 
 
 OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope")
-REGISTRY_OPS = OPS + tuple(f"{op}_backward" for op in OPS)
+BACKWARD_OPS = tuple(f"{op}_backward" for op in OPS)
+REGISTRY_OPS = (*OPS, "layer_norm_forward", *BACKWARD_OPS)
+# what runs with gradients, and under torch.compile: each op's training forward and its backward
+TRAINING_OPS = ("rms_norm", "layer_norm_forward", "swiglu", "geglu", "rope", *BACKWARD_OPS)
 
 
 @pytest.fixture
@@ -158,14 +161,14 @@ def test_compile_fullgraph_uses_the_custom_ops(fresh_ops, calls):
     twins = tuple(t.detach().clone().requires_grad_(t.requires_grad) for t in inputs)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
     compiled(*inputs).backward()
-    assert sorted(set(calls)) == sorted(REGISTRY_OPS)
+    assert sorted(set(calls)) == sorted(TRAINING_OPS)
     block(*twins).backward()
     for got, want in zip(inputs, twins, strict=True):
         if want.requires_grad:
             torch.testing.assert_close(got.grad, want.grad)
 
 
-@pytest.mark.parametrize("op", REGISTRY_OPS)
+@pytest.mark.parametrize("op", TRAINING_OPS)  # the ops that are custom ops
 def test_custom_op_registrations_pass_opcheck(plain_ops, op):
     """torch.library.opcheck: schema, fake (meta) implementation and autograd registration agree."""
     x, w = _inputs(grad=True)
@@ -174,8 +177,13 @@ def test_custom_op_registrations_pass_opcheck(plain_ops, op):
     args = {
         "rms_norm": (x, w, 1e-6),
         "rms_norm_backward": (dy, x.detach(), w.detach(), 1e-6),
-        "layer_norm": (x, w, b, 1e-5),
-        "layer_norm_backward": (dy, x.detach(), w.detach(), 1e-5),
+        "layer_norm_forward": (x, w, b, 1e-5),
+        "layer_norm_backward": (
+            dy,
+            x.detach(),
+            w.detach(),
+            *layer_norm.reference_forward(x.detach(), w, b)[1:],
+        ),
         "swiglu": (x, x.detach().flip(0).requires_grad_(True)),
         "swiglu_backward": (dy, x.detach(), dy.flip(0)),
         "geglu": (x, x.detach().flip(0).requires_grad_(True)),

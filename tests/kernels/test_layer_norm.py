@@ -16,6 +16,12 @@ def _params(n: int) -> tuple[torch.Tensor, torch.Tensor]:
     return 1 + 0.2 * torch.randn(n), 0.2 * torch.randn(n)
 
 
+def _stats(x: torch.Tensor, eps: float = 1e-5) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and rstd layer_norm_forward saves for the backward."""
+    _, mean, rstd = layer_norm.reference_forward(x, *_params(x.shape[-1]), eps)
+    return mean, rstd
+
+
 @pytest.mark.parametrize(
     ("shape", "eps", "offset"), [((97, 123), 1e-5, 0.0), ((9, 203), 0.1, 3.0), ((33, 1023), 1e-5, 300.0)]
 )
@@ -25,7 +31,11 @@ def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, shape,
     w, b = _params(shape[-1])
     cpu = ops.hal.device("cpu")
     assert ops.hal.kernels.select("layer_norm", cpu, x, w, b, eps).candidate.name == "triton"
-    assert ops.hal.kernels.select("layer_norm_backward", cpu, dy, x, w, eps).candidate.name == "triton"
+    assert ops.hal.kernels.select("layer_norm_forward", cpu, x, w, b, eps).candidate.name == "triton"
+    assert (
+        ops.hal.kernels.select("layer_norm_backward", cpu, dy, x, w, *_stats(x, eps)).candidate.name
+        == "triton"
+    )
     check_op(ops.layer_norm, layer_norm.reference, (x, w, b, eps), (dy,), (0, 1, 2))
 
 
@@ -55,7 +65,7 @@ def test_strided_rows_property(ops, check_op, rows, hidden, row_gap, leading):
     dy = torch.randn(*leading, rows, hidden + 2 * row_gap)[..., row_gap : row_gap + hidden]
     w, b = _params(hidden)
     cpu = ops.hal.device("cpu")
-    assert ops.hal.kernels.select("layer_norm_backward", cpu, dy, x, w, 1e-5).candidate.name == "triton"
+    assert ops.hal.kernels.select("layer_norm_backward", cpu, dy, x, w, *_stats(x)).candidate.name == "triton"
     check_op(ops.layer_norm, layer_norm.reference, (x, w, b, 1e-5), (dy,), (0, 1, 2))
 
 
@@ -102,3 +112,52 @@ def test_bad_input_is_refused(ops, args, error, match):
 def test_a_tensor_eps_is_refused(ops):
     with pytest.raises(InvalidArgumentError, match=r"layer_norm: eps must be a finite number >= 0"):
         ops.layer_norm(torch.randn(4, 8), *_params(8), torch.tensor(1e-5, requires_grad=True))
+
+
+def test_training_forward_saves_the_reference_statistics(ops):
+    """The Triton forward's mean and rstd, which its backward trusts, against the reference's."""
+    x = torch.randn(2, 7, 203) * 3 + 5
+    w, b = _params(203)
+    y, mean, rstd = ops.hal.dispatch("layer_norm_forward", x, w, b, 1e-5)
+    want_y, want_mean, want_rstd = layer_norm.reference_forward(x, w, b, 1e-5)
+    assert mean.shape == rstd.shape == (2, 7) and mean.dtype == rstd.dtype == torch.float32
+    torch.testing.assert_close(mean, want_mean)
+    torch.testing.assert_close(rstd, want_rstd)
+    torch.testing.assert_close(y, want_y)
+
+
+@pytest.mark.parametrize(
+    ("stat", "match"),
+    [
+        (
+            torch.zeros(4),
+            r"layer_norm_backward: mean must be layer_norm_forward's statistics, shape \(4, 3\).*\(4,\)",
+        ),
+        (
+            torch.zeros(4, 3, dtype=torch.float64),
+            r"mean must be .* dtype torch.float32 .* got shape \(4, 3\), dtype torch.float64",
+        ),
+    ],
+)
+def test_backward_refuses_statistics_that_are_not_the_forward_s(ops, stat, match):
+    x, dy = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
+    w, _ = _params(8)
+    _, rstd = _stats(x)
+    with pytest.raises(InvalidArgumentError, match=match):
+        ops.hal.dispatch("layer_norm_backward", dy, x, w, stat, rstd)
+
+
+def test_strided_statistics_go_to_the_reference(ops):
+    x, dy = torch.randn(6, 40), torch.randn(6, 40)
+    w, _ = _params(40)
+    mean, rstd = _stats(x)
+    strided_mean = torch.stack((mean, mean), -1)[:, 0]
+    sel = ops.hal.kernels.select("layer_norm_backward", ops.hal.device("cpu"), dy, x, w, strided_mean, rstd)
+    assert sel.candidate.name == "reference"
+    assert {r.candidate: r.reason for r in sel.rejected}["torchhal/triton"] is RejectionReason.LAYOUT
+    for got, want in zip(
+        ops.hal.dispatch("layer_norm_backward", dy, x, w, strided_mean, rstd),
+        layer_norm.reference_backward(dy, x, w, mean, rstd),
+        strict=True,
+    ):
+        torch.testing.assert_close(got, want)

@@ -2,9 +2,11 @@
 
 y = (x - mean) / sqrt(var + eps) * weight + bias with the biased variance, as
 `torch.nn.functional.layer_norm` computes it, in fp32 (fp64 for fp64 inputs) and rounded once.
-`layer_norm_backward(dy, x, weight, eps) -> (dx, dweight, dbias)` recomputes mean and rstd from
-x. Layout rules are those of rms_norm: the Triton candidates take tensors they can index as
-(rows, hidden) with unit column stride, and unit-stride weight and bias.
+Training runs `layer_norm_forward -> (y, mean, rstd)`, the statistics per row in the compute
+dtype, and `layer_norm_backward(dy, x, weight, mean, rstd) -> (dx, dweight, dbias)` takes them
+back, as PyTorch's own layer_norm does: the backward then needs one reduction round a row, not
+two. Layout rules are those of rms_norm: the Triton candidates take tensors they can index as
+(rows, hidden) with unit column stride, unit-stride weight and bias, and contiguous statistics.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ class LayerNormSignature(NamedTuple):
     rows: bool  # every row tensor indexes as (rows, hidden); weight and bias have unit stride
 
 
-def _check(op: str, x: torch.Tensor, eps: float, **params: torch.Tensor) -> None:
-    """x (..., hidden) and 1-D parameters (weight, and bias for the forward) of length hidden."""
-    require_eps(op, eps)
+def _check(op: str, x: torch.Tensor, eps: float | None, **params: torch.Tensor) -> None:
+    """x (..., hidden) and 1-D parameters (weight, and bias for the forward) of length hidden; eps
+    where the op takes one."""
+    if eps is not None:
+        require_eps(op, eps)
     require_tensor(op, "x", x)
     for name, p in params.items():
         require_tensor(op, name, p)
@@ -67,14 +71,24 @@ def signature(
 
 
 def backward_signature(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
 ) -> LayerNormSignature:
-    _check("layer_norm_backward", x, eps, weight=weight)
-    require_tensor("layer_norm_backward", "dy", dy)
-    require_same("layer_norm_backward", "dy and x shapes", dy=tuple(dy.shape), x=tuple(x.shape))
-    require_same("layer_norm_backward", "dtypes", dy=dy.dtype, x=x.dtype)
-    require_same("layer_norm_backward", "devices", dy=dy.device, x=x.device)
-    return LayerNormSignature(x.dtype, weight.shape[0], _layout((weight,), (x, dy)))
+    op = "layer_norm_backward"
+    _check(op, x, None, weight=weight)
+    require_tensor(op, "dy", dy)
+    require_same(op, "dy and x shapes", dy=tuple(dy.shape), x=tuple(x.shape))
+    require_same(op, "dtypes", dy=dy.dtype, x=x.dtype)
+    for name, stat in (("mean", mean), ("rstd", rstd)):
+        require_tensor(op, name, stat)
+        if tuple(stat.shape) != tuple(x.shape[:-1]) or stat.dtype != compute_dtype(x.dtype):
+            raise InvalidArgumentError(
+                f"{op}: {name} must be layer_norm_forward's statistics, shape {tuple(x.shape[:-1])} "
+                f"and dtype {compute_dtype(x.dtype)} for x {tuple(x.shape)} {x.dtype}; "
+                f"got shape {tuple(stat.shape)}, dtype {stat.dtype}"
+            )
+    require_same(op, "devices", dy=dy.device, x=x.device, mean=mean.device, rstd=rstd.device)
+    rows = _layout((weight,), (x, dy)) and mean.is_contiguous() and rstd.is_contiguous()
+    return LayerNormSignature(x.dtype, weight.shape[0], rows)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
@@ -84,15 +98,25 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: fl
     return y.to(x.dtype).contiguous()
 
 
+def reference_forward(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd): the statistics per row, in the compute dtype, as the backward takes them."""
+    ct = compute_dtype(x.dtype)
+    x32 = x.to(ct)
+    mean = x32.mean(-1)
+    rstd = torch.rsqrt((x32 - mean.unsqueeze(-1)).pow(2).mean(-1) + eps)
+    return reference(x, weight, bias, eps), mean, rstd
+
+
 def reference_backward(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) with g = dy * weight; row sums for dweight, dbias."""
     ct = compute_dtype(x.dtype)
     x32, dy32 = x.to(ct), dy.to(ct)
-    diff = x32 - x32.mean(-1, keepdim=True)
-    rstd = torch.rsqrt(diff.pow(2).mean(-1, keepdim=True) + eps)
-    xhat = diff * rstd
+    rstd = rstd.to(ct).unsqueeze(-1)
+    xhat = (x32 - mean.to(ct).unsqueeze(-1)) * rstd
     g = dy32 * weight.to(ct)
     dx = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd
     cols = x.shape[-1]
@@ -112,32 +136,42 @@ def _triton_forward(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
     return functools.partial(triton_norms.layer_norm_forward, RowLaunch.from_caps(caps))
 
 
+def _triton_forward_with_stats(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, ...]]:
+    from torchhal.kernels import triton_norms
+
+    return functools.partial(triton_norms.layer_norm_forward_with_stats, RowLaunch.from_caps(caps))
+
+
 def _triton_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, ...]]:
     from torchhal.kernels import triton_norms
 
     return functools.partial(triton_norms.layer_norm_backward, RowLaunch.from_caps(caps))
 
 
-def _fake(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    return x.new_empty(x.shape)
+def _forward_fake(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ct = compute_dtype(x.dtype)
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=ct), x.new_empty(x.shape[:-1], dtype=ct)
 
 
 def _backward_fake(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x.new_empty(x.shape), weight.new_empty(weight.shape), weight.new_empty(weight.shape)
 
 
 def _context(inputs: Sequence[Any], results: Sequence[torch.Tensor]) -> tuple[Any, ...]:
-    x, weight, _bias, eps = inputs
-    return x, weight, eps
+    x, weight, _bias, _eps = inputs
+    _y, mean, rstd = results
+    return x, weight, mean, rstd
 
 
 AUTOGRAD = AutogradSpec(
     op="layer_norm",
-    forward="layer_norm",
+    forward="layer_norm_forward",
     backward="layer_norm_backward",
-    forward_fake=_fake,
+    forward_fake=_forward_fake,
     backward_fake=_backward_fake,
     differentiable=(0, 1, 2),
     context=_context,
@@ -149,6 +183,16 @@ def register(registry: KernelRegistry) -> None:
     registry.register(
         "layer_norm", "triton", unbound, provider=PROVIDER, supports=triton_supports, priority=20,
         bind=_triton_forward,
+    )  # fmt: skip
+    registry.define_op(
+        "layer_norm_forward",
+        reference_forward,
+        signature=signature,  # errors name layer_norm, the op its callers called
+        doc="(y, mean, rstd) of layer_norm, the statistics for its backward",
+    )
+    registry.register(
+        "layer_norm_forward", "triton", unbound, provider=PROVIDER, supports=triton_supports, priority=20,
+        bind=_triton_forward_with_stats,
     )  # fmt: skip
     registry.define_op(
         "layer_norm_backward",

@@ -1,11 +1,13 @@
 """Triton kernels for rms_norm and layer_norm, forward and backward; imported only when a candidate binds.
 
 Forward: one program per row, a block covering the row, statistics and the affine transform in
-fp32, one rounding to the output dtype. Backward: `RowLaunch.backward_programs` programs, each
-walking a contiguous run of rows; it recomputes the row statistics from x (the row is read
-anyway, so nothing is saved by the forward), taking the sums that do not depend on each other in
-one round (each round is a cross-warp reduction, a barrier), writes dx, and accumulates its
-partial weight (and bias) gradient in fp32 registers; the partials are summed across programs
+fp32, one rounding to the output dtype; layer_norm's training forward also writes each row's mean
+and rstd (8 bytes a row), as PyTorch and Liger do, so its backward takes one reduction round a
+row instead of two. Backward: `RowLaunch.backward_programs` programs, program p taking rows p,
+p + P, p + 2P, ... (so the programs running at one time read neighbouring rows, as the forwards
+do), or a contiguous run of rows where that measured faster (`_row_range`); rms_norm recomputes
+rstd from x in the same round as its other sum; each writes dx and
+accumulates its partial weight (and bias) gradient in fp32 registers, summed across programs
 after. Rows too long to hold across the sums are read again from L1 (`RowLaunch.reload_row`).
 """
 
@@ -44,9 +46,21 @@ def _read_row(xs, dys, mask, KEEP_IN_L1: tl.constexpr):
 
 
 @triton.jit
+def _row_range(n_rows, INTERLEAVED: tl.constexpr):
+    """(first row, end, step) of this backward program. Interleaved: rows pid, pid + P, ..., so
+    the programs running at one time read neighbouring rows, as the forwards do. Otherwise a
+    contiguous run of rows per program; see `layer_norm_backward` for where that is faster."""
+    pid, programs = tl.program_id(0), tl.num_programs(0)
+    if INTERLEAVED:
+        return pid, n_rows, programs
+    run = tl.cdiv(n_rows, programs)
+    return pid * run, tl.minimum(pid * run + run, n_rows), 1
+
+
+@triton.jit
 def _rms_norm_bwd(
-    DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program,
-    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr,
+    DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps,
+    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -54,8 +68,7 @@ def _rms_norm_bwd(
     if not RELOAD_ROW:
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    row = pid * rows_per_program
-    end = tl.minimum(row + rows_per_program, n_rows)
+    row, end, step = _row_range(n_rows, INTERLEAVED)
     while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         r = row.to(tl.int64)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
@@ -75,12 +88,14 @@ def _rms_norm_bwd(
         dx = (g - xhat * (rstd * mean_gx)) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
-        row += 1
+        row += step
     tl.store(DW + pid * n_cols + cols, dw, mask=mask)
 
 
 @triton.jit
-def _layer_norm_fwd(X, W, B, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
+def _layer_norm_fwd(
+    X, W, B, Y, Mean, Rstd, x_stride, n_cols, eps, BLOCK: tl.constexpr, SAVE_STATS: tl.constexpr
+):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -93,12 +108,15 @@ def _layer_norm_fwd(X, W, B, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
     w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     b = tl.load(B + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     tl.store(Y + row * n_cols + cols, (diff * rstd * w + b).to(Y.dtype.element_ty), mask=mask)
+    if SAVE_STATS:
+        tl.store(Mean + row, mean)
+        tl.store(Rstd + row, rstd)
 
 
 @triton.jit
 def _layer_norm_bwd(
-    DY, X, W, DX, DW, DB, dy_stride, x_stride, n_rows, n_cols, eps, rows_per_program,
-    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr,
+    DY, X, W, Mean, Rstd, DX, DW, DB, dy_stride, x_stride, n_rows, n_cols,
+    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -107,33 +125,31 @@ def _layer_norm_bwd(
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    row = pid * rows_per_program
-    end = tl.minimum(row + rows_per_program, n_rows)
+    row, end, step = _row_range(n_rows, INTERLEAVED)
     while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         r = row.to(tl.int64)
+        mean = tl.load(Mean + r)
+        rstd = tl.load(Rstd + r)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
         x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=RELOAD_ROW)
         if RELOAD_ROW:  # read per row and held across the sums
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         else:
             w = held_w
-        mean = tl.sum(x, axis=0) / n_cols
-        diff = tl.where(mask, x - mean, 0.0)
+        # beyond the row, xhat is not 0 but g is, so neither sum nor the weight gradients see it
+        xhat = (x - mean) * rstd
         g = dy * w
-        # three sums in one round after the mean: mean(g * xhat) = rstd * mean(g * diff)
-        rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
-        mean_g = tl.sum(g, axis=0) / n_cols
-        mean_gd = tl.sum(g * diff, axis=0) / n_cols
+        mean_g = tl.sum(g, axis=0) / n_cols  # both sums in one round
+        mean_gxhat = tl.sum(g * xhat, axis=0) / n_cols
         if RELOAD_ROW:  # RowLaunch.reload_row: x and dy again from L1 rather than held across the sums
             x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=False)
-            diff = tl.where(mask, x - mean, 0.0)
+            xhat = (x - mean) * rstd
             g = dy * w
-        xhat = diff * rstd
-        dx = (g - mean_g - xhat * (rstd * mean_gd)) * rstd
+        dx = (g - mean_g - xhat * mean_gxhat) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
         db += dy
-        row += 1
+        row += step
     tl.store(DW + pid * n_cols + cols, dw, mask=mask)
     tl.store(DB + pid * n_cols + cols, db, mask=mask)
 
@@ -141,12 +157,6 @@ def _layer_norm_bwd(
 def _rows(x: torch.Tensor) -> tuple[int, int]:
     cols = x.shape[-1]
     return (x.numel() // cols if cols else 0), cols
-
-
-def _backward_grid(launch: RowLaunch, rows: int, warps: int) -> tuple[int, int]:
-    """(programs, rows per program) with no program left without rows."""
-    per_program = triton.cdiv(rows, launch.backward_programs(rows, warps))
-    return triton.cdiv(rows, per_program), per_program
 
 
 def rms_norm_forward(
@@ -173,11 +183,11 @@ def rms_norm_backward(
         return dx, torch.zeros_like(weight)
     block = next_power_of_2(cols)
     warps = launch.backward_warps(block, x.element_size())
-    programs, per_program = _backward_grid(launch, rows, warps)
+    programs = launch.backward_programs(rows, warps)
     partial = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd[(programs,)](
-        dy, x, weight, dx, partial, row_stride(dy), row_stride(x), rows, cols, eps, per_program,
-        BLOCK=block, RELOAD_ROW=launch.reload_row(block, warps), num_warps=warps,
+        dy, x, weight, dx, partial, row_stride(dy), row_stride(x), rows, cols, eps,
+        BLOCK=block, RELOAD_ROW=launch.reload_row(block, warps), INTERLEAVED=True, num_warps=warps,
     )  # fmt: skip
     return dx, partial.sum(0).to(weight.dtype)
 
@@ -185,32 +195,62 @@ def rms_norm_backward(
 def layer_norm_forward(
     launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
 ) -> torch.Tensor:
+    return _layer_norm_forward(launch, x, weight, bias, eps, None)
+
+
+def layer_norm_forward_with_stats(
+    launch: RowLaunch, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, mean, rstd), the statistics fp32 of shape x.shape[:-1], for `layer_norm_backward`."""
+    mean, rstd = (torch.empty(x.shape[:-1], dtype=torch.float32, device=x.device) for _ in range(2))
+    return _layer_norm_forward(launch, x, weight, bias, eps, (mean, rstd)), mean, rstd
+
+
+def _layer_norm_forward(
+    launch: RowLaunch,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    eps: float,
+    stats: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, cols = _rows(x)
     if rows == 0:
         return y
     block = next_power_of_2(cols)
+    mean, rstd = (None, None) if stats is None else stats
     _layer_norm_fwd[(rows,)](
-        x, weight, bias, y, row_stride(x), cols, eps,
-        BLOCK=block, num_warps=launch.forward_warps(block, x.element_size()),
+        x, weight, bias, y, mean, rstd, row_stride(x), cols, eps,
+        BLOCK=block, SAVE_STATS=stats is not None, num_warps=launch.forward_warps(block, x.element_size()),
     )  # fmt: skip
     return y
 
 
 def layer_norm_backward(
-    launch: RowLaunch, dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5
+    launch: RowLaunch,
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the forward's saved statistics; mean and rstd contiguous fp32, one value per row."""
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, cols = _rows(x)
     if rows == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
     block = next_power_of_2(cols)
     warps = launch.backward_warps(block, x.element_size())
-    programs, per_program = _backward_grid(launch, rows, warps)
+    programs = launch.backward_programs(rows, warps)
     dw = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     db = torch.empty_like(dw)
+    reload = launch.reload_row(block, warps)
+    # Measured on an H100 in three processes (benchmarks/ab_row_backward.py, docs/benchmarks.md):
+    # interleaved rows ran 3-13% faster at hidden 4096 and 8192 but 10-12% slower where the row is
+    # read again (16384); rms_norm's backward was 1-4% faster interleaved at all three.
     _layer_norm_bwd[(programs,)](
-        dy, x, weight, dx, dw, db, row_stride(dy), row_stride(x), rows, cols, eps, per_program,
-        BLOCK=block, RELOAD_ROW=launch.reload_row(block, warps), num_warps=warps,
+        dy, x, weight, mean, rstd, dx, dw, db, row_stride(dy), row_stride(x), rows, cols,
+        BLOCK=block, RELOAD_ROW=reload, INTERLEAVED=not reload, num_warps=warps,
     )  # fmt: skip
     return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)

@@ -2,8 +2,9 @@
 
 A case is drawn on the host in fp32 (integer index tensors as they must be), then cast to
 the dtype under test: the rounded values are what the device and the fp64 truth both see.
-A backward op's saved forward results (attention's out and its fp32 log-sum-exp) are then
-computed from the cast inputs by the forward op's reference, as autograd would save them.
+A backward op's saved forward results (attention's out and its fp32 log-sum-exp, layer_norm's
+mean and rstd) are then computed from the cast inputs by the forward op's reference, as autograd
+would save them.
 Shapes are odd on purpose (no vector-width fast path hides a remainder bug) and small (the
 kit runs each candidate on every device and dtype). Ops not listed here have no inputs:
 their candidates are reported not applicable with that reason.
@@ -118,6 +119,14 @@ def _layer_norm_backward(g: torch.Generator) -> list[Case]:
             (_randn(g, 2, 3, 33), _randn(g, 2, 3, 33), 1 + _randn(g, 33, scale=0.1), 1e-6),
         ),
     ]
+
+
+def _saved_layer_norm_forward(case: Case, dtype: torch.dtype, registry: KernelRegistry) -> Case:
+    """(dy, x, weight[, eps]) cast, then (dy, x, weight, mean, rstd) with the statistics from
+    layer_norm_forward's reference (the bias does not change them)."""
+    dy, x, weight, *eps = cast(case, dtype).args
+    _, mean, rstd = registry.op("layer_norm_forward").reference(x, weight, weight * 0, *eps)
+    return Case(case.label, (dy, x, weight, mean, rstd))
 
 
 def _gated_backward(g: torch.Generator) -> list[Case]:
@@ -262,6 +271,7 @@ CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases
     "rms_norm": _rms_norm,
     "rms_norm_backward": _rms_norm_backward,
     "layer_norm": _layer_norm,
+    "layer_norm_forward": _layer_norm,
     "layer_norm_backward": _layer_norm_backward,
     "swiglu": _gated,
     "swiglu_backward": _gated_backward,
@@ -282,6 +292,7 @@ CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases
 
 
 FINISH: dict[str, Callable[[Case, torch.dtype, KernelRegistry], Case]] = {  # default: cast
+    "layer_norm_backward": _saved_layer_norm_forward,
     "attention_backward": _saved_attention_forward,
     "attention_varlen_backward": _saved_attention_varlen_forward,
     "linear_cross_entropy_backward": _saved_linear_cross_entropy_forward,
