@@ -1,8 +1,9 @@
 """Triton kernels for the gated activations swiglu and geglu; imported only when a candidate binds.
 
 Element-wise over (rows, cols) views, so gate and up may be strided views of one fused
-projection (e.g. `gate, up = proj.chunk(2, -1)`) without a copy. A 2-D grid: rows by column
-blocks (`RowLaunch.elementwise`). Activations and their derivatives in fp32, through the
+projection (e.g. `gate, up = proj.chunk(2, -1)`) without a copy. A 1-D grid over the (row,
+column block) tiles in memory order (`RowLaunch.elementwise`), so programs launched together
+read neighbouring memory. Activations and their derivatives in fp32, through the
 logistic function: silu(g) = g*sigmoid(g), gelu_tanh(g) = g*sigmoid(2*sqrt(2/pi)*(g + 0.044715*g^3))
 (0.5*(1 + tanh(z)) = sigmoid(2z) exactly), so one exp serves value and derivative.
 """
@@ -37,9 +38,16 @@ def _activation(g, ACT: tl.constexpr):
 
 
 @triton.jit
+def _tile(n_cols, BLOCK: tl.constexpr):
+    """(row, columns) of this program's tile: tile i is column block i % blocks of row i // blocks."""
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(n_cols, BLOCK)
+    return (pid // blocks).to(tl.int64), (pid % blocks) * BLOCK + tl.arange(0, BLOCK)
+
+
+@triton.jit
 def _gated_fwd(G, U, Y, g_stride, u_stride, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = _tile(n_cols, BLOCK)
     mask = cols < n_cols
     g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0)
     u = tl.load(U + row * u_stride + cols, mask=mask, other=0.0)
@@ -51,8 +59,7 @@ def _gated_fwd(G, U, Y, g_stride, u_stride, n_cols, ACT: tl.constexpr, BLOCK: tl
 def _gated_bwd(
     DY, G, U, DG, DU, dy_stride, g_stride, u_stride, n_cols, ACT: tl.constexpr, BLOCK: tl.constexpr
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    row, cols = _tile(n_cols, BLOCK)
     mask = cols < n_cols
     dy = tl.load(DY + row * dy_stride + cols, mask=mask, other=0.0)
     g = tl.load(G + row * g_stride + cols, mask=mask, other=0.0)
@@ -63,10 +70,10 @@ def _gated_bwd(
     tl.store(DU + row * n_cols + cols, (dy * a).to(DU.dtype.element_ty), mask=mask)
 
 
-def _grid(launch: RowLaunch, x: torch.Tensor) -> tuple[tuple[int, int], int, int]:
+def _grid(launch: RowLaunch, x: torch.Tensor) -> tuple[tuple[int], int, int]:
     cols = x.shape[-1]
     block, warps = launch.elementwise(cols, x.element_size())
-    return (x.numel() // cols, triton.cdiv(cols, block)), block, warps
+    return ((x.numel() // cols) * triton.cdiv(cols, block),), block, warps
 
 
 def gated_forward(launch: RowLaunch, op: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
