@@ -1,0 +1,127 @@
+"""Host time of one backward at a small shape (4096x2048 bf16), where bench_norms finds torchhal's
+backwards slower than Liger's although the kernels move 16 MB a tensor in a few µs: is the time
+the host's, and where does it go?
+
+For swiglu and rms_norm it times `torch.autograd.grad` of one retained graph, torchhal's against
+Liger's and eager PyTorch's: the host's time a call (many calls, one synchronize at the end) and
+the device's (CUDA events around each call after a synchronize, so no host lag hides in it).
+Then cProfile of torchhal's backward calls, the top functions by own time.
+
+    python3 benchmarks/profile_small_backward.py [--calls 2000] [--out $OUT/profile_small_backward.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import torchhal
+
+ROWS, HIDDEN = 4096, 2048
+
+
+def graphs() -> dict[str, dict[str, Callable[[], Any]]]:
+    """Per op and implementation, a call that runs the backward of one retained forward graph."""
+    import liger_kernel.transformers.functional as lf
+
+    def leaf(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().clone().requires_grad_()
+
+    x = torch.randn(ROWS, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    up = torch.randn_like(x)
+    w = (1 + 0.2 * torch.randn(HIDDEN, device="cuda")).to(torch.bfloat16)
+    dy = torch.randn_like(x)
+    forwards: dict[str, dict[str, Callable[..., torch.Tensor]]] = {
+        "swiglu": {
+            "torchhal": torchhal.ops.swiglu,
+            "liger": lf.liger_swiglu,
+            "eager": lambda g, u: F.silu(g) * u,
+        },
+        "rms_norm": {
+            "torchhal": lambda a, b: torchhal.ops.rms_norm(a, b, 1e-6),
+            "liger": lambda a, b: lf.liger_rms_norm(a, b, 1e-6),
+            "eager": lambda a, b: F.rms_norm(a, (HIDDEN,), b, 1e-6),
+        },
+    }
+    calls: dict[str, dict[str, Callable[[], Any]]] = {}
+    for op, impls in forwards.items():
+        second = up if op == "swiglu" else w
+        calls[op] = {}
+        for name, forward in impls.items():
+            inputs = (leaf(x), leaf(second))
+            out = forward(*inputs)
+            grad = dy.clone()  # Liger's backwards may overwrite their output gradient
+            calls[op][name] = lambda out=out, inputs=inputs, grad=grad: torch.autograd.grad(
+                out, inputs, grad, retain_graph=True
+            )
+    return calls
+
+
+def host_us(fn: Callable[[], Any], calls: int) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return host / calls * 1e6
+
+
+def device_us(fn: Callable[[], Any], calls: int) -> float:
+    """Median of event-timed single calls, each after a synchronize (the host is not behind)."""
+    times = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    calls = graphs()
+    lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {ROWS}x{HIDDEN} bf16"]
+    lines.append(f"{'op':9s} {'impl':9s} {'host us/call':>13s} {'device us/call':>15s}")
+    for op, impls in calls.items():
+        for name, fn in impls.items():
+            for _ in range(20):
+                fn()
+            lines.append(
+                f"{op:9s} {name:9s} {host_us(fn, args.calls):13.1f} {device_us(fn, args.calls // 10):15.1f}"
+            )
+    for op, impls in calls.items():
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(args.calls):
+            impls["torchhal"]()
+        profiler.disable()
+        torch.cuda.synchronize()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(22)
+        lines.append(f"\ncProfile of torchhal's {op} backward, {args.calls} calls, by own time:")
+        lines.append(text.getvalue())
+    report = "\n".join(lines)
+    if args.out is not None:
+        args.out.write_text(report)
+    print(report)
+
+
+if __name__ == "__main__":
+    main()
