@@ -4,7 +4,8 @@ the host's, and where does it go?
 
 For swiglu and rms_norm it times `torch.autograd.grad` of one retained graph, torchhal's against
 Liger's and eager PyTorch's: the host's time a call (many calls, one synchronize at the end) and
-the device's (CUDA events around each call after a synchronize, so no host lag hides in it).
+the latency of one call from an idle GPU (CUDA events around it after a synchronize; the GPU waits
+for the host's enqueue, so this is host time plus whatever of the kernels it does not overlap).
 Then cProfile of torchhal's backward calls, the top functions by own time.
 
     python3 benchmarks/profile_small_backward.py [--calls 2000] [--out $OUT/profile_small_backward.txt]
@@ -77,8 +78,8 @@ def host_us(fn: Callable[[], Any], calls: int) -> float:
     return host / calls * 1e6
 
 
-def device_us(fn: Callable[[], Any], calls: int) -> float:
-    """Median of event-timed single calls, each after a synchronize (the host is not behind)."""
+def idle_latency_us(fn: Callable[[], Any], calls: int) -> float:
+    """Median of event-timed single calls, each after a synchronize (so from an idle GPU)."""
     times = []
     for _ in range(calls):
         torch.cuda.synchronize()
@@ -98,14 +99,13 @@ def main() -> None:
     args = parser.parse_args()
     calls = graphs()
     lines = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {ROWS}x{HIDDEN} bf16"]
-    lines.append(f"{'op':9s} {'impl':9s} {'host us/call':>13s} {'device us/call':>15s}")
+    lines.append(f"{'op':9s} {'impl':9s} {'host us/call':>13s} {'idle-GPU latency us':>20s}")
     for op, impls in calls.items():
         for name, fn in impls.items():
             for _ in range(20):
                 fn()
-            lines.append(
-                f"{op:9s} {name:9s} {host_us(fn, args.calls):13.1f} {device_us(fn, args.calls // 10):15.1f}"
-            )
+            host, idle = host_us(fn, args.calls), idle_latency_us(fn, args.calls // 10)
+            lines.append(f"{op:9s} {name:9s} {host:13.1f} {idle:20.1f}")
     for op, impls in calls.items():
         profiler = cProfile.Profile()
         profiler.enable()

@@ -114,6 +114,19 @@ def test_a_tensor_eps_is_refused(ops):
         ops.layer_norm(torch.randn(4, 8), *_params(8), torch.tensor(1e-5, requires_grad=True))
 
 
+def test_forward_without_gradients_saves_nothing_and_matches_the_training_forward(ops):
+    """No gradient: the plain layer_norm op, whose kernel writes no statistics (None pointers)."""
+    x = torch.randn(5, 203) * 2 + 1
+    w, b = _params(203)
+    cpu = ops.hal.device("cpu")
+    assert ops.hal.kernels.select("layer_norm", cpu, x, w, b, 1e-5).candidate.name == "triton"
+    with torch.no_grad():
+        y = ops.layer_norm(x, w, b, 1e-5)
+    training_y, _, _ = ops.hal.dispatch("layer_norm_forward", x, w, b, 1e-5)
+    torch.testing.assert_close(y, training_y, rtol=0, atol=0)
+    torch.testing.assert_close(y, layer_norm.reference(x, w, b, 1e-5))
+
+
 def test_training_forward_saves_the_reference_statistics(ops):
     """The Triton forward's mean and rstd, which its backward trusts, against the reference's."""
     x = torch.randn(2, 7, 203) * 3 + 5
@@ -155,9 +168,10 @@ def test_strided_statistics_go_to_the_reference(ops):
     sel = ops.hal.kernels.select("layer_norm_backward", ops.hal.device("cpu"), dy, x, w, strided_mean, rstd)
     assert sel.candidate.name == "reference"
     assert {r.candidate: r.reason for r in sel.rejected}["torchhal/triton"] is RejectionReason.LAYOUT
+    # the reference reading the strided mean against the kernel reading the contiguous one
     for got, want in zip(
         ops.hal.dispatch("layer_norm_backward", dy, x, w, strided_mean, rstd),
-        layer_norm.reference_backward(dy, x, w, mean, rstd),
+        ops.hal.dispatch("layer_norm_backward", dy, x, w, mean, rstd),
         strict=True,
     ):
         torch.testing.assert_close(got, want)

@@ -73,6 +73,19 @@ def test_backward_inputs_carry_the_forward_results(core_registry: KernelRegistry
     assert torch.equal(out, expected_out) and torch.equal(lse, expected_lse)
 
 
+def test_layer_norm_backward_inputs_carry_the_forward_statistics(core_registry: KernelRegistry) -> None:
+    made = kernel_inputs.cases(
+        "layer_norm_backward", torch.Generator().manual_seed(3), torch.bfloat16, core_registry
+    )
+    assert made is not None
+    for case in made:
+        dy, x, weight, mean, rstd = case.args
+        eps = 1e-6 if "eps 1e-6" in case.label else 1e-5
+        _, want_mean, want_rstd = core_registry.op("layer_norm_forward").reference(x, weight, weight, eps)
+        assert dy.dtype == x.dtype == torch.bfloat16 and mean.dtype == rstd.dtype == torch.float32
+        assert torch.equal(mean, want_mean) and torch.equal(rstd, want_rstd), case.label
+
+
 def test_unknown_op_has_no_inputs(core_registry: KernelRegistry) -> None:
     assert kernel_inputs.cases("frobnicate", torch.Generator(), torch.float32, core_registry) is None
 

@@ -47,14 +47,19 @@ def _read_row(xs, dys, mask, KEEP_IN_L1: tl.constexpr):
 
 @triton.jit
 def _row_range(n_rows, INTERLEAVED: tl.constexpr):
-    """(first row, end, step) of this backward program. Interleaved: rows pid, pid + P, ..., so
-    the programs running at one time read neighbouring rows, as the forwards do. Otherwise a
-    contiguous run of rows per program; see `layer_norm_backward` for where that is faster."""
-    pid, programs = tl.program_id(0), tl.num_programs(0)
-    if INTERLEAVED:
-        return pid, n_rows, programs
-    run = tl.cdiv(n_rows, programs)
-    return pid * run, tl.minimum(pid * run + run, n_rows), 1
+    """(first row, end, step) of this backward program, the row an int64 (it addresses memory and
+    must not wrap near 2**31 rows). Interleaved: rows pid, pid + P, ..., so the programs running at
+    one time read neighbouring rows, as the forwards do. Otherwise a contiguous run of
+    cdiv(rows, P) rows a program, which leaves the last programs idle (writing zero partials) when
+    rows is not a multiple of P; see `layer_norm_backward` for where that is faster."""
+    pid, programs = tl.program_id(0).to(tl.int64), tl.num_programs(0)
+    if INTERLEAVED:  # assigned per branch, returned once: Triton types all returns of a function alike
+        first, end, step = pid, n_rows, programs
+    else:
+        run = tl.cdiv(n_rows, programs)
+        first = pid * run
+        end, step = tl.minimum(first + run, n_rows), 1
+    return first, end, step
 
 
 @triton.jit
@@ -68,9 +73,8 @@ def _rms_norm_bwd(
     if not RELOAD_ROW:
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    row, end, step = _row_range(n_rows, INTERLEAVED)
-    while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
-        r = row.to(tl.int64)
+    r, end, step = _row_range(n_rows, INTERLEAVED)
+    while r < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
         x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=RELOAD_ROW)
         if RELOAD_ROW:  # read per row and held across the sums
@@ -88,7 +92,7 @@ def _rms_norm_bwd(
         dx = (g - xhat * (rstd * mean_gx)) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
-        row += step
+        r += step
     tl.store(DW + pid * n_cols + cols, dw, mask=mask)
 
 
@@ -125,9 +129,8 @@ def _layer_norm_bwd(
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    row, end, step = _row_range(n_rows, INTERLEAVED)
-    while row < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
-        r = row.to(tl.int64)
+    r, end, step = _row_range(n_rows, INTERLEAVED)
+    while r < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         mean = tl.load(Mean + r)
         rstd = tl.load(Rstd + r)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
@@ -136,20 +139,20 @@ def _layer_norm_bwd(
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         else:
             w = held_w
-        # beyond the row, xhat is not 0 but g is, so neither sum nor the weight gradients see it
-        xhat = (x - mean) * rstd
+        # 0 beyond the row: (0 - mean) * rstd there may overflow, and 0 * inf in a sum is NaN
+        xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         g = dy * w
         mean_g = tl.sum(g, axis=0) / n_cols  # both sums in one round
         mean_gxhat = tl.sum(g * xhat, axis=0) / n_cols
         if RELOAD_ROW:  # RowLaunch.reload_row: x and dy again from L1 rather than held across the sums
             x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=False)
-            xhat = (x - mean) * rstd
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
             g = dy * w
         dx = (g - mean_g - xhat * mean_gxhat) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
         db += dy
-        row += step
+        r += step
     tl.store(DW + pid * n_cols + cols, dw, mask=mask)
     tl.store(DB + pid * n_cols + cols, db, mask=mask)
 
@@ -246,9 +249,10 @@ def layer_norm_backward(
     dw = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     db = torch.empty_like(dw)
     reload = launch.reload_row(block, warps)
-    # Measured on an H100 in three processes (benchmarks/ab_row_backward.py, docs/benchmarks.md):
-    # interleaved rows ran 3-13% faster at hidden 4096 and 8192 but 10-12% slower where the row is
-    # read again (16384); rms_norm's backward was 1-4% faster interleaved at all three.
+    # Measured on an H100 in four processes (benchmarks/ab_row_backward.py, docs/benchmarks.md):
+    # interleaved rows ran 2-14% faster at hidden 4096 and 8192, but where the row is read again
+    # (16384) contiguous runs ran 1.11-1.14x as fast; rms_norm's backward was 1-4% faster
+    # interleaved at all three.
     _layer_norm_bwd[(programs,)](
         dy, x, weight, mean, rstd, dx, dw, db, row_stride(dy), row_stride(x), rows, cols,
         BLOCK=block, RELOAD_ROW=reload, INTERLEAVED=not reload, num_warps=warps,

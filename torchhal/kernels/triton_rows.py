@@ -66,7 +66,9 @@ def unbound(*args: object, **kwargs: object) -> None:
 def row_stride(t: torch.Tensor) -> int | None:
     """Stride between rows when `t` (..., cols) can be indexed as (rows, cols) with unit column
     stride; None when it cannot (then the Triton candidates turn the call down). Every kernel call
-    asks this of each tensor, so a contiguous one is answered without the walk over its dims."""
+    asks this of each tensor, so a contiguous one is answered without the walk over its dims (an
+    empty tensor, which torch calls contiguous whatever its strides, gets its column count: the
+    kernels launch nothing for it)."""
     if t.dim() and t.is_contiguous():
         return t.shape[-1]
     if t.dim() == 0 or (t.shape[-1] > 1 and t.stride(-1) != 1):

@@ -124,8 +124,10 @@ def _layer_norm_backward(g: torch.Generator) -> list[Case]:
 def _saved_layer_norm_forward(case: Case, dtype: torch.dtype, registry: KernelRegistry) -> Case:
     """(dy, x, weight[, eps]) cast, then (dy, x, weight, mean, rstd) with the statistics from
     layer_norm_forward's reference (the bias does not change them)."""
+    import torch
+
     dy, x, weight, *eps = cast(case, dtype).args
-    _, mean, rstd = registry.op("layer_norm_forward").reference(x, weight, weight * 0, *eps)
+    _, mean, rstd = registry.op("layer_norm_forward").reference(x, weight, torch.zeros_like(weight), *eps)
     return Case(case.label, (dy, x, weight, mean, rstd))
 
 

@@ -40,6 +40,9 @@ def test_layer_norm(gpu_hal, candidate, check_kernels, dtype, shape):
     _, mean, rstd = layer_norm.reference_forward(*args)
     backward = candidate(gpu_hal, "layer_norm_backward", "triton", dy, x, args[1], mean, rstd)
     check_kernels(layer_norm.AUTOGRAD, forward, backward, layer_norm.reference, args, (dy,))
+    # the no-gradient forward: the same kernel without the statistics stores
+    plain = candidate(gpu_hal, "layer_norm", "triton", *args)
+    torch.testing.assert_close(plain(*args), forward(*args)[0], rtol=0, atol=0)
 
 
 def test_norms_compile_with_inductor(gpu_ops):
