@@ -1,15 +1,17 @@
-"""In-process A/B of the norm backward kernels: an older triton_norms.py against the installed one.
+"""In-process A/B of the norm kernels (the backwards unless --cases says otherwise): an older
+triton_norms.py against the installed one.
 
 Separate runs of bench_norms swing by up to 40% on the backward (both torchhal's and Liger's, one
 run to the next), more than the changes they should judge. This loads the older file as its own
 module beside `torchhal.kernels.triton_norms` and times, in each of several rounds, the old
-kernel, the new one (by its launch rule and with the warps forced, if asked) and Liger's backward
+kernel, the new one (by its launch rule and with the warps forced, if asked) and Liger's
 one after the other (do_bench medians, L2 flushed), so drift hits them alike. Every variant's
-gradients are compared with the old kernel's before anything is timed. The old file imports
+outputs are compared with the old kernel's before anything is timed. The old file imports
 the installed `triton_rows`, so "old" is the old kernels under the current launch rules.
 
     python3 benchmarks/ab_row_backward.py --old /tmp/old/triton_norms.py [--warps 4 8] [--out ab.json]
         [--variant NAME=PATH ...]   # more kernels files, each timed beside old and new
+        [--cases "rms_norm fwd" "layer_norm fwd"]   # the forwards instead
 """
 
 from __future__ import annotations
@@ -40,17 +42,19 @@ def load_module(path: str) -> Any:
 
 
 Call = Callable[[RowLaunch, Any], Any]  # a kernel call, given the launch and the kernels module
-BACKWARDS = ("rms_norm bwd", "layer_norm bwd")  # sweep_row_warps' cases, on the same inputs for both
+NORM_CASES = ("rms_norm fwd", "rms_norm bwd", "layer_norm fwd", "layer_norm bwd")  # sweep_row_warps' cases
 
 
-def check(name: str, variant: str, old_out: tuple[torch.Tensor, ...], out: tuple[torch.Tensor, ...]) -> None:
-    """Each gradient of `variant` against the old kernel's, element by element, within two
-    roundings of its dtype: both compute the same sums in fp32, in another order at most."""
+def check(name: str, variant: str, old_out: Any, out: Any) -> None:
+    """Each output (a forward's, or a backward's gradients) of `variant` against the old kernel's,
+    element by element, within two roundings of its dtype: both compute the same sums in fp32, in
+    another order at most."""
+    old_out, out = (t if isinstance(t, tuple) else (t,) for t in (old_out, out))
     for i, (a, b) in enumerate(zip(old_out, out, strict=True)):
         a, b, ulp = a.float(), b.float(), torch.finfo(a.dtype).eps
         if not torch.allclose(b, a, rtol=2 * ulp, atol=2 * ulp * a.abs().max().item()):
             err = (b - a).abs().max().item()
-            raise SystemExit(f"{name}: gradient {i} of {variant} differs from old's by up to {err:.3g}")
+            raise SystemExit(f"{name}: output {i} of {variant} differs from old's by up to {err:.3g}")
 
 
 def main() -> None:
@@ -59,6 +63,8 @@ def main() -> None:
     parser.add_argument("--warps", type=int, nargs="*", default=[], help="also the new kernel at these warps")
     parser.add_argument("--variant", action="append", default=[], help="NAME=PATH of another triton_norms.py")
     parser.add_argument("--rounds", type=int, default=5)
+    backwards = ["rms_norm bwd", "layer_norm bwd"]
+    parser.add_argument("--cases", nargs="+", choices=NORM_CASES, default=backwards, help="(the backwards)")
     parser.add_argument("--out")
     args = parser.parse_args()
     old = load_module(args.old)
@@ -81,7 +87,7 @@ def main() -> None:
     rows_out: list[dict[str, Any]] = []
     for rows, hidden in SHAPES:
         shape_cases = cases(rows, hidden)
-        for name in BACKWARDS:
+        for name in args.cases:
             ours, liger = shape_cases[name]
             reference = ours(base, old)
             for v, run in variants.items():
