@@ -17,28 +17,19 @@ the installed `triton_rows`, so "old" is the old kernels under the current launc
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from gpu_capabilities import device_capabilities
-from sweep_common import ms, save
+from sweep_common import load_module, ms, save
 from sweep_row_warps import ForcedWarps, cases
 
 from torchhal.kernels import triton_norms
 from torchhal.kernels.triton_rows import RowLaunch
 
 SHAPES = [(32768, 4096), (16384, 8192), (8192, 16384)]
-
-
-def load_module(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"triton_norms_{abs(hash(path))}", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 Call = Callable[[RowLaunch, Any], Any]  # a kernel call, given the launch and the kernels module

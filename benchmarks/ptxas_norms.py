@@ -12,7 +12,6 @@ specialises them.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -21,6 +20,7 @@ import tempfile
 from typing import Any
 
 import triton
+from sweep_common import load_module
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
@@ -74,20 +74,12 @@ def ptxas_report(fn: Any, signature: dict[str, str], constexprs: dict[str, Any],
     return f"regs={registers.group(1)} spill_st={spills.group(1)} spill_ld={spills.group(2)}"
 
 
-def load(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location(f"triton_norms_{abs(hash(path))}", path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def main() -> None:
     from torchhal.kernels import triton_norms
 
     paths = sys.argv[1:] or [triton_norms.__file__]
     for path in paths:
-        module = load(path)
+        module = load_module(path)
         for block, warps, reload, interleaved in LAUNCHES:
             constexprs = {"BLOCK": block, "RELOAD_ROW": reload, "INTERLEAVED": interleaved}
             order = "interleaved" if interleaved else "contiguous"

@@ -1,7 +1,9 @@
-"""What the launch-configuration sweeps share: one timing rule and one result record."""
+"""What the launch-configuration sweeps and kernel A/Bs share: one timing rule, one result record,
+and loading another version of a kernels file beside the installed one."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -9,6 +11,15 @@ from typing import Any
 
 import torch
 import triton.testing
+
+
+def load_module(path: str) -> Any:
+    """The Python file at `path` as a module of its own (e.g. an older triton_norms.py)."""
+    spec = importlib.util.spec_from_file_location(f"triton_norms_{abs(hash(path))}", path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def ms(fn: Callable[[], Any], rep: int = 60) -> float:

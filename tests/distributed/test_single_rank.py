@@ -55,6 +55,13 @@ def batches(n: int, rows: int = 6, dim: int = 10) -> list[tuple[torch.Tensor, to
     return [(torch.randn(rows, dim), torch.randn(rows)) for _ in range(n)]
 
 
+def train_prepared(prepared: thd.Prepared, data, steps: int, ctx, **options) -> list[thd.StepStats]:
+    """thd.train of a prepared model and optimizer under its own precision policy."""
+    return thd.train(
+        prepared.model, prepared.optimizer, data, steps=steps, ctx=ctx, policy=prepared.policy, **options
+    )
+
+
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2)
 
@@ -71,17 +78,7 @@ def test_train_emits_a_span_per_step_and_a_log_line_every_few_steps(ctx):
     telemetry.configure(exporter="memory", log_level="info", log_stream=stream)
     prepared = thd.prepare(Net(), adamw, ctx=ctx, strategy="ddp")
     data = batches(3)
-    stats = thd.train(
-        prepared.model,
-        prepared.optimizer,
-        data,
-        steps=3,
-        ctx=ctx,
-        policy=prepared.policy,
-        clip_grad_norm=1.0,
-        log_every=2,
-        first_step=10,
-    )
+    stats = train_prepared(prepared, data, 3, ctx, clip_grad_norm=1.0, log_every=2, first_step=10)
     spans = [s for s in telemetry.memory_exporter().get_finished_spans() if s.name == "torchhal.train.step"]
     assert [s.attributes["step"] for s in spans] == [10, 11, 12]
     for span, stat in zip(spans, stats, strict=True):
@@ -98,15 +95,7 @@ def test_with_a_gradient_sync_each_step_reports_its_compute_time_before_the_sync
     """compute_s is forward and backward only: a sync that sleeps adds to step_time_s, not to it."""
     pause = random.uniform(0.2, 0.3)
     prepared = thd.prepare(Net(), adamw, ctx=ctx, strategy="local")
-    stats = thd.train(
-        prepared.model,
-        prepared.optimizer,
-        batches(2),
-        steps=2,
-        ctx=ctx,
-        policy=prepared.policy,
-        grad_sync=lambda model: time.sleep(pause),
-    )
+    stats = train_prepared(prepared, batches(2), 2, ctx, grad_sync=lambda model: time.sleep(pause))
     for stat in stats:
         assert stat.compute_s is not None and 0 < stat.compute_s < pause < stat.step_time_s
 
@@ -116,9 +105,7 @@ def test_first_loss_and_gradient_norm_match_an_independent_computation(ctx):
     twin = copy.deepcopy(model)
     data = batches(2)
     prepared = thd.prepare(model, adamw, ctx=ctx, strategy="ddp")
-    stats = thd.train(
-        prepared.model, prepared.optimizer, data, steps=2, ctx=ctx, policy=prepared.policy, clip_grad_norm=0.1
-    )
+    stats = train_prepared(prepared, data, 2, ctx, clip_grad_norm=0.1)
     loss = twin(*data[0])
     loss.backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in twin.parameters()]))
@@ -132,9 +119,7 @@ def test_ddp_with_a_bf16_policy_computes_in_bf16_and_keeps_fp32_parameters(ctx):
     prepared = thd.prepare(Net(), adamw, ctx=ctx, strategy="ddp", policy=policy)
     seen = []
     prepared.model.module.layers[0][0].register_forward_hook(lambda m, args, out: seen.append(out.dtype))
-    stats = thd.train(
-        prepared.model, prepared.optimizer, batches(2), steps=2, ctx=ctx, policy=prepared.policy
-    )
+    stats = train_prepared(prepared, batches(2), 2, ctx)
     assert seen == [torch.bfloat16, torch.bfloat16]
     assert all(p.dtype == torch.float32 for p in prepared.model.parameters())
     assert all(math.isfinite(s.loss) for s in stats)
@@ -152,13 +137,11 @@ def test_fp16_scales_the_loss_through_the_gradient_scaler(ctx):
             torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
         )
 
-    stats = thd.train(
-        prepared.model,
-        prepared.optimizer,
+    stats = train_prepared(
+        prepared,
         batches(3),
-        steps=3,
-        ctx=ctx,
-        policy=prepared.policy,
+        3,
+        ctx,
         scaler=prepared.scaler,
         clip_grad_norm=1e9,  # reports the unscaled norm, clips nothing
         grad_sync=capture,
@@ -171,7 +154,7 @@ def test_fp16_scales_the_loss_through_the_gradient_scaler(ctx):
         if math.isfinite(scaled):  # the loss was multiplied by the scale before backward
             assert scaled.item() / stat.grad_norm == pytest.approx(scales[step], rel=1e-3)
     with pytest.raises(InvalidArgumentError, match="policy 'fp16' needs a gradient scaler"):
-        thd.train(prepared.model, prepared.optimizer, batches(1), steps=1, ctx=ctx, policy=prepared.policy)
+        train_prepared(prepared, batches(1), 1, ctx)
 
 
 def test_an_fp16_overflow_step_the_scaler_skips_passes_the_health_monitor(ctx, tmp_path):
@@ -196,17 +179,8 @@ def test_an_fp16_overflow_step_the_scaler_skips_passes_the_health_monitor(ctx, t
         after_step.append([p.detach().clone() for p in prepared.model.parameters()])
         monitor.observe(stats)
 
-    stats = thd.train(
-        prepared.model,
-        prepared.optimizer,
-        batches(2),
-        steps=2,
-        ctx=ctx,
-        policy=prepared.policy,
-        scaler=scaler,
-        clip_grad_norm=1e9,
-        loss_fn=loss_fn,
-        on_step=observe,
+    stats = train_prepared(
+        prepared, batches(2), 2, ctx, scaler=scaler, clip_grad_norm=1e9, loss_fn=loss_fn, on_step=observe
     )
     first, second = stats
     assert first.scaler_skipped and not math.isfinite(first.grad_norm) and math.isfinite(first.loss)
@@ -222,15 +196,7 @@ def test_an_fp16_overflow_step_the_scaler_skips_passes_the_health_monitor(ctx, t
 def test_fsdp_on_one_rank_shards_each_block_and_trains(ctx):
     prepared = thd.prepare(Net(depth=3), adamw, ctx=ctx, strategy="fsdp")
     assert prepared.sharded_blocks == 3 and prepared.policy.strategy == "fsdp"
-    stats = thd.train(
-        prepared.model,
-        prepared.optimizer,
-        batches(2),
-        steps=2,
-        ctx=ctx,
-        policy=prepared.policy,
-        clip_grad_norm=1.0,
-    )
+    stats = train_prepared(prepared, batches(2), 2, ctx, clip_grad_norm=1.0)
     assert all(math.isfinite(s.loss) and s.grad_norm > 0 for s in stats)
 
 
@@ -264,9 +230,7 @@ def test_an_unknown_strategy_is_refused(ctx):
 
 def test_bad_batches_and_arguments_are_refused_with_the_value_seen(ctx):
     prepared = thd.prepare(Net(), adamw, ctx=ctx, strategy="local")
-    run = lambda data, **kw: thd.train(  # noqa: E731
-        prepared.model, prepared.optimizer, data, ctx=ctx, policy=prepared.policy, **{"steps": 1, **kw}
-    )
+    run = lambda data, steps=1, **kw: train_prepared(prepared, data, steps, ctx, **kw)  # noqa: E731
     x, y = batches(1)[0]
     with pytest.raises(InvalidArgumentError, match=r"a batch tensor is on meta, but rank 0 trains on cpu"):
         run([(x.to("meta"), y)])
