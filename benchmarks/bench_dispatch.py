@@ -87,9 +87,9 @@ def cases(hal: torchhal.HardwareAbstractionLayer, device: str) -> dict[str, Case
 
 def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     """Where the no-op dispatch time goes, layer by layer (each against the direct no-op call):
-    the tensor-metadata key alone (its floor: reading type, dtype, shape, strides and device of
-    each tensor, each scalar's type, and one dict lookup), the registry's dispatch, the HAL's,
-    and the public op."""
+    the tensor-metadata key alone (its floor: reading type, dtype, shape, layout and device of
+    each tensor as the registry's memo does, each scalar's type, and one dict lookup), the
+    registry's dispatch, the HAL's, and the public op."""
     x, w = torch.randn(4, 64), torch.randn(64)
     q = torch.randn(1, 2, 8, 16)
     memo: dict[object, object] = {}
@@ -98,7 +98,7 @@ def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     def key_alone(*args: object) -> object:
         return memo.get(
             tuple(
-                (type(a), a.dtype, a.shape, a.stride(), a.device)
+                (type(a), a.dtype, a.shape, a.is_contiguous() or a.stride(), a.device)
                 if isinstance(a, torch.Tensor)
                 else (type(a), a)
                 for a in args

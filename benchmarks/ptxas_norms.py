@@ -4,7 +4,7 @@ a machine without a GPU (Triton's front end plus the ptxas that ships with Trito
 A spill is local-memory traffic in the hottest loop, so this is the first thing to look at when a
 kernel edit cannot be timed on a GPU. It compiles each given triton_norms.py (default: the
 installed one) at the launches the H100 rules pick (hidden 4096 on 8 warps, 8192 and 16384 on 16;
-16384 both row orders), bf16, with pointers and strides marked 16-divisible as the launcher
+16384), bf16, with pointers and strides marked 16-divisible as the launcher
 specialises them.
 
     python benchmarks/ptxas_norms.py [OLD/triton_norms.py ...]
@@ -32,21 +32,16 @@ LAYER_NORM = {
     "DX": "*bf16",
     **{name: "*fp32" for name in ("DW", "DB")},
     **{name: "i32" for name in ("dy_stride", "x_stride", "n_rows", "n_cols")},
-    **{name: "constexpr" for name in ("BLOCK", "RELOAD_ROW", "INTERLEAVED")},
+    **{name: "constexpr" for name in ("BLOCK", "RELOAD_ROW")},
 }
 RMS_NORM = {
     **{name: "*bf16" for name in ("DY", "X", "W", "DX")},
     "DW": "*fp32",
     **{name: "i32" for name in ("dy_stride", "x_stride", "n_rows", "n_cols")},
     "eps": "fp32",
-    **{name: "constexpr" for name in ("BLOCK", "RELOAD_ROW", "INTERLEAVED")},
+    **{name: "constexpr" for name in ("BLOCK", "RELOAD_ROW")},
 }
-LAUNCHES = [  # (hidden, warps, RELOAD_ROW, INTERLEAVED)
-    (4096, 8, False, True),
-    (8192, 16, False, True),
-    (16384, 16, True, False),
-    (16384, 16, True, True),
-]
+LAUNCHES = [(4096, 8, False), (8192, 16, False), (16384, 16, True)]  # (hidden, warps, RELOAD_ROW)
 
 
 def ptxas_report(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], warps: int) -> str:
@@ -80,12 +75,11 @@ def main() -> None:
     paths = sys.argv[1:] or [triton_norms.__file__]
     for path in paths:
         module = load_module(path)
-        for block, warps, reload, interleaved in LAUNCHES:
-            constexprs = {"BLOCK": block, "RELOAD_ROW": reload, "INTERLEAVED": interleaved}
-            order = "interleaved" if interleaved else "contiguous"
+        for block, warps, reload in LAUNCHES:
+            constexprs = {"BLOCK": block, "RELOAD_ROW": reload}
             layer_norm = ptxas_report(module._layer_norm_bwd, LAYER_NORM, constexprs, warps)
             rms_norm = ptxas_report(module._rms_norm_bwd, RMS_NORM, constexprs, warps)
-            print(f"{path} {block} {warps} warps {order}: layer_norm {layer_norm}; rms_norm {rms_norm}")
+            print(f"{path} {block} {warps} warps: layer_norm {layer_norm}; rms_norm {rms_norm}")
 
 
 if __name__ == "__main__":

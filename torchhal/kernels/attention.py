@@ -32,7 +32,7 @@ from torchhal.hal_core import (
 from torchhal.kernels import triton_attention
 from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
-from torchhal.kernels.triton_rows import compute_dtype, require_floating
+from torchhal.kernels.triton_rows import compute_dtype, require_floating, unit_stride
 
 
 class AttentionSignature(NamedTuple):
@@ -108,7 +108,7 @@ def _summary(
         window is not None,
         q.shape[2] == k.shape[2],
         max(q.shape[2], k.shape[2]).bit_length(),
-        all(t.stride(-1) == 1 or t.shape[-1] == 1 for t in (q, k, v)),
+        all(unit_stride(t) for t in (q, k, v)),
         0 in q.shape or 0 in k.shape or 0 in v.shape,
     )
 

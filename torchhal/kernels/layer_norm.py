@@ -29,6 +29,7 @@ from torchhal.kernels.triton_rows import (
     row_stride,
     triton_unsupported,
     unbound,
+    unit_stride,
 )
 
 
@@ -60,7 +61,7 @@ def _check(op: str, x: torch.Tensor, eps: float | None, **params: torch.Tensor) 
 
 
 def _layout(params: Sequence[torch.Tensor], rows: Sequence[torch.Tensor]) -> bool:
-    return all(p.stride(0) == 1 for p in params) and all(row_stride(t) is not None for t in rows)
+    return all(unit_stride(p) for p in params) and all(row_stride(t) is not None for t in rows)
 
 
 def signature(

@@ -35,6 +35,7 @@ from torchhal.kernels.triton_rows import (
     row_stride,
     triton_unsupported,
     unbound,
+    unit_stride,
 )
 
 
@@ -60,7 +61,7 @@ def _check(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
 
 
 def _layout(weight: torch.Tensor, *rows: torch.Tensor) -> bool:
-    return weight.stride(0) == 1 and all(row_stride(t) is not None for t in rows)
+    return unit_stride(weight) and all(row_stride(t) is not None for t in rows)
 
 
 def signature(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> RMSNormSignature:

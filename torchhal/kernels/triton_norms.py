@@ -5,8 +5,7 @@ fp32, one rounding to the output dtype; layer_norm's training forward also write
 and rstd (8 bytes a row), as PyTorch and Liger do, so its backward takes one reduction round a
 row instead of two. Backward: `RowLaunch.backward_programs` programs, program p taking rows p,
 p + P, p + 2P, ... (so the programs running at one time read neighbouring rows, as the forwards
-do), or a contiguous run of rows where that measured faster (`_row_range`); rms_norm recomputes
-rstd from x in the same round as its other sum; each writes dx and
+do); rms_norm recomputes rstd from x in the same round as its other sum; each writes dx and
 accumulates its partial weight (and bias) gradient in fp32 registers, summed across programs
 after. Rows too long to hold across the sums are read again from L1 (`RowLaunch.reload_row`).
 """
@@ -25,47 +24,40 @@ def _rms_norm_fwd(X, W, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     tl.store(Y + row * n_cols + cols, (x * rstd * w).to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _read_row(xs, dys, mask, KEEP_IN_L1: tl.constexpr):
-    """x and dy of one row in fp32. KEEP_IN_L1 reads them with the default cache policy, so that
-    their second read after the row's sums (`RowLaunch.reload_row`) hits L1; otherwise they are
-    read once, evict-first."""
-    if KEEP_IN_L1:
-        x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
-    else:
+def _read_row(xs, dys, mask, SECOND_READ: tl.constexpr):
+    """x and dy of one row in fp32. The first read takes the default cache policy, so that a
+    second read after the row's sums (`RowLaunch.reload_row`) hits L1; that second read is the
+    row's last, evict-first. (On an H100, evict-first on a row read only once measured up to 1%
+    slower, and the default policy on the second of two reads 14-35% slower: docs/benchmarks.md,
+    ninth session.)"""
+    if SECOND_READ:
         x = tl.load(xs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
         dy = tl.load(dys, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        x = tl.load(xs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dys, mask=mask, other=0.0).to(tl.float32)
     return x, dy
 
 
 @triton.jit
-def _row_range(n_rows, INTERLEAVED: tl.constexpr):
-    """(first row, end, step) of this backward program, the row an int64 (it addresses memory and
-    must not wrap near 2**31 rows). Interleaved: rows pid, pid + P, ..., so the programs running at
-    one time read neighbouring rows, as the forwards do. Otherwise a contiguous run of
-    cdiv(rows, P) rows a program, which leaves the last programs idle (writing zero partials) when
-    rows is not a multiple of P; see `layer_norm_backward` for where that is faster."""
-    pid, programs = tl.program_id(0).to(tl.int64), tl.num_programs(0)
-    if INTERLEAVED:  # assigned per branch, returned once: Triton types all returns of a function alike
-        first, end, step = pid, n_rows, programs
-    else:
-        run = tl.cdiv(n_rows, programs)
-        first = pid * run
-        end, step = tl.minimum(first + run, n_rows), 1
-    return first, end, step
+def _row_range(n_rows):
+    """(first row, end, step) of this backward program: rows pid, pid + P, ..., so the programs
+    running at one time read neighbouring rows, as the forwards do. The row is an int64: it
+    addresses memory and must not wrap near 2**31 rows."""
+    return tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)
 
 
 @triton.jit
 def _rms_norm_bwd(
     DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps,
-    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -73,10 +65,10 @@ def _rms_norm_bwd(
     if not RELOAD_ROW:
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    r, end, step = _row_range(n_rows, INTERLEAVED)
+    r, end, step = _row_range(n_rows)
     while r < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
-        x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=RELOAD_ROW)
+        x, dy = _read_row(xs, dys, mask, SECOND_READ=False)
         if RELOAD_ROW:  # read per row and held across the sums
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         else:
@@ -86,7 +78,7 @@ def _rms_norm_bwd(
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
         mean_gx = tl.sum(g * x, axis=0) / n_cols
         if RELOAD_ROW:  # RowLaunch.reload_row: x and dy again from L1 rather than held across the sums
-            x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=False)
+            x, dy = _read_row(xs, dys, mask, SECOND_READ=True)
             g = dy * w
         xhat = x * rstd
         dx = (g - xhat * (rstd * mean_gx)) * rstd
@@ -103,7 +95,7 @@ def _layer_norm_fwd(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=0) / n_cols
     diff = tl.where(mask, x - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
@@ -120,7 +112,7 @@ def _layer_norm_fwd(
 @triton.jit
 def _layer_norm_bwd(
     DY, X, W, Mean, Rstd, DX, DW, DB, dy_stride, x_stride, n_rows, n_cols,
-    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -129,12 +121,12 @@ def _layer_norm_bwd(
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    r, end, step = _row_range(n_rows, INTERLEAVED)
+    r, end, step = _row_range(n_rows)
     while r < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         mean = tl.load(Mean + r)
         rstd = tl.load(Rstd + r)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
-        x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=RELOAD_ROW)
+        x, dy = _read_row(xs, dys, mask, SECOND_READ=False)
         if RELOAD_ROW:  # read per row and held across the sums
             w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
         else:
@@ -145,7 +137,7 @@ def _layer_norm_bwd(
         mean_g = tl.sum(g, axis=0) / n_cols  # both sums in one round
         mean_gxhat = tl.sum(g * xhat, axis=0) / n_cols
         if RELOAD_ROW:  # RowLaunch.reload_row: x and dy again from L1 rather than held across the sums
-            x, dy = _read_row(xs, dys, mask, KEEP_IN_L1=False)
+            x, dy = _read_row(xs, dys, mask, SECOND_READ=True)
             xhat = tl.where(mask, (x - mean) * rstd, 0.0)
             g = dy * w
         dx = (g - mean_g - xhat * mean_gxhat) * rstd
@@ -190,7 +182,7 @@ def rms_norm_backward(
     partial = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd[(programs,)](
         dy, x, weight, dx, partial, row_stride(dy), row_stride(x), rows, cols, eps,
-        BLOCK=block, RELOAD_ROW=launch.reload_row(block, warps), INTERLEAVED=True, num_warps=warps,
+        BLOCK=block, RELOAD_ROW=launch.reload_row(block, warps), num_warps=warps,
     )  # fmt: skip
     return dx, partial.sum(0).to(weight.dtype)
 
@@ -248,13 +240,8 @@ def layer_norm_backward(
     programs = launch.backward_programs(rows, warps)
     dw = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     db = torch.empty_like(dw)
-    reload = launch.reload_row(block, warps)
-    # Measured on an H100 in four processes (benchmarks/ab_row_backward.py, docs/benchmarks.md):
-    # interleaved rows ran 2-14% faster at hidden 4096 and 8192, but where the row is read again
-    # (16384) contiguous runs ran 1.11-1.14x as fast; rms_norm's backward was 1-4% faster
-    # interleaved at all three.
     _layer_norm_bwd[(programs,)](
         dy, x, weight, mean, rstd, dx, dw, db, row_stride(dy), row_stride(x), rows, cols,
-        BLOCK=block, RELOAD_ROW=reload, INTERLEAVED=not reload, num_warps=warps,
+        BLOCK=block, RELOAD_ROW=launch.reload_row(block, warps), num_warps=warps,
     )  # fmt: skip
     return dx, dw.sum(0).to(weight.dtype), db.sum(0).to(weight.dtype)

@@ -63,6 +63,12 @@ def unbound(*args: object, **kwargs: object) -> None:
     raise TypeError("this candidate runs only as bound to a device's capabilities (Candidate.bind)")
 
 
+def unit_stride(t: torch.Tensor) -> bool:
+    """Whether t's last dim steps one element at a time, or is never stepped (size 0 or 1: torch
+    calls such a tensor contiguous whatever that stride is, and so does the registry's memo)."""
+    return t.shape[-1] <= 1 or t.stride(-1) == 1
+
+
 def row_stride(t: torch.Tensor) -> int | None:
     """Stride between rows when `t` (..., cols) can be indexed as (rows, cols) with unit column
     stride; None when it cannot (then the Triton candidates turn the call down). Every kernel call
@@ -71,7 +77,7 @@ def row_stride(t: torch.Tensor) -> int | None:
     kernels launch nothing for it)."""
     if t.dim() and t.is_contiguous():
         return t.shape[-1]
-    if t.dim() == 0 or (t.shape[-1] > 1 and t.stride(-1) != 1):
+    if t.dim() == 0 or not unit_stride(t):
         return None
     stride: int | None = None
     span = 0

@@ -40,9 +40,14 @@ def test_layer_norm(gpu_hal, candidate, check_kernels, dtype, shape):
     _, mean, rstd = layer_norm.reference_forward(*args)
     backward = candidate(gpu_hal, "layer_norm_backward", "triton", dy, x, args[1], mean, rstd)
     check_kernels(layer_norm.AUTOGRAD, forward, backward, layer_norm.reference, args, (dy,))
-    # the no-gradient forward: the same kernel without the statistics stores
+    # the no-gradient forward: the same kernel without the statistics stores. Not bitwise equal to
+    # the training forward: the two specialisations compile apart, so their fp32 arithmetic may
+    # differ by a few fp32 roundings (an H100: 7e-7 at 97x123 in fp32), which can move a result
+    # across one rounding step of the output dtype (875 of 10.5M bf16 elements at 2x1023x5120).
     plain = candidate(gpu_hal, "layer_norm", "triton", *args)
-    torch.testing.assert_close(plain(*args), forward(*args)[0], rtol=0, atol=0)
+    y = forward(*args)[0]
+    fp32_slack = 16 * torch.finfo(torch.float32).eps * y.abs().max().item()
+    torch.testing.assert_close(plain(*args), y, rtol=torch.finfo(dtype).eps, atol=fp32_slack)
 
 
 def test_norms_compile_with_inductor(gpu_ops):
