@@ -4,9 +4,11 @@ Both paths run the same candidate on the same tiny tensors, so the difference is
 (compile and autograd checks, argument memo, cached selection). Three kinds of case: the real
 CPU kernels; a no-op candidate registered above every other (the kernel costs nothing, so the
 figure is the dispatch alone, free of the kernel's own timing noise); and, where a GPU is
-present, the selected GPU kernels on tiny GPU tensors. Measured interleaved (A B A B ...) in
-batches; reports the median per-call difference (and its minimum, the floor least disturbed by
-a shared machine), with telemetry unconfigured and with an in-memory exporter configured.
+present, the selected GPU kernels on tiny GPU tensors; attention both on contiguous tensors and
+(`attention_t`) on transposed views, the layout a model passes. Measured interleaved (A B A B
+...) in batches; reports the median per-call difference (and its minimum, the floor least
+disturbed by a shared machine), with telemetry unconfigured and with an in-memory exporter
+configured.
 Usage: python benchmarks/bench_dispatch.py [--out results.json] [--pin CORE]
 """
 
@@ -74,22 +76,29 @@ def cases(hal: torchhal.HardwareAbstractionLayer, device: str) -> dict[str, Case
     dev = hal.device(device)
     x, w = torch.randn(4, 64, device=device), torch.randn(64, device=device)
     q = k = v = torch.randn(1, 2, 8, 16, device=device)
+    # as a model passes them: (batch, seq, heads, dim) projections viewed as (batch, heads, seq, dim)
+    qt = kt = vt = torch.randn(1, 8, 2, 16, device=device).transpose(1, 2)
     norm = hal.kernels.select("rms_norm", dev, x, w).fn
     attn = hal.kernels.select("attention", dev, q, k, v, causal=True).fn
+    attn_t = hal.kernels.select("attention", dev, qt, kt, vt, causal=True).fn
     return {
         "rms_norm": (lambda: torchhal.ops.rms_norm(x, w), lambda: norm(x, w, 1e-6)),
         "attention": (
             lambda: torchhal.ops.attention(q, k, v, causal=True),
             lambda: attn(q, k, v, True, None, None),
         ),
+        "attention_t": (
+            lambda: torchhal.ops.attention(qt, kt, vt, causal=True),
+            lambda: attn_t(qt, kt, vt, True, None, None),
+        ),
     }
 
 
 def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     """Where the no-op dispatch time goes, layer by layer (each against the direct no-op call):
-    the tensor-metadata key alone (its floor: reading type, dtype, shape, layout and device of
-    each tensor as the registry's memo does, each scalar's type, and one dict lookup), the
-    registry's dispatch, the HAL's, and the public op."""
+    the tensor-metadata key alone (its floor: reading type, dtype, shape, strides and device of
+    each tensor, each scalar's type, and one dict lookup), the registry's dispatch, the HAL's,
+    and the public op."""
     x, w = torch.randn(4, 64), torch.randn(64)
     q = torch.randn(1, 2, 8, 16)
     memo: dict[object, object] = {}
@@ -98,7 +107,7 @@ def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     def key_alone(*args: object) -> object:
         return memo.get(
             tuple(
-                (type(a), a.dtype, a.shape, a.is_contiguous() or a.stride(), a.device)
+                (type(a), a.dtype, a.shape, a.stride(), a.device)
                 if isinstance(a, torch.Tensor)
                 else (type(a), a)
                 for a in args

@@ -8,7 +8,7 @@ rms_norm and layer_norm backwards and a plain copy of the same bytes on each set
 comes and goes between the sets of one process follows the memory; one that holds for a whole
 process does not.
 
-    python3 benchmarks/probe_backward_modes.py [--sets 8] [--shape 16384x8192] [--out probe.json]
+    python3 benchmarks/probe_backward_modes.py [--sets 8] [--shape 16384x8192] [--seed N] [--out probe.json]
 """
 
 from __future__ import annotations
@@ -47,21 +47,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sets", type=int, default=8)
     parser.add_argument("--shape", default="16384x8192")
+    parser.add_argument("--seed", type=int, help="of the pad sizes (default: a fresh one, recorded)")
     parser.add_argument("--out")
     args = parser.parse_args()
     rows, hidden = (int(v) for v in args.shape.split("x"))
     caps, _ = device_capabilities("probe_backward_modes")
     launch = RowLaunch.from_caps(caps)
-    rng, pads, results = random.Random(0), [], []
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
+    rng, pads, results = random.Random(seed), [], []
     print(f"{'set':>3} {'x_ptr':>14}  rms_norm bwd GB/s  layer_norm bwd GB/s  copy GB/s")
     for i in range(args.sets):
-        pads.append(torch.empty(rng.randrange(1, 1 << 28), dtype=torch.uint8, device="cuda"))  # kept alive
-        result = time_one_set(launch, rows, hidden)
+        pad = rng.randrange(1, 1 << 28)
+        pads.append(torch.empty(pad, dtype=torch.uint8, device="cuda"))  # kept alive
+        result = {"pad_bytes": pad, **time_one_set(launch, rows, hidden)}
         results.append(result)
         rms, ln, copy = (result["gbps"][k] for k in ("rms_norm bwd", "layer_norm bwd", "copy"))
         print(f"{i:>3} {result['x_ptr']:>#14x}  {rms:>17.0f}  {ln:>19.0f}  {copy:>9.0f}")
         torch.cuda.empty_cache()
-    save(args.out, results, shape=args.shape)
+    print(f"seed {seed}")
+    save(args.out, results, shape=args.shape, seed=seed)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,8 @@ LAUNCHES = [(4096, 8, False), (8192, 16, False), (16384, 16, True)]  # (hidden, 
 
 
 def ptxas_report(fn: Any, signature: dict[str, str], constexprs: dict[str, Any], warps: int) -> str:
+    if list(fn.arg_names) != list(signature):  # e.g. an older kernel with another constexpr
+        raise SystemExit(f"{fn.__name__} takes {fn.arg_names}; this script compiles {list(signature)}")
     names = list(signature)
     aligned = [n for n, t in signature.items() if t.startswith("*") or "stride" in n or n == "n_cols"]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}

@@ -1,5 +1,5 @@
 """row_stride: the one row stride of a (..., cols) tensor, or None, against the storage offsets
-of the tensor's elements."""
+of the tensor's elements; unit_stride: whether the last dim is read one element at a time."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchhal.kernels.triton_rows import row_stride
+from torchhal.kernels.triton_rows import row_stride, unit_stride
 
 
 def _expected(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[bool, int | None]:
@@ -58,3 +58,19 @@ def test_common_layouts(t):
 
 def test_a_0_d_tensor_has_no_rows():
     assert row_stride(torch.tensor(1.0)) is None
+
+
+@pytest.mark.parametrize(
+    ("t", "expected"),
+    [
+        (torch.randn(4, 6), True),
+        (torch.randn(6, 4).t(), False),
+        (torch.randn(4, 1).as_strided((4, 1), (1, 9)), True),  # one column: its stride is never stepped
+        (torch.randn(4, 8).as_strided((4, 0), (8, 3)), True),  # no elements at all
+        (torch.randn(0, 3, 2).transpose(1, 2), True),  # no rows: torch calls it contiguous too
+        (torch.randn(4, 8)[:, ::2], False),
+    ],
+    ids=["contiguous", "transposed", "one column, stride 9", "zero columns", "zero rows", "every other"],
+)
+def test_unit_stride_ignores_a_last_dim_that_is_never_stepped(t, expected):
+    assert unit_stride(t) is expected

@@ -148,3 +148,17 @@ def test_the_same_adapter_instance_from_a_hal_is_certified() -> None:
     report = run_conformance("twin", hal=hal)
     assert report.ok and report.adapter == "twin"
     assert [d["id"] for d in report.devices] == ["twin:0", "twin:1"]
+
+
+def test_the_kits_registry_keeps_each_ops_memo_setting() -> None:
+    """attention_varlen's signature reads its offsets' contents, so it opts out of the argument
+    memo; the kit's copy of the core ops must keep that, or a second call with new offsets of the
+    same shape would skip their validation."""
+    from torchhal.testing.context import AdapterUnderTest
+
+    registry = AdapterUnderTest(adapters.GoodKernels(), seed=0).kernel_registry()
+    core = HardwareAbstractionLayer()
+    assert {op: registry.op(op).memoize for op in registry.ops()} == {
+        op: core.kernels.op(op).memoize for op in core.kernels.ops()
+    }
+    assert not registry.op("attention_varlen").memoize

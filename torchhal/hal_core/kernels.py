@@ -145,12 +145,7 @@ class KernelRegistry:
         memoize: bool = True,
     ) -> None:
         """Define an op with its reference implementation, which is also its last candidate.
-        `memoize=False` for an op whose signature reads tensor contents (e.g. offsets).
-
-        A memoised op's `signature` must give the same answer (or the same error) for tensors
-        torch calls contiguous alike: of one shape, differing only in the strides of size-1 dims
-        (or of an empty tensor), which no index ever steps. The memo keys a contiguous tensor
-        without its strides (`dispatch`)."""
+        `memoize=False` for an op whose signature reads tensor contents (e.g. offsets)."""
         if name in self._ops:
             raise TorchHALError(f"op {name!r} is already defined (by {self._ops[name].reference!r})")
         self._ops[name] = OpDef(name, reference, signature, doc, memoize)
@@ -218,12 +213,10 @@ class KernelRegistry:
     def dispatch(self, op: str, route: Hashable, locate: Locate, *args: Any) -> Any:
         """`call` for a caller that finds the device from the arguments (what `torchhal.ops` does).
 
-        Arguments whose dtypes, shapes, layouts, devices and scalars were validated before under the
+        Arguments whose dtypes, shapes, strides, devices and scalars were validated before under the
         same `route` (what else decides the device, e.g. a `use()` override) go straight to their
         selection: no validation and no device lookup. Anything else is validated, and its device
-        found by `locate(op, first_argument)`. Positional only: a `**kwargs` costs every call.
-        A tensor's layout is True when torch calls it contiguous (about half the time of reading its
-        strides; `define_op` states what that asks of a signature), else its strides."""
+        found by `locate(op, first_argument)`. Positional only: a `**kwargs` costs every call."""
         seen = self._seen.get(op)  # None for an unknown op and for an op that is never memoised
         key: tuple[Hashable, ...] | None = None
         hit = None
@@ -231,13 +224,13 @@ class KernelRegistry:
             tensor = _TENSOR or _tensor_type()
             parts: list[Hashable] = [route]
             for a in args:  # inline, not a helper: every op call runs this loop
-                # what a signature may depend on: each tensor's type, dtype, shape, layout and
+                # what a signature may depend on: each tensor's type, dtype, shape, strides and
                 # device; each scalar's type and value (True == 1 == 1.0 hash alike)
                 kind = type(a)
                 if kind in _NOT_TENSORS or not isinstance(a, tensor):
                     parts.append((kind, a))
                 else:
-                    parts.append((kind, a.dtype, a.shape, a.is_contiguous() or a.stride(), a.device))
+                    parts.append((kind, a.dtype, a.shape, a.stride(), a.device))
             key = tuple(parts)
             last = seen.last  # one read: another thread may replace it
             if key == last[0]:

@@ -34,7 +34,7 @@ def _rms_norm_fwd(X, W, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
 def _read_row(xs, dys, mask, SECOND_READ: tl.constexpr):
     """x and dy of one row in fp32. The first read takes the default cache policy, so that a
     second read after the row's sums (`RowLaunch.reload_row`) hits L1; that second read is the
-    row's last, evict-first. (On an H100, evict-first on a row read only once measured up to 1%
+    row's last, evict-first. (On an H100, evict-first on a row read only once measured up to 1.2%
     slower, and the default policy on the second of two reads 14-35% slower: docs/benchmarks.md,
     ninth session.)"""
     if SECOND_READ:

@@ -64,9 +64,9 @@ def unbound(*args: object, **kwargs: object) -> None:
 
 
 def unit_stride(t: torch.Tensor) -> bool:
-    """Whether t's last dim steps one element at a time, or is never stepped (size 0 or 1: torch
-    calls such a tensor contiguous whatever that stride is, and so does the registry's memo)."""
-    return t.shape[-1] <= 1 or t.stride(-1) == 1
+    """Whether t's last dim steps one element at a time, or is never stepped (it has one element,
+    or t has none), whatever stride torch gave it."""
+    return t.shape[-1] <= 1 or t.stride(-1) == 1 or t.numel() == 0
 
 
 def row_stride(t: torch.Tensor) -> int | None:

@@ -155,7 +155,9 @@ class AdapterUnderTest:
         registry = KernelRegistry()
         for name in core.kernels.ops():
             opdef = core.kernels.op(name)
-            registry.define_op(name, opdef.reference, signature=opdef.signature, doc=opdef.doc)
+            registry.define_op(
+                name, opdef.reference, signature=opdef.signature, doc=opdef.doc, memoize=opdef.memoize
+            )
         self.devices()
         self.adapter.register_kernels(registry)
         return registry
