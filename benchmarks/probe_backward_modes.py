@@ -6,9 +6,12 @@ it hits changes from process to process. This allocates fresh inputs several tim
 process, each time after a pad of random size so that they land at other addresses, and times the
 rms_norm and layer_norm backwards and a plain copy of the same bytes on each set. A slow mode that
 comes and goes between the sets of one process follows the memory; one that holds for a whole
-process does not.
+process does not. `--hold-gib` first fills that much device memory and keeps it (bench_norms
+keeps several GB of peers' inputs and graphs alive): a slow mode that comes only then points at
+the footprint (address translation) rather than the kernels.
 
-    python3 benchmarks/probe_backward_modes.py [--sets 8] [--shape 16384x8192] [--seed N] [--out probe.json]
+    python3 benchmarks/probe_backward_modes.py [--sets 8] [--shape 16384x8192] [--seed N]
+        [--hold-gib 0] [--out probe.json]
 """
 
 from __future__ import annotations
@@ -48,12 +51,16 @@ def main() -> None:
     parser.add_argument("--sets", type=int, default=8)
     parser.add_argument("--shape", default="16384x8192")
     parser.add_argument("--seed", type=int, help="of the pad sizes (default: a fresh one, recorded)")
+    parser.add_argument("--hold-gib", type=float, default=0.0, help="device memory to fill and keep first")
     parser.add_argument("--out")
     args = parser.parse_args()
     rows, hidden = (int(v) for v in args.shape.split("x"))
     caps, _ = device_capabilities("probe_backward_modes")
     launch = RowLaunch.from_caps(caps)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(1 << 32)
+    held = [  # written once, so the pages are really mapped
+        torch.zeros(1 << 28, dtype=torch.uint8, device="cuda") for _ in range(int(args.hold_gib * 4))
+    ]
     rng, pads, results = random.Random(seed), [], []
     print(f"{'set':>3} {'x_ptr':>14}  rms_norm bwd GB/s  layer_norm bwd GB/s  copy GB/s")
     for i in range(args.sets):
@@ -64,8 +71,8 @@ def main() -> None:
         rms, ln, copy = (result["gbps"][k] for k in ("rms_norm bwd", "layer_norm bwd", "copy"))
         print(f"{i:>3} {result['x_ptr']:>#14x}  {rms:>17.0f}  {ln:>19.0f}  {copy:>9.0f}")
         torch.cuda.empty_cache()
-    print(f"seed {seed}")
-    save(args.out, results, shape=args.shape, seed=seed)
+    print(f"seed {seed}, {len(held) / 4:g} GiB held")
+    save(args.out, results, shape=args.shape, seed=seed, held_gib=len(held) / 4)
 
 
 if __name__ == "__main__":
