@@ -1,7 +1,7 @@
 """torchhal's Triton rms_norm, layer_norm, swiglu, geglu and rope against their peers, bf16, on a GPU.
 
 Usage: python benchmarks/bench_norms.py [--budget-s 110] [--ops rms_norm ...] [--shapes 16384x8192 ...]
-(writes $OUT/bench_norms.json if OUT is set)
+    [--out FILE]   (default: $OUT/bench_norms.json if OUT is set)
 
 For each op, the first shape is checked before anything is timed: every implementation's outputs
 and gradients against the reference in fp64, torchhal's within FlashAttention's rule of the eager
@@ -279,6 +279,7 @@ def main() -> int:
         default=SHAPES,
         help="ROWSxHIDDEN, checked at the first (default: %(default)s)",
     )
+    parser.add_argument("--out", help="the JSON record's path (default: $OUT/bench_norms.json if OUT is set)")
     options = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_norms: needs a CUDA device; none is available", file=sys.stderr)
@@ -339,8 +340,9 @@ def main() -> int:
         "wall_s": time.perf_counter() - start,
     }
     out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir, "bench_norms.json").write_text(json.dumps(record, indent=2))
+    out = options.out or (Path(out_dir, "bench_norms.json") if out_dir else None)
+    if out:
+        Path(out).write_text(json.dumps(record, indent=2))
     for note in notes:
         print(note)
     peers_cols = ["vs_eager", "vs_torch.compile", "vs_liger"]
