@@ -47,14 +47,6 @@ def _read_row(xs, dys, mask, SECOND_READ: tl.constexpr):
 
 
 @triton.jit
-def _row_range(n_rows):
-    """(first row, end, step) of this backward program: rows pid, pid + P, ..., so the programs
-    running at one time read neighbouring rows, as the forwards do. The row is an int64: it
-    addresses memory and must not wrap near 2**31 rows."""
-    return tl.program_id(0).to(tl.int64), n_rows, tl.num_programs(0)
-
-
-@triton.jit
 def _rms_norm_bwd(
     DY, X, W, DX, DW, dy_stride, x_stride, n_rows, n_cols, eps,
     BLOCK: tl.constexpr, RELOAD_ROW: tl.constexpr,
@@ -65,8 +57,8 @@ def _rms_norm_bwd(
     if not RELOAD_ROW:
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
-    r, end, step = _row_range(n_rows)
-    while r < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
+    r = pid.to(tl.int64)  # rows pid, pid + P, ...; an int64, as it addresses memory past 2**31 rows
+    while r < n_rows:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
         x, dy = _read_row(xs, dys, mask, SECOND_READ=False)
         if RELOAD_ROW:  # read per row and held across the sums
@@ -84,7 +76,7 @@ def _rms_norm_bwd(
         dx = (g - xhat * (rstd * mean_gx)) * rstd
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
-        r += step
+        r += tl.num_programs(0)
     tl.store(DW + pid * n_cols + cols, dw, mask=mask)
 
 
@@ -121,8 +113,8 @@ def _layer_norm_bwd(
         held_w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK,), dtype=tl.float32)
     db = tl.zeros((BLOCK,), dtype=tl.float32)
-    r, end, step = _row_range(n_rows)
-    while r < end:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
+    r = pid.to(tl.int64)  # rows pid, pid + P, ...; an int64, as it addresses memory past 2**31 rows
+    while r < n_rows:  # not `for ... in range`: the interpreter cannot take tensor bounds (triton#9171)
         mean = tl.load(Mean + r)
         rstd = tl.load(Rstd + r)
         xs, dys = X + r * x_stride + cols, DY + r * dy_stride + cols
@@ -144,7 +136,7 @@ def _layer_norm_bwd(
         tl.store(DX + r * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
         db += dy
-        r += step
+        r += tl.num_programs(0)
     tl.store(DW + pid * n_cols + cols, dw, mask=mask)
     tl.store(DB + pid * n_cols + cols, db, mask=mask)
 
