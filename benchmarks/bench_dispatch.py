@@ -75,9 +75,10 @@ class NoopKernels:
 def cases(hal: torchhal.HardwareAbstractionLayer, device: str) -> dict[str, Case]:
     dev = hal.device(device)
     x, w = torch.randn(4, 64, device=device), torch.randn(64, device=device)
-    q = k = v = torch.randn(1, 2, 8, 16, device=device)
-    # as a model passes them: (batch, seq, heads, dim) projections viewed as (batch, heads, seq, dim)
-    qt = kt = vt = torch.randn(1, 8, 2, 16, device=device).transpose(1, 2)
+    # three tensors, as a model passes them (torch's tensor guard refuses one object passed twice)
+    q, k, v = (torch.randn(1, 2, 8, 16, device=device) for _ in range(3))
+    # (batch, seq, heads, dim) projections viewed as (batch, heads, seq, dim)
+    qt, kt, vt = (torch.randn(1, 8, 2, 16, device=device).transpose(1, 2) for _ in range(3))
     norm = hal.kernels.select("rms_norm", dev, x, w).fn
     attn = hal.kernels.select("attention", dev, q, k, v, causal=True).fn
     attn_t = hal.kernels.select("attention", dev, qt, kt, vt, causal=True).fn
@@ -96,11 +97,11 @@ def cases(hal: torchhal.HardwareAbstractionLayer, device: str) -> dict[str, Case
 
 def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     """Where the no-op dispatch time goes, layer by layer (each against the direct no-op call):
-    the tensor-metadata key alone (its floor: reading type, dtype, shape, strides and device of
-    each tensor, each scalar's type, and one dict lookup), the registry's dispatch, the HAL's,
-    and the public op."""
+    the tensor-metadata key alone (reading type, dtype, shape, strides and device of each tensor,
+    each scalar's type, and one dict lookup: what a call pays when the memo's guards miss), the
+    registry's dispatch, the HAL's, and the public op."""
     x, w = torch.randn(4, 64), torch.randn(64)
-    q = torch.randn(1, 2, 8, 16)
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
     memo: dict[object, object] = {}
     locate = hal._locate  # the HAL's own device lookup, as HAL.dispatch passes it
 
@@ -118,7 +119,7 @@ def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     out: dict[str, Case] = {}
     for name, args, public in (
         ("rms_norm", (x, w, 1e-6), lambda: torchhal.ops.rms_norm(x, w)),
-        ("attention", (q, q, q, True, None, None), lambda: torchhal.ops.attention(q, q, q, causal=True)),
+        ("attention", (q, k, v, True, None, None), lambda: torchhal.ops.attention(q, k, v, causal=True)),
     ):
         direct = lambda args=args: noop(*args)  # noqa: E731
         out[f"{name}/key alone"] = (lambda args=args: key_alone(*args), direct)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -252,15 +254,21 @@ def test_out_of_memory_in_a_kernel_is_raised_not_fallen_back(hal):
     assert hal.kernels.fallback_counts == {}
 
 
-def test_seen_arguments_skip_validation_but_new_layouts_are_validated(hal):
+def _count_validations(hal, op="rms_norm"):
+    """Wrap `op`'s signature so the returned list grows by one per validation."""
     calls = []
-    opdef = hal.kernels.op("rms_norm")
+    opdef = hal.kernels.op(op)
 
-    def counting(*args, **kwargs):
+    def counting(*args):
         calls.append(1)
-        return opdef.signature(*args, **kwargs)
+        return opdef.signature(*args)
 
-    hal.kernels._ops["rms_norm"] = type(opdef)(opdef.name, opdef.reference, counting, opdef.doc)
+    hal.kernels._ops[op] = type(opdef)(opdef.name, opdef.reference, counting, opdef.doc)
+    return calls
+
+
+def test_seen_arguments_skip_validation_but_new_layouts_are_validated(hal):
+    calls = _count_validations(hal)
     cpu = hal.device("cpu")
     w = torch.randn(32)
     for _ in range(3):
@@ -289,14 +297,7 @@ def test_keyword_calls_are_validated_every_time_and_fall_back(hal):
 
 
 def test_seen_arguments_are_keyed_by_layout_for_tensor_subclasses_and_by_value_for_scalars(hal):
-    calls = []
-    opdef = hal.kernels.op("rms_norm")
-
-    def counting(*args):
-        calls.append(1)
-        return opdef.signature(*args)
-
-    hal.kernels._ops["rms_norm"] = type(opdef)(opdef.name, opdef.reference, counting, opdef.doc)
+    calls = _count_validations(hal)
     cpu = hal.device("cpu")
     x, w = torch.randn(6, 32), torch.nn.Parameter(torch.randn(32), requires_grad=False)
     hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
@@ -307,25 +308,21 @@ def test_seen_arguments_are_keyed_by_layout_for_tensor_subclasses_and_by_value_f
     hal.kernels.call("rms_norm", cpu, x, w, 1)
     hal.kernels.call("rms_norm", cpu, x, w, 1.0)
     assert len(calls) == 4  # equal values of another type (1 == 1.0 == True hash alike): validated
+    with pytest.raises(InvalidArgumentError, match="eps"):
+        hal.kernels.call("rms_norm", cpu, x, w, True)  # == the 1.0 just seen, but a bool: refused
     w.resize_(31)  # the same Parameter object, a new shape: validated again, and refused
     with pytest.raises(InvalidArgumentError):
         hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
 
 
 def test_alternating_layouts_are_each_validated_once_and_keep_their_own_selection(hal):
-    """The memo checks its last hit first: switching layouts must never reuse the other's hit.
-    fp64 arguments select a marker candidate, so a hit reused across layouts shows in the output."""
-    calls = []
-    opdef = hal.kernels.op("rms_norm")
-
-    def counting(*args):
-        calls.append(1)
-        return opdef.signature(*args)
+    """The memo checks its recent layouts first: switching layouts must never reuse the other's
+    hit. fp64 arguments select a marker candidate, so a hit reused across layouts shows in the output."""
+    calls = _count_validations(hal)
 
     def fp64_only(caps, sig):
         return None if sig.dtype == torch.float64 else Unsupported(RejectionReason.DTYPE, "fp64 only")
 
-    hal.kernels._ops["rms_norm"] = type(opdef)(opdef.name, opdef.reference, counting, opdef.doc)
     hal.kernels.register(
         "rms_norm", "marker", lambda x, w, eps: torch.full_like(x, 7.0), provider="test", supports=fp64_only,
         priority=100,
@@ -343,6 +340,70 @@ def test_alternating_layouts_are_each_validated_once_and_keep_their_own_selectio
         )
         validated.append(len(calls))
     assert validated[1] == validated[2]  # once both selections exist, neither layout is validated again
+
+
+def test_cycling_layouts_are_validated_once_each_and_then_found_by_their_guards(hal):
+    """Qwen3's pattern: hidden, q-head and k-head norms in turn, every layer."""
+    calls = _count_validations(hal)
+    cpu = hal.device("cpu")
+    layouts = [(torch.randn(6, 32), torch.randn(32)), (torch.randn(6, 8), torch.randn(8)),
+               (torch.randn(2, 8), torch.randn(8))]  # fmt: skip
+    for _ in range(4):
+        for x, w in layouts:
+            torch.testing.assert_close(
+                hal.kernels.call("rms_norm", cpu, x, w, 1e-6), rms_norm.reference(x, w)
+            )
+    assert len(calls) == 3
+    guards = [guard for guard, _ in hal.kernels._seen["rms_norm"].recent]
+    last_first = [g.admits(cpu, (x, w, 1e-6)) for g in guards]  # call() routes by its device
+    assert last_first == [True, False, False]
+
+
+def test_a_layout_seen_outside_inference_mode_gets_its_own_guard_inside_it(hal):
+    """Inference tensors carry other dispatch keys, so the guard made outside refuses them; the
+    key still finds the layout (no validation) and a guard made inside serves the later calls."""
+    calls = _count_validations(hal)
+    cpu = hal.device("cpu")
+    x, w = torch.randn(6, 32), torch.randn(32)
+    hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
+    with torch.inference_mode():
+        xi, wi = x.clone(), w.clone()
+        for _ in range(3):
+            torch.testing.assert_close(
+                hal.kernels.call("rms_norm", cpu, xi, wi, 1e-6), rms_norm.reference(x, w)
+            )
+    assert len(calls) == 1
+    assert len(hal.kernels._seen["rms_norm"].recent) == 2
+
+
+def test_one_tensor_passed_twice_is_memoised_by_its_key_alone(hal):
+    """torch's tensor guard refuses a tensor object seen twice, so such calls get no guard."""
+    calls = _count_validations(hal, "attention")
+    cpu = hal.device("cpu")
+    q = torch.randn(1, 2, 8, 16)
+    for _ in range(3):
+        torch.testing.assert_close(
+            hal.kernels.call("attention", cpu, q, q, q, True, None, None),
+            attention.reference(q, q, q, True, None, None),
+        )
+    assert len(calls) == 1
+    assert hal.kernels._seen["attention"].recent == ()
+
+
+def test_without_torchs_tensor_guards_every_call_is_keyed_and_that_is_logged(hal, monkeypatch, capsys):
+    from torchhal.hal_core import kernels
+
+    monkeypatch.setattr(kernels, "_TENSOR_GUARDS", None)
+    monkeypatch.setitem(sys.modules, "torch._C._dynamo.guards", None)  # the import then fails
+    telemetry.configure(log_level="warning")
+    calls = _count_validations(hal)
+    cpu = hal.device("cpu")
+    x, w = torch.randn(6, 32), torch.randn(32)
+    for _ in range(3):
+        torch.testing.assert_close(hal.kernels.call("rms_norm", cpu, x, w, 1e-6), rms_norm.reference(x, w))
+    assert len(calls) == 1  # the memo still holds the layout, found by its key
+    assert hal.kernels._seen["rms_norm"].recent == ()
+    assert "no torch._C._dynamo.guards.TensorGuards" in capsys.readouterr().err
 
 
 def test_a_new_candidate_replaces_the_memos_last_hit(hal):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+import operator
 import threading
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -221,35 +222,26 @@ class KernelRegistry:
         key: tuple[Hashable, ...] | None = None
         hit = None
         if seen is not None:
-            tensor = _TENSOR or _tensor_type()
-            parts: list[Hashable] = [route]
-            for a in args:  # inline, not a helper: every op call runs this loop
-                # what a signature may depend on: each tensor's type, dtype, shape, strides and
-                # device; each scalar's type and value (True == 1 == 1.0 hash alike)
-                kind = type(a)
-                if kind in _NOT_TENSORS or not isinstance(a, tensor):
-                    parts.append((kind, a))
-                else:
-                    parts.append((kind, a.dtype, a.shape, a.stride(), a.device))
-            key = tuple(parts)
-            last = seen.last  # one read: another thread may replace it
-            if key == last[0]:
-                hit = last[1]
+            for guard, found in seen.recent:  # the layouts found last, each by its guard (see _Guard)
+                if guard.admits(route, args):
+                    hit = found
+                    break
             else:
+                key = _argument_key(route, args)
                 try:
                     hit = seen.entries.get(key)
                 except TypeError:  # an unhashable argument: validate every time
                     key = None
                 else:
                     if hit is not None:
-                        seen.last = key, hit
+                        seen.promote(_guard(route, args), hit)
         if hit is None:
             opdef = self._opdef(op)
             device = locate(op, args[0] if args else None)
             sig = opdef.signature(*args)
             selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args)
             if key is not None and seen is not None:
-                seen.remember(key, (device, selection))
+                seen.remember(key, _guard(route, args), (device, selection))
         else:
             device, selection = hit
         try:
@@ -414,32 +406,120 @@ class KernelRegistry:
 
 
 class _ArgumentMemo:
-    """One op's validated argument layouts: key -> (device, selection). The last key found is
-    compared first, by equality alone: an op is mostly called with one layout many times in a
-    row (once per layer of a model), and comparing two keys costs half of hashing one. Never
-    cleared: the registry replaces it (`KernelRegistry._forget_layouts`)."""
+    """One op's validated argument layouts: key -> (device, selection), and the few layouts hit
+    last, each with its guard. The guards are checked first: an op is mostly called with one to
+    three layouts over and over (once per layer of a model, e.g. Qwen3's hidden, q and k norms),
+    and checking a guard costs a fifth of keying the arguments. Never cleared: the registry
+    replaces it (`KernelRegistry._forget_layouts`)."""
 
-    __slots__ = ("entries", "last")
+    __slots__ = ("entries", "recent")
 
     def __init__(self) -> None:
         self.entries: dict[tuple[Hashable, ...], tuple[Device, Selection]] = {}
-        # (key, hit) in one tuple, so a reader never pairs one thread's key with another's hit
-        self.last: tuple[object, tuple[Device, Selection] | None] = (_NO_KEY, None)
+        # (guard, hit) pairs, most recent first; one tuple, replaced whole, so a reader never
+        # pairs one thread's guard with another's hit
+        self.recent: tuple[tuple[_Guard, tuple[Device, Selection]], ...] = ()
 
-    def remember(self, key: tuple[Hashable, ...], hit: tuple[Device, Selection]) -> None:
+    def remember(
+        self, key: tuple[Hashable, ...], guard: _Guard | None, hit: tuple[Device, Selection]
+    ) -> None:
         if len(self.entries) >= SEEN_LIMIT:
             self.entries.clear()  # bounded: many distinct shapes re-validate, never grow memory
         self.entries[key] = hit
-        self.last = key, hit
+        self.promote(guard, hit)
+
+    def promote(self, guard: _Guard | None, hit: tuple[Device, Selection]) -> None:
+        """Put a layout just found by its key first among the recent ones (None: it cannot be guarded)."""
+        if guard is not None:
+            self.recent = ((guard, hit), *self.recent[: RECENT_LAYOUTS - 1])
 
 
-_NO_KEY = object()  # equal to no argument key
+class _Guard:
+    """What a call must match to reuse a memo entry without keying its arguments: the same route
+    and number of arguments, equal scalars, and tensors that pass torch's C++ `TensorGuards`
+    check (Dynamo's: Python type, dispatch keys, dtype, device, requires_grad, sizes and strides,
+    a superset of what the key holds). Made by `_guard`."""
+
+    __slots__ = ("arity", "check", "numbers", "route", "scalars_of", "tensors_of", "values")
+
+    def __init__(
+        self, route: Hashable, args: tuple[Any, ...], tensor_at: list[int], check: Callable[..., bool]
+    ) -> None:
+        scalar_at = [i for i in range(len(args)) if i not in tensor_at]
+        self.route, self.arity, self.check = route, len(args), check
+        self.tensors_of, self.scalars_of = _picker(tensor_at), _picker(scalar_at)
+        self.values = tuple(args[i] for i in scalar_at)
+        # the scalars whose type == does not pin (True == 1 == 1.0), checked one by one: a
+        # signature may refuse eps=True or ignore_index=1.0 that it takes as 1.0 or 1
+        self.numbers = tuple((i, type(args[i])) for i in scalar_at if type(args[i]) in (bool, int, float))
+
+    def admits(self, route: Hashable, args: tuple[Any, ...]) -> bool:
+        if route is not self.route or len(args) != self.arity or not self.check(*self.tensors_of(args)):
+            return False
+        if self.scalars_of(args) != self.values:
+            return False
+        for i, kind in self.numbers:  # a loop of type() calls: a quarter of tuple(map(type, ...))
+            if type(args[i]) is not kind:
+                return False
+        return True
+
+
+def _argument_key(route: Hashable, args: tuple[Any, ...]) -> tuple[Hashable, ...]:
+    """What a signature may depend on: each tensor's type, dtype, shape, strides and device; each
+    scalar's type and value (True == 1 == 1.0 hash alike); and the route."""
+    tensor = _TENSOR or _tensor_type()
+    parts: list[Hashable] = [route]
+    for a in args:
+        kind = type(a)
+        if kind in _NOT_TENSORS or not isinstance(a, tensor):
+            parts.append((kind, a))
+        else:
+            parts.append((kind, a.dtype, a.shape, a.stride(), a.device))
+    return tuple(parts)
+
+
+def _guard(route: Hashable, args: tuple[Any, ...]) -> _Guard | None:
+    """A guard for these arguments, or None where one cannot be had: a non-tensor argument
+    other than a plain scalar (whose == might not be a plain comparison), a tensor torch cannot
+    guard, one tensor object passed twice, or a torch without `TensorGuards` (logged once; every
+    call is then keyed)."""
+    guards = _TENSOR_GUARDS or _tensor_guards_type()
+    if guards is None:
+        return None
+    tensor = _TENSOR or _tensor_type()
+    tensor_at = [i for i, a in enumerate(args) if isinstance(a, tensor)]
+    if not all(_plain(a) for a in args if not isinstance(a, tensor)):
+        return None
+    tensors = tuple(args[i] for i in tensor_at)
+    try:
+        check = guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+    except (TypeError, RuntimeError) as exc:  # e.g. a tensor without sizes and strides
+        log.debug("argument layout not guarded", error=repr(exc))
+        return None
+    if not check(*tensors):  # it refuses one tensor object passed twice (attention(q, q, q))
+        return None
+    return _Guard(route, args, tensor_at, check)
+
+
+def _picker(positions: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]]:
+    """A C-level function returning the arguments at `positions` as a tuple (itemgetter returns
+    a lone item bare, so one position is a one-item slice)."""
+    if len(positions) == 1:
+        return operator.itemgetter(slice(positions[0], positions[0] + 1))
+    return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
+
+
+def _plain(a: object) -> bool:
+    return type(a) in _PLAIN or (type(a) is tuple and all(_plain(x) for x in a))
 
 
 # Argument types that are never tensors, tested before `isinstance(a, torch.Tensor)`: that test
 # is ~4x slower for a non-tensor (torch.Tensor's metaclass) and ops pass scalars on every call.
 _NOT_TENSORS = frozenset({bool, int, float, str, tuple, type(None)})
+_PLAIN = frozenset({bool, int, float, str, type(None)})  # compared by value, exactly
+RECENT_LAYOUTS = 4  # layouts per op checked by guard before the arguments are keyed
 _TENSOR: type[torch.Tensor] | None = None  # torch.Tensor, bound on first dispatch (hal_core imports no torch)
+_TENSOR_GUARDS: Any = None  # torch's TensorGuards, bound on first use; False where torch has none
 
 
 def _tensor_type() -> type[torch.Tensor]:
@@ -448,6 +528,25 @@ def _tensor_type() -> type[torch.Tensor]:
 
     _TENSOR = torch.Tensor
     return _TENSOR
+
+
+def _tensor_guards_type() -> Any:
+    """torch's C++ tensor guard (private, but Dynamo's own since torch 2.0), or None, logged once."""
+    global _TENSOR_GUARDS
+    if _TENSOR_GUARDS is False:
+        return None
+    try:
+        from torch._C._dynamo.guards import TensorGuards
+    except ImportError as exc:
+        _TENSOR_GUARDS = False
+        log.warning(
+            "no torch._C._dynamo.guards.TensorGuards: every memoised op call keys its arguments "
+            "in Python (about 1-2 µs more per call)",
+            error=repr(exc),
+        )
+        return None
+    _TENSOR_GUARDS = TensorGuards
+    return TensorGuards
 
 
 def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]:
