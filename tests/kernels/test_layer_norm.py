@@ -46,7 +46,7 @@ def test_long_rows_are_read_again_after_the_sums(ops, check_op):
     x, dy = torch.randn(3, 12289) + 3.0, torch.randn(3, 12289)
     w, b = _params(12289)
     launch = RowLaunch.from_caps(ops.hal.device("cpu").capabilities)
-    assert launch.reload_row(16384, launch.backward_warps(16384, x.element_size()))
+    assert launch.reload_row(16384, launch.norm_warps(16384, x.element_size()))
     check_op(ops.layer_norm, layer_norm.reference, (x, w, b, 1e-5), (dy,), (0, 1, 2))
 
 

@@ -31,8 +31,8 @@ def test_long_rows_are_read_again_after_the_sums(ops, check_op):
     instead of holding them; the gradients must agree all the same."""
     x, w, dy = torch.randn(3, 12289), _weight(12289), torch.randn(3, 12289)
     launch = RowLaunch.from_caps(ops.hal.device("cpu").capabilities)
-    assert launch.reload_row(16384, launch.backward_warps(16384, x.element_size()))
-    assert not launch.reload_row(1024, launch.backward_warps(1024, x.element_size()))
+    assert launch.reload_row(16384, launch.norm_warps(16384, x.element_size()))
+    assert not launch.reload_row(1024, launch.norm_warps(1024, x.element_size()))
     check_op(ops.rms_norm, rms_norm.reference, (x, w, 1e-6), (dy,), (0, 1))
 
 
@@ -41,7 +41,7 @@ def test_rows_are_read_again_only_where_holding_them_would_spill(hidden, reload)
     """The rule in bf16 on 32-lane SIMD: read again from 32 elements a thread (16384 on 16 warps),
     where the H100 measured it faster; hold below (4096 and 8192 measured faster holding)."""
     launch = RowLaunch(simd_width=32, compute_units=132)
-    assert launch.reload_row(hidden, launch.backward_warps(hidden, 2)) is reload
+    assert launch.reload_row(hidden, launch.norm_warps(hidden, 2)) is reload
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -156,7 +156,7 @@ def rms_norm_forward(
     block = next_power_of_2(cols)
     _rms_norm_fwd[(rows,)](
         x, weight, y, row_stride(x), cols, eps,
-        BLOCK=block, num_warps=launch.forward_warps(block, x.element_size()),
+        BLOCK=block, num_warps=launch.norm_warps(block, x.element_size()),
     )  # fmt: skip
     return y
 
@@ -169,7 +169,7 @@ def rms_norm_backward(
     if rows == 0:
         return dx, torch.zeros_like(weight)
     block = next_power_of_2(cols)
-    warps = launch.backward_warps(block, x.element_size())
+    warps = launch.norm_warps(block, x.element_size())
     programs = launch.backward_programs(rows, warps)
     partial = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     _rms_norm_bwd[(programs,)](
@@ -209,7 +209,7 @@ def _layer_norm_forward(
     mean, rstd = (None, None) if stats is None else stats
     _layer_norm_fwd[(rows,)](
         x, weight, bias, y, mean, rstd, row_stride(x), cols, eps,
-        BLOCK=block, SAVE_STATS=stats is not None, num_warps=launch.forward_warps(block, x.element_size()),
+        BLOCK=block, SAVE_STATS=stats is not None, num_warps=launch.norm_warps(block, x.element_size()),
     )  # fmt: skip
     return y
 
@@ -228,7 +228,7 @@ def layer_norm_backward(
     if rows == 0:
         return dx, torch.zeros_like(weight), torch.zeros_like(weight)
     block = next_power_of_2(cols)
-    warps = launch.backward_warps(block, x.element_size())
+    warps = launch.norm_warps(block, x.element_size())
     programs = launch.backward_programs(rows, warps)
     dw = torch.empty((programs, cols), dtype=torch.float32, device=x.device)
     db = torch.empty_like(dw)

@@ -20,12 +20,11 @@ TRITON_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 MAX_THREADS_PER_PROGRAM = 1024  # the block-size limit of CUDA, HIP and SYCL alike
 VECTOR_BYTES = 16  # widest global load of one thread
 VECTORS_PER_THREAD = 2  # row elements each thread holds per tensor: two 16-byte vectors
-# Measured on an H100 (benchmarks/sweep_row_warps.py, docs/benchmarks.md): a norm's forward is
-# fastest with four vectors per thread (fewer warps in each cross-warp reduction); a backward,
-# which keeps fp32 weight-gradient partials in registers too, with two but no more than 512
-# threads; RoPE, element-wise with no reduction, with 128 threads whatever its tile.
-FORWARD_VECTORS_PER_THREAD = 4
-MAX_BACKWARD_THREADS = 512
+# Measured on an H100 (benchmarks/ab_row_backward.py and sweep_row_warps.py, docs/benchmarks.md):
+# the norms, forward and backward, are fastest with two vectors per thread but no more than 512
+# threads (at hidden 16384, 1024 threads ran the forwards 9-26% slower); RoPE, element-wise with
+# no reduction, with 128 threads whatever its tile.
+MAX_NORM_THREADS = 512
 # The norm backwards hold x, dy, the weight and the partial weight gradient(s) across a row's sums
 # while each thread holds fewer row elements than this. From this many on they no longer fit (ptxas,
 # hidden 16384 on 16 warps: rms_norm 184 spilled bytes a thread, layer_norm 308), so x and dy are
@@ -147,11 +146,9 @@ class RowLaunch:
         most = max(1, most_threads // self.simd_width)
         return min(most, next_power_of_2(max(1, threads // self.simd_width)))
 
-    def forward_warps(self, block: int, element_bytes: int) -> int:
-        return self.warps(block, element_bytes, FORWARD_VECTORS_PER_THREAD)
-
-    def backward_warps(self, block: int, element_bytes: int) -> int:
-        return self.warps(block, element_bytes, most_threads=MAX_BACKWARD_THREADS)
+    def norm_warps(self, block: int, element_bytes: int) -> int:
+        """Warps of a norm kernel, forward or backward, over rows of `block` elements."""
+        return self.warps(block, element_bytes, most_threads=MAX_NORM_THREADS)
 
     def reload_row(self, block: int, warps: int) -> bool:
         """Whether a norm backward reads each row's x and dy again after the row's sums instead of
