@@ -454,7 +454,16 @@ class _Guard:
         self.numbers = tuple((i, type(args[i])) for i in scalar_at if type(args[i]) in (bool, int, float))
 
     def admits(self, route: Hashable, args: tuple[Any, ...]) -> bool:
-        if route is not self.route or len(args) != self.arity or not self.check(*self.tensors_of(args)):
+        if route is not self.route or len(args) != self.arity:
+            return False
+        tensors = self.tensors_of(args)
+        try:  # the C++ check reads strides, and a strided nested tensor aborts the process there
+            for t in tensors:
+                if t.is_nested:
+                    return False
+        except AttributeError:  # no tensor where the guard has one
+            return False
+        if not self.check(*tensors):
             return False
         if self.scalars_of(args) != self.values:
             return False
@@ -531,17 +540,25 @@ def _tensor_type() -> type[torch.Tensor]:
 
 
 def _tensor_guards_type() -> Any:
-    """torch's C++ tensor guard (private, but Dynamo's own since torch 2.0), or None, logged once."""
+    """torch's C++ tensor guard (private: Dynamo's own since torch 2.0), or None where this torch
+    has none or it fails a first check of its behaviour; logged once."""
     global _TENSOR_GUARDS
     if _TENSOR_GUARDS is False:
         return None
     try:
+        import torch
         from torch._C._dynamo.guards import TensorGuards
-    except ImportError as exc:
+
+        guards: Any = TensorGuards  # its stub leaves out the tensors it takes positionally
+        one, two = torch.zeros(1), torch.zeros(2)
+        check = guards(one, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
+        if not check(one) or check(two):
+            raise TypeError("TensorGuards.check does not tell a shape change")
+    except (ImportError, TypeError) as exc:
         _TENSOR_GUARDS = False
         log.warning(
-            "no torch._C._dynamo.guards.TensorGuards: every memoised op call keys its arguments "
-            "in Python (about 1-2 µs more per call)",
+            "torch's TensorGuards is missing or changed: every memoised op call keys its arguments "
+            "in Python (about 1 µs more per call)",
             error=repr(exc),
         )
         return None
