@@ -209,19 +209,48 @@ def timed(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
+ALLOCATOR_CALLS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
+def allocator_calls() -> dict[str, int]:
+    """The caching allocator's device allocations, frees and retries so far: a timed loop that
+    makes any times the allocator too (a suspect for the backwards' slow processes)."""
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_CALLS}
+
+
+def timed_with_allocator(fn: Callable[[], Any]) -> tuple[float, dict[str, int]]:
+    before = allocator_calls()
+    ms = timed(fn)
+    return ms, {k: v - before[k] for k, v in allocator_calls().items()}
+
+
 def measure(case: Case, name: str, fn: Callable[..., Any]) -> None:
     leaves = _leaves(case)
     with torch.no_grad():
-        forward_ms = timed(lambda: fn(*leaves))
+        forward = timed_with_allocator(lambda: fn(*leaves))
     outs = _outputs(fn(*leaves))
     wrt = [leaves[i] for i in case.wrt]
     grads = tuple(g.clone() for g in case.grads)  # Liger's rms_norm backward overwrites its dy
-    backward_ms = timed(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True))
-    for direction, ms, nbytes in (
-        ("forward", forward_ms, case.forward_bytes),
-        ("backward", backward_ms, case.backward_bytes),
+    backward = timed_with_allocator(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True))
+    for direction, (ms, allocator), nbytes in (
+        ("forward", forward, case.forward_bytes),
+        ("backward", backward, case.backward_bytes),
     ):
-        case.results.append({"impl": name, "direction": direction, "ms": ms, "gbps": nbytes / ms / 1e6})
+        case.results.append(
+            {
+                "impl": name,
+                "direction": direction,
+                "ms": ms,
+                "gbps": nbytes / ms / 1e6,
+                "allocator": allocator,
+            }
+        )
+        if any(allocator.values()):
+            print(
+                f"{case.op} {case.rows}x{case.hidden} {direction} {name}: "
+                f"allocator calls while timed {allocator}"
+            )
 
 
 def copy_ms(nbytes: int) -> float:
