@@ -489,9 +489,9 @@ def _argument_key(route: Hashable, args: tuple[Any, ...]) -> tuple[Hashable, ...
 
 def _guard(route: Hashable, args: tuple[Any, ...]) -> _Guard | None:
     """A guard for these arguments, or None where one cannot be had: a non-tensor argument
-    other than a plain scalar (whose == might not be a plain comparison), a tensor torch cannot
-    guard, one tensor object passed twice, or a torch without `TensorGuards` (logged once; every
-    call is then keyed)."""
+    other than a plain scalar (whose == might not be a plain comparison), a nested tensor or
+    another tensor torch cannot guard, one tensor object passed twice, or a torch without
+    `TensorGuards` (logged once; every call is then keyed)."""
     guards = _TENSOR_GUARDS or _tensor_guards_type()
     if guards is None:
         return None
@@ -500,6 +500,8 @@ def _guard(route: Hashable, args: tuple[Any, ...]) -> _Guard | None:
     if not all(_plain(a) for a in args if not isinstance(a, tensor)):
         return None
     tensors = tuple(args[i] for i in tensor_at)
+    if any(t.is_nested for t in tensors):  # TensorGuards reads strides, which abort on these
+        return None
     try:
         check = guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
     except (TypeError, RuntimeError) as exc:  # e.g. a tensor without sizes and strides
