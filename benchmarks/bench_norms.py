@@ -225,14 +225,17 @@ def timed_with_allocator(fn: Callable[[], Any]) -> tuple[float, dict[str, int]]:
     return ms, {k: v - before[k] for k, v in allocator_calls().items()}
 
 
-def measure(case: Case, name: str, fn: Callable[..., Any]) -> None:
+def measure(case: Case, name: str, fn: Callable[..., Any]) -> Callable[[], Any]:
+    """Time `fn`'s forward and backward on fresh copies of the inputs; returns the backward, to
+    time those same tensors again."""
     leaves = _leaves(case)
     with torch.no_grad():
         forward = timed_with_allocator(lambda: fn(*leaves))
     outs = _outputs(fn(*leaves))
     wrt = [leaves[i] for i in case.wrt]
     grads = tuple(g.clone() for g in case.grads)  # Liger's rms_norm backward overwrites its dy
-    backward = timed_with_allocator(lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True))
+    backward_fn = lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True)  # noqa: E731
+    backward = timed_with_allocator(backward_fn)
     for direction, (ms, allocator), nbytes in (
         ("forward", forward, case.forward_bytes),
         ("backward", backward, case.backward_bytes),
@@ -251,6 +254,31 @@ def measure(case: Case, name: str, fn: Callable[..., Any]) -> None:
                 f"{case.op} {case.rows}x{case.hidden} {direction} {name}: "
                 f"allocator calls while timed {allocator}"
             )
+    return backward_fn
+
+
+SLOW = 0.95  # torchhal's backward under this fraction of Liger's speed is timed again
+
+
+def recheck_slow_backward(
+    case: Case, backward_of: dict[str, Callable[[], Any]], ours: Callable[..., Any]
+) -> None:
+    """Where torchhal's backward ran under SLOW x Liger's: time the same tensors again, then fresh
+    copies, so a slow process says whether the slowness follows the tensors or the process."""
+    by_impl = {r["impl"]: r["ms"] for r in case.results if r["direction"] == "backward"}
+    if "liger" not in by_impl or "torchhal" not in by_impl or by_impl["liger"] / by_impl["torchhal"] >= SLOW:
+        return
+    same_ms = timed(backward_of["torchhal"])
+    case.results.append(
+        {"impl": "torchhal, same tensors again", "direction": "backward", "ms": same_ms,
+         "gbps": case.backward_bytes / same_ms / 1e6}
+    )  # fmt: skip
+    measure(case, "torchhal, fresh tensors", ours)
+    fresh_ms = case.results[-1]["ms"]
+    print(
+        f"{case.op} {case.rows}x{case.hidden} backward: torchhal {by_impl['torchhal']:.4f} ms, liger "
+        f"{by_impl['liger']:.4f}; again on the same tensors {same_ms:.4f}, on fresh ones {fresh_ms:.4f}"
+    )
 
 
 def copy_ms(nbytes: int) -> float:
@@ -342,11 +370,13 @@ def main() -> int:
             if index == 0:
                 checks[op] = check(case, registry.op(op).reference, impls)
                 print(f"{op}: torchhal within the rule: {checks[op]['torchhal_within_rule']}")
+            backward_of = {}
             for name, fn in impls.items():
                 try:
-                    measure(case, name, fn)
+                    backward_of[name] = measure(case, name, fn)
                 except Exception:  # one failing peer must not end the run
                     print(f"{op} {rows}x{hidden} {name}: failed\n{traceback.format_exc(limit=3)}")
+            recheck_slow_backward(case, backward_of, ours[op])
             measure_copy(case)
             case.args, case.grads = (), ()  # free the device memory before the next shape
             cases.append(case)
