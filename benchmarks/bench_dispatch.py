@@ -98,7 +98,8 @@ def cases(hal: torchhal.HardwareAbstractionLayer, device: str) -> dict[str, Case
 def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     """Where the no-op dispatch time goes, layer by layer (each against the direct no-op call):
     the tensor-metadata key alone (reading type, dtype, shape, strides and device of each tensor,
-    each scalar's type, and one dict lookup: what a call pays when the memo's guards miss), the
+    each scalar's type, and one dict lookup: what every call paid before the memo's guards, and
+    what a call that misses them pays after the failed checks), the
     registry's dispatch, the HAL's, and the public op."""
     x, w = torch.randn(4, 64), torch.randn(64)
     q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))

@@ -260,15 +260,13 @@ def measure(case: Case, name: str, fn: Callable[..., Any]) -> Callable[[], Any]:
 SLOW = 0.95  # torchhal's backward under this fraction of Liger's speed is timed again
 
 
-def recheck_slow_backward(
-    case: Case, backward_of: dict[str, Callable[[], Any]], ours: Callable[..., Any]
-) -> None:
+def recheck_slow_backward(case: Case, our_backward: Callable[[], Any], ours: Callable[..., Any]) -> None:
     """Where torchhal's backward ran under SLOW x Liger's: time the same tensors again, then fresh
     copies, so a slow process says whether the slowness follows the tensors or the process."""
     by_impl = {r["impl"]: r["ms"] for r in case.results if r["direction"] == "backward"}
     if "liger" not in by_impl or "torchhal" not in by_impl or by_impl["liger"] / by_impl["torchhal"] >= SLOW:
         return
-    same_ms = timed(backward_of["torchhal"])
+    same_ms = timed(our_backward)
     case.results.append(
         {"impl": "torchhal, same tensors again", "direction": "backward", "ms": same_ms,
          "gbps": case.backward_bytes / same_ms / 1e6}
@@ -370,13 +368,17 @@ def main() -> int:
             if index == 0:
                 checks[op] = check(case, registry.op(op).reference, impls)
                 print(f"{op}: torchhal within the rule: {checks[op]['torchhal_within_rule']}")
-            backward_of = {}
+            our_backward = None  # kept for the recheck; the peers' graphs are freed as before
             for name, fn in impls.items():
                 try:
-                    backward_of[name] = measure(case, name, fn)
+                    backward = measure(case, name, fn)
                 except Exception:  # one failing peer must not end the run
                     print(f"{op} {rows}x{hidden} {name}: failed\n{traceback.format_exc(limit=3)}")
-            recheck_slow_backward(case, backward_of, ours[op])
+                else:
+                    our_backward = backward if name == "torchhal" else our_backward
+            if our_backward is not None:
+                recheck_slow_backward(case, our_backward, ours[op])
+            del our_backward
             measure_copy(case)
             case.args, case.grads = (), ()  # free the device memory before the next shape
             cases.append(case)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -414,11 +415,23 @@ def test_a_nested_tensor_after_a_guarded_layout_raises_instead_of_aborting():
     assert "raised:" in done.stdout
 
 
-def test_without_torchs_tensor_guards_every_call_is_keyed_and_that_is_logged(hal, monkeypatch, capsys):
+class _GuardsWithoutCheck:
+    """A TensorGuards whose `check` went away (renamed, say)."""
+
+    def __init__(self, *tensors, **dims):
+        pass
+
+
+@pytest.mark.parametrize(
+    "module", [None, types.SimpleNamespace(TensorGuards=_GuardsWithoutCheck)], ids=["missing", "changed"]
+)
+def test_without_a_working_tensor_guard_every_call_is_keyed_and_that_is_logged(
+    hal, monkeypatch, capsys, module
+):
     from torchhal.hal_core import kernels
 
     monkeypatch.setattr(kernels, "_TENSOR_GUARDS", None)
-    monkeypatch.setitem(sys.modules, "torch._C._dynamo.guards", None)  # the import then fails
+    monkeypatch.setitem(sys.modules, "torch._C._dynamo.guards", module)  # None: the import fails
     telemetry.configure(log_level="warning")
     calls = _count_validations(hal)
     cpu = hal.device("cpu")
@@ -428,6 +441,71 @@ def test_without_torchs_tensor_guards_every_call_is_keyed_and_that_is_logged(hal
     assert len(calls) == 1  # the memo still holds the layout, found by its key
     assert hal.kernels._seen["rms_norm"].recent == ()
     assert "TensorGuards is missing or changed" in capsys.readouterr().err
+
+
+class _EqualToAnything:
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+@pytest.mark.parametrize(
+    ("scale", "message"),
+    [(_EqualToAnything(), "scale must be a finite number"), (torch.tensor([0.5, 0.5]), "scale")],
+    ids=["equal-to-anything", "tensor"],
+)
+def test_an_odd_scalar_after_a_guarded_layout_is_still_refused_by_the_signature(hal, scale, message):
+    """A guard compares scalar types before values, so neither an object whose == says yes
+    nor a tensor (whose == is element-wise) in scale's place gets past it; the signature refuses
+    them, and no candidate is demoted for it."""
+    cpu = hal.device("cpu")
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    for _ in range(2):
+        hal.kernels.call("attention", cpu, q, k, v, True, None, None)
+    with pytest.raises(InvalidArgumentError, match=message):
+        hal.kernels.call("attention", cpu, q, k, v, True, scale, None)
+    assert hal.kernels.fallback_counts == {}
+
+
+def test_a_tensor_in_a_float_slot_after_a_guarded_layout_is_refused_by_the_signature(hal):
+    """Compared by value, a two-element eps would raise torch's "ambiguous" RuntimeError."""
+    cpu = hal.device("cpu")
+    x, w = torch.randn(6, 32), torch.randn(32)
+    for _ in range(2):
+        hal.kernels.call("rms_norm", cpu, x, w, 1e-6)
+    with pytest.raises(InvalidArgumentError, match="eps"):
+        hal.kernels.call("rms_norm", cpu, x, w, torch.tensor([1e-6, 1e-6]))
+
+
+def test_tensor_subclasses_such_as_fake_tensors_get_no_guard(hal):
+    """A FakeTensor's sizes may be symbolic, and the C++ check of one aborts the process on a
+    data-dependent size; such calls are keyed instead."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cpu = hal.device("cpu")
+    with FakeTensorMode():
+        x, w = torch.randn(6, 32), torch.randn(32)
+        for _ in range(2):
+            assert hal.kernels.call("rms_norm", cpu, x, w, 1e-6).shape == (6, 32)
+    assert hal.kernels._seen["rms_norm"].recent == ()
+    assert len(hal.kernels._seen["rms_norm"].entries) == 1
+
+
+def test_more_layouts_than_the_recent_ones_reuse_their_guards_instead_of_making_new(hal, monkeypatch):
+    from torchhal.hal_core import kernels
+
+    made = []
+    make = kernels._guard
+    monkeypatch.setattr(kernels, "_guard", lambda route, args: made.append(1) or make(route, args))
+    cpu = hal.device("cpu")
+    layouts = [(torch.randn(3, n), torch.randn(n)) for n in (8, 16, 24, 32, 40, 48)]  # six > four
+    for _ in range(3):
+        for x, w in layouts:
+            torch.testing.assert_close(
+                hal.kernels.call("rms_norm", cpu, x, w, 1e-6), rms_norm.reference(x, w)
+            )
+    assert len(made) == len(layouts)  # one guard per layout, made when it was first validated
 
 
 def test_a_new_candidate_replaces_the_memos_last_hit(hal):

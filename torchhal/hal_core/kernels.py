@@ -229,19 +229,16 @@ class KernelRegistry:
             else:
                 key = _argument_key(route, args)
                 try:
-                    hit = seen.entries.get(key)
+                    hit = seen.found(key, route, args)
                 except TypeError:  # an unhashable argument: validate every time
                     key = None
-                else:
-                    if hit is not None:
-                        seen.promote(_guard(route, args), hit)
         if hit is None:
             opdef = self._opdef(op)
             device = locate(op, args[0] if args else None)
             sig = opdef.signature(*args)
             selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args)
             if key is not None and seen is not None:
-                seen.remember(key, _guard(route, args), (device, selection))
+                seen.remember(key, route, args, (device, selection))
         else:
             device, selection = hit
         try:
@@ -405,42 +402,58 @@ class KernelRegistry:
                 failures.append(exc)
 
 
+_Hit = tuple["Device", Selection]  # a memo hit: the device to run on and the selection
+
+
 class _ArgumentMemo:
-    """One op's validated argument layouts: key -> (device, selection), and the few layouts hit
-    last, each with its guard. The guards are checked first: an op is mostly called with one to
-    three layouts over and over (once per layer of a model, e.g. Qwen3's hidden, q and k norms),
-    and torch's C++ check of a guard's tensors costs a fifth to a third of keying them. Never
-    cleared: the registry replaces it (`KernelRegistry._forget_layouts`)."""
+    """One op's validated argument layouts: key -> (device, selection) and the layout's guard, and
+    the few layouts found last with their guards. The guards are checked first: an op is mostly
+    called with one to three layouts over and over (once per layer of a model, e.g. Qwen3's
+    hidden, q and k norms), and torch's C++ check of a guard's tensors costs a fifth to a third
+    of keying them. Never cleared: the registry replaces it (`KernelRegistry._forget_layouts`)."""
 
     __slots__ = ("entries", "recent")
 
     def __init__(self) -> None:
-        self.entries: dict[tuple[Hashable, ...], tuple[Device, Selection]] = {}
+        self.entries: dict[tuple[Hashable, ...], tuple[_Hit, _Guard | None]] = {}
         # (guard, hit) pairs, most recent first; one tuple, replaced whole, so a reader never
         # pairs one thread's guard with another's hit
-        self.recent: tuple[tuple[_Guard, tuple[Device, Selection]], ...] = ()
+        self.recent: tuple[tuple[_Guard, _Hit], ...] = ()
 
-    def remember(
-        self, key: tuple[Hashable, ...], guard: _Guard | None, hit: tuple[Device, Selection]
-    ) -> None:
+    def remember(self, key: tuple[Hashable, ...], route: Hashable, args: tuple[Any, ...], hit: _Hit) -> None:
+        """A newly validated layout: kept under its key, with a guard made once, now."""
         if len(self.entries) >= SEEN_LIMIT:
             self.entries.clear()  # bounded: many distinct shapes re-validate, never grow memory
-        self.entries[key] = hit
-        self.promote(guard, hit)
+        guard = _guard(route, args)
+        self.entries[key] = hit, guard
+        self._promote(guard, hit)
 
-    def promote(self, guard: _Guard | None, hit: tuple[Device, Selection]) -> None:
-        """Put a layout just found by its key first among the recent ones (None: it cannot be guarded)."""
+    def found(self, key: tuple[Hashable, ...], route: Hashable, args: tuple[Any, ...]) -> _Hit | None:
+        """The hit for a key seen before (None if not), its guard put first among the recent ones.
+        The guard is made again only where the caller's thread-local state refuses the stored one
+        (e.g. inside `inference_mode`); a layout without one (a tensor passed twice) stays keyed."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        hit, guard = entry
+        if guard is not None and not guard.admits(route, args):
+            guard = _guard(route, args)
+            self.entries[key] = hit, guard
+        self._promote(guard, hit)
+        return hit
+
+    def _promote(self, guard: _Guard | None, hit: _Hit) -> None:
         if guard is not None:
             self.recent = ((guard, hit), *self.recent[: RECENT_LAYOUTS - 1])
 
 
 class _Guard:
     """What a call must match to reuse a memo entry without keying its arguments: the same route
-    and number of arguments, equal scalars, and tensors that pass torch's C++ `TensorGuards`
-    check (Dynamo's: Python type, dispatch keys, dtype, device, requires_grad, sizes and strides,
-    a superset of what the key holds). Made by `_guard`."""
+    and number of arguments, scalars of the same types and values, and tensors that pass torch's
+    C++ `TensorGuards` check (Dynamo's: Python type, dispatch keys, dtype, device, requires_grad,
+    sizes and strides). That is everything the key holds and more. Made by `_guard`."""
 
-    __slots__ = ("arity", "check", "numbers", "route", "scalars_of", "tensors_of", "values")
+    __slots__ = ("arity", "check", "route", "scalar_types", "scalars_of", "tensors_of", "values")
 
     def __init__(
         self, route: Hashable, args: tuple[Any, ...], tensor_at: list[int], check: Callable[..., bool]
@@ -449,12 +462,16 @@ class _Guard:
         self.route, self.arity, self.check = route, len(args), check
         self.tensors_of, self.scalars_of = _picker(tensor_at), _picker(scalar_at)
         self.values = tuple(args[i] for i in scalar_at)
-        # the scalars whose type == does not pin (True == 1 == 1.0), checked one by one: a
-        # signature may refuse eps=True or ignore_index=1.0 that it takes as 1.0 or 1
-        self.numbers = tuple((i, type(args[i])) for i in scalar_at if type(args[i]) in (bool, int, float))
+        self.scalar_types = tuple((i, type(args[i])) for i in scalar_at)
 
     def admits(self, route: Hashable, args: tuple[Any, ...]) -> bool:
         if route is not self.route or len(args) != self.arity:
+            return False
+        # types before values: True == 1 == 1.0, and an argument's own == must never run
+        for i, kind in self.scalar_types:
+            if type(args[i]) is not kind:
+                return False
+        if self.scalars_of(args) != self.values:
             return False
         tensors = self.tensors_of(args)
         try:  # the C++ check reads strides, and a strided nested tensor aborts the process there
@@ -463,14 +480,7 @@ class _Guard:
                     return False
         except AttributeError:  # no tensor where the guard has one
             return False
-        if not self.check(*tensors):
-            return False
-        if self.scalars_of(args) != self.values:
-            return False
-        for i, kind in self.numbers:  # a loop of type() calls: a quarter of tuple(map(type, ...))
-            if type(args[i]) is not kind:
-                return False
-        return True
+        return self.check(*tensors)
 
 
 def _argument_key(route: Hashable, args: tuple[Any, ...]) -> tuple[Hashable, ...]:
@@ -488,23 +498,23 @@ def _argument_key(route: Hashable, args: tuple[Any, ...]) -> tuple[Hashable, ...
 
 
 def _guard(route: Hashable, args: tuple[Any, ...]) -> _Guard | None:
-    """A guard for these arguments, or None where one cannot be had: a non-tensor argument
-    other than a plain scalar (whose == might not be a plain comparison), a nested tensor or
-    another tensor torch cannot guard, one tensor object passed twice, or a torch without
-    `TensorGuards` (logged once; every call is then keyed)."""
+    """A guard for these arguments, or None where one cannot be had: a scalar that is not a
+    bool, int, float, str or None (its == may be anything), a tensor subclass (a FakeTensor's
+    symbolic sizes abort the C++ check) or a nested tensor, one tensor object passed twice, or a
+    torch without a working `TensorGuards` (logged once; every call is then keyed)."""
     guards = _TENSOR_GUARDS or _tensor_guards_type()
     if guards is None:
         return None
     tensor = _TENSOR or _tensor_type()
     tensor_at = [i for i, a in enumerate(args) if isinstance(a, tensor)]
-    if not all(_plain(a) for a in args if not isinstance(a, tensor)):
-        return None
     tensors = tuple(args[i] for i in tensor_at)
-    if any(t.is_nested for t in tensors):  # TensorGuards reads strides, which abort on these
+    if any(type(a) not in _PLAIN for a in args if not isinstance(a, tensor)):
+        return None
+    if any(type(t) not in _GUARDED_TENSORS or t.is_nested for t in tensors):
         return None
     try:
         check = guards(*tensors, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
-    except (TypeError, RuntimeError) as exc:  # e.g. a tensor without sizes and strides
+    except (TypeError, RuntimeError) as exc:  # a tensor torch cannot guard
         log.debug("argument layout not guarded", error=repr(exc))
         return None
     if not check(*tensors):  # it refuses one tensor object passed twice (attention(q, q, q))
@@ -520,14 +530,11 @@ def _picker(positions: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]
     return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
 
 
-def _plain(a: object) -> bool:
-    return type(a) in _PLAIN or (type(a) is tuple and all(_plain(x) for x in a))
-
-
 # Argument types that are never tensors, tested before `isinstance(a, torch.Tensor)`: that test
 # is ~4x slower for a non-tensor (torch.Tensor's metaclass) and ops pass scalars on every call.
 _NOT_TENSORS = frozenset({bool, int, float, str, tuple, type(None)})
-_PLAIN = frozenset({bool, int, float, str, type(None)})  # compared by value, exactly
+_PLAIN = frozenset({bool, int, float, str, type(None)})  # scalars a guard compares by type and value
+_GUARDED_TENSORS: frozenset[type] = frozenset()  # torch.Tensor and nn.Parameter, bound with TensorGuards
 RECENT_LAYOUTS = 4  # layouts per op checked by guard before the arguments are keyed
 _TENSOR: type[torch.Tensor] | None = None  # torch.Tensor, bound on first dispatch (hal_core imports no torch)
 _TENSOR_GUARDS: Any = None  # torch's TensorGuards, bound on first use; False where torch has none
@@ -544,7 +551,7 @@ def _tensor_type() -> type[torch.Tensor]:
 def _tensor_guards_type() -> Any:
     """torch's C++ tensor guard (private: Dynamo's own since torch 2.0), or None where this torch
     has none or it fails a first check of its behaviour; logged once."""
-    global _TENSOR_GUARDS
+    global _TENSOR_GUARDS, _GUARDED_TENSORS
     if _TENSOR_GUARDS is False:
         return None
     try:
@@ -554,9 +561,9 @@ def _tensor_guards_type() -> Any:
         guards: Any = TensorGuards  # its stub leaves out the tensors it takes positionally
         one, two = torch.zeros(1), torch.zeros(2)
         check = guards(one, dynamic_dims_sizes=None, dynamic_dims_strides=None).check
-        if not check(one) or check(two):
+        if check(one) is not True or check(two) is not False:
             raise TypeError("TensorGuards.check does not tell a shape change")
-    except (ImportError, TypeError) as exc:
+    except Exception as exc:  # missing, or changed in any way: key every call instead
         _TENSOR_GUARDS = False
         log.warning(
             "torch's TensorGuards is missing or changed: every memoised op call keys its arguments "
@@ -564,6 +571,7 @@ def _tensor_guards_type() -> Any:
             error=repr(exc),
         )
         return None
+    _GUARDED_TENSORS = frozenset({torch.Tensor, torch.nn.Parameter})
     _TENSOR_GUARDS = TensorGuards
     return TensorGuards
 
