@@ -27,6 +27,7 @@ import torch
 
 import torchhal
 from torchhal.hal_core import KernelRegistry, hookimpl, telemetry
+from torchhal.hal_core.kernels import _argument_key  # the registry's own key, timed alone
 
 CALLS = 20_000
 ROUNDS = 15
@@ -107,14 +108,7 @@ def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
     locate = hal._locate  # the HAL's own device lookup, as HAL.dispatch passes it
 
     def key_alone(*args: object) -> object:
-        return memo.get(
-            tuple(
-                (type(a), a.dtype, a.shape, a.stride(), a.device)
-                if isinstance(a, torch.Tensor)
-                else (type(a), a)
-                for a in args
-            )
-        )
+        return memo.get(_argument_key(None, args))
 
     noop = lambda *args: args[0]  # noqa: E731
     out: dict[str, Case] = {}

@@ -375,7 +375,8 @@ def main() -> int:
                 except Exception:  # one failing peer must not end the run
                     print(f"{op} {rows}x{hidden} {name}: failed\n{traceback.format_exc(limit=3)}")
                 else:
-                    our_backward = backward if name == "torchhal" else our_backward
+                    if name == "torchhal":
+                        our_backward = backward
             if our_backward is not None:
                 recheck_slow_backward(case, our_backward, ours[op])
             del our_backward

@@ -532,8 +532,8 @@ def _picker(positions: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]
 
 # Argument types that are never tensors, tested before `isinstance(a, torch.Tensor)`: that test
 # is ~4x slower for a non-tensor (torch.Tensor's metaclass) and ops pass scalars on every call.
-_NOT_TENSORS = frozenset({bool, int, float, str, tuple, type(None)})
 _PLAIN = frozenset({bool, int, float, str, type(None)})  # scalars a guard compares by type and value
+_NOT_TENSORS = _PLAIN | {tuple}
 _GUARDED_TENSORS: frozenset[type] = frozenset()  # torch.Tensor and nn.Parameter, bound with TensorGuards
 RECENT_LAYOUTS = 4  # layouts per op checked by guard before the arguments are keyed
 _TENSOR: type[torch.Tensor] | None = None  # torch.Tensor, bound on first dispatch (hal_core imports no torch)
