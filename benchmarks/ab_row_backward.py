@@ -1,5 +1,6 @@
-"""In-process A/B of the norm kernels (the backwards unless --cases says otherwise): an older
-triton_norms.py against the installed one.
+"""In-process A/B of the norm kernels (the backwards unless --cases says otherwise), or of the
+gated kernels: an older triton_norms.py (triton_gated.py for the gated cases) against the
+installed one.
 
 Separate runs of bench_norms swing by up to 40% on the backward (both torchhal's and Liger's, one
 run to the next), more than the changes they should judge. This loads the older file as its own
@@ -12,6 +13,7 @@ the installed `triton_rows`, so "old" is the old kernels under the current launc
     python3 benchmarks/ab_row_backward.py --old /tmp/old/triton_norms.py [--warps 4 8] [--out ab.json]
         [--variant NAME=PATH ...]   # more kernels files, each timed beside old and new
         [--cases "rms_norm fwd" "layer_norm fwd"]   # the forwards instead
+    python3 benchmarks/ab_row_backward.py --old /tmp/old/triton_gated.py --cases "swiglu fwd" "geglu fwd"
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ from gpu_capabilities import device_capabilities
 from sweep_common import load_module, ms, save
 from sweep_row_warps import ForcedWarps, cases
 
-from torchhal.kernels import triton_norms
 from torchhal.kernels.triton_rows import RowLaunch
 
 SHAPES = [(32768, 4096), (16384, 8192), (8192, 16384)]
@@ -34,6 +35,8 @@ SHAPES = [(32768, 4096), (16384, 8192), (8192, 16384)]
 
 Call = Callable[[RowLaunch, Any], Any]  # a kernel call, given the launch and the kernels module
 NORM_CASES = ("rms_norm fwd", "rms_norm bwd", "layer_norm fwd", "layer_norm bwd")  # sweep_row_warps' cases
+# these call triton_gated.py, the others triton_norms.py; one run's --cases call one file
+GATED_CASES = ("swiglu fwd", "swiglu bwd", "geglu fwd", "geglu bwd")
 
 
 def check(name: str, variant: str, old_out: Any, out: Any) -> None:
@@ -50,22 +53,24 @@ def check(name: str, variant: str, old_out: Any, out: Any) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--old", required=True, help="path of the older triton_norms.py")
+    parser.add_argument("--old", required=True, help="path of the older triton_norms.py or triton_gated.py")
     parser.add_argument("--warps", type=int, nargs="*", default=[], help="also the new kernel at these warps")
-    parser.add_argument("--variant", action="append", default=[], help="NAME=PATH of another triton_norms.py")
+    parser.add_argument("--variant", action="append", default=[], help="NAME=PATH of another kernels file")
     parser.add_argument("--rounds", type=int, default=5)
     backwards = ["rms_norm bwd", "layer_norm bwd"]
-    parser.add_argument("--cases", nargs="+", choices=NORM_CASES, default=backwards, help="(the backwards)")
+    parser.add_argument("--cases", nargs="+", choices=NORM_CASES + GATED_CASES, default=backwards)
     parser.add_argument("--out")
     args = parser.parse_args()
+    if len({case in GATED_CASES for case in args.cases}) > 1:
+        parser.error(f"--cases mixes norm and gated cases, which call different kernels files: {args.cases}")
     old = load_module(args.old)
     caps, _ = device_capabilities("ab_row_backward")
     base = RowLaunch.from_caps(caps)
     forced = {f"new_w{w}": ForcedWarps(**vars(base), forced=w) for w in args.warps}
     variants: dict[str, Callable[[Call], Any]] = {
         "old": lambda f: f(base, old),
-        "new": lambda f: f(base, triton_norms),
-        **{name: (lambda f, launch=launch: f(launch, triton_norms)) for name, launch in forced.items()},
+        "new": lambda f: f(base),  # the installed kernels file, the cases' default
+        **{name: (lambda f, launch=launch: f(launch)) for name, launch in forced.items()},
     }
     for spec in args.variant:
         name, _, path = spec.partition("=")

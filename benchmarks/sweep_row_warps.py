@@ -1,9 +1,10 @@
-"""Warps per program of the norm and rope kernels at large rows, against Liger-Kernel, bf16, on a GPU.
+"""Warps per program of the norm, gated and rope kernels at large rows, against Liger-Kernel, bf16, on a GPU.
 
 The row kernels take their warps from `RowLaunch` (forward, backward and RoPE rules set from
 this sweep's first run). This times torchhal's rms_norm and layer_norm kernels, forward and
 backward, with the warps forced to 4, 8, 16 and 32 beside RowLaunch's own rule and Liger's
-functional ops (rope too, whose tile is heads x half the head dim), in one run (do_bench
+functional ops (rope too, whose tile is heads x half the head dim, and the swiglu and geglu
+kernels, whose tile is `RowLaunch.elementwise`'s), in one run (do_bench
 medians, L2 flushed), so the launch rules rest on measurements.
 
     python3 benchmarks/sweep_row_warps.py [--cases "layer_norm fwd" ...] [--out sweep.json]
@@ -21,7 +22,7 @@ import torch
 from gpu_capabilities import device_capabilities
 from sweep_common import ms, save
 
-from torchhal.kernels import layer_norm, triton_norms, triton_rope
+from torchhal.kernels import layer_norm, triton_gated, triton_norms, triton_rope
 from torchhal.kernels.triton_rows import RowLaunch
 
 SHAPES = [(32768, 4096), (8192, 16384), (16384, 8192)]
@@ -39,14 +40,16 @@ class ForcedWarps(RowLaunch):
 
 
 def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[..., Any], Callable[[], Any]]]:
-    """(torchhal kernel call for a launch, Liger's call) per op and direction. The norms' calls
-    take the kernels module as an optional second argument (ab_row_backward.py passes an older one)."""
+    """(torchhal kernel call for a launch, Liger's call) per op and direction. The norm and gated
+    calls take their kernels module as an optional second argument (ab_row_backward.py passes
+    another version of it)."""
     import liger_kernel.transformers.functional as lf
 
     x = torch.randn(rows, hidden, device="cuda", dtype=torch.bfloat16)
     w = (1 + 0.2 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
     b = (0.2 * torch.randn(hidden, device="cuda")).to(torch.bfloat16)
     dy = torch.randn_like(x)
+    up = torch.randn_like(x)
     xl = x.clone().requires_grad_()
     wl, bl = w.clone().requires_grad_(), b.clone().requires_grad_()
     rms_out = lf.liger_rms_norm(xl, wl, 1e-6)
@@ -70,7 +73,20 @@ def cases(rows: int, hidden: int) -> dict[str, tuple[Callable[..., Any], Callabl
     _, *ln_stats = layer_norm.reference_forward(x, w, b, 1e-5)  # the backward's saved mean and rstd
     # Liger's backwards may overwrite their output gradients: cloned once, as bench_norms does
     dql, dkl, dyl = dq.clone(), dk.clone(), dy.clone()
+    gated: dict[str, tuple[Callable[..., Any], Callable[[], Any]]] = {}
+    for op, liger in (("swiglu", lf.liger_swiglu), ("geglu", lf.liger_geglu)):
+        gl, ul = x.clone().requires_grad_(), up.clone().requires_grad_()
+        out = liger(gl, ul)
+        gated[f"{op} fwd"] = (
+            lambda launch, m=triton_gated, op=op: m.gated_forward(launch, op, x, up),
+            lambda liger=liger: liger(x, up),
+        )
+        gated[f"{op} bwd"] = (
+            lambda launch, m=triton_gated, op=op: m.gated_backward(launch, op, dy, x, up),
+            lambda out=out, gl=gl, ul=ul: torch.autograd.grad(out, (gl, ul), dyl, retain_graph=True),
+        )
     return {
+        **gated,
         "rope fwd": (
             lambda launch: triton_rope.rope(launch, q, k, cos, sin),
             lambda: lf.liger_rope(q, k, cos.squeeze(1), sin.squeeze(1)),

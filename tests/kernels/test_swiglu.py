@@ -15,7 +15,8 @@ OPS = ("swiglu", "geglu")
 @pytest.mark.parametrize("op", OPS)
 @pytest.mark.parametrize("shape", [(97, 123), (2, 3, 1023), (5, 4100)])
 def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, op, shape):
-    """(5, 4100): three column blocks a row in fp32 (RowLaunch.elementwise), the last one partial."""
+    """(5, 4100) in fp32: two column blocks a row forward and three backward (RowLaunch.elementwise
+    on the gated tiles), the last one partial."""
     gate, up, dy = 2 * torch.randn(shape), torch.randn(shape), torch.randn(shape)
     cpu = ops.hal.device("cpu")
     assert ops.hal.kernels.select(op, cpu, gate, up).candidate.name == "triton"

@@ -2,10 +2,11 @@
 
 Element-wise over (rows, cols) views, so gate and up may be strided views of one fused
 projection (e.g. `gate, up = proj.chunk(2, -1)`) without a copy. A 1-D grid over the (row,
-column block) tiles in memory order (`RowLaunch.elementwise`), so programs launched together
-read neighbouring memory. Activations and their derivatives in fp32, through the
-logistic function: silu(g) = g*sigmoid(g), gelu_tanh(g) = g*sigmoid(2*sqrt(2/pi)*(g + 0.044715*g^3))
-(0.5*(1 + tanh(z)) = sigmoid(2z) exactly), so one exp serves value and derivative.
+column block) tiles in memory order (`RowLaunch.elementwise`, on the tiles GATED_FORWARD_TILE
+and GATED_BACKWARD_TILE), so programs launched together read neighbouring memory. Activations
+and their derivatives in fp32, through the logistic function: silu(g) = g*sigmoid(g),
+gelu_tanh(g) = g*sigmoid(2*sqrt(2/pi)*(g + 0.044715*g^3)) (0.5*(1 + tanh(z)) = sigmoid(2z)
+exactly), so one exp serves value and derivative.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import triton
 import triton.language as tl
 
 from torchhal.kernels.swiglu import GELU_C, GELU_K
-from torchhal.kernels.triton_rows import RowLaunch, row_stride
+from torchhal.kernels.triton_rows import GATED_BACKWARD_TILE, GATED_FORWARD_TILE, RowLaunch, row_stride
 
 SILU = 0
 GELU_TANH = 1
@@ -70,9 +71,9 @@ def _gated_bwd(
     tl.store(DU + row * n_cols + cols, (dy * a).to(DU.dtype.element_ty), mask=mask)
 
 
-def _grid(launch: RowLaunch, x: torch.Tensor) -> tuple[tuple[int], int, int]:
+def _grid(launch: RowLaunch, x: torch.Tensor, tile: tuple[int, int]) -> tuple[tuple[int], int, int]:
     cols = x.shape[-1]
-    block, warps = launch.elementwise(cols, x.element_size())
+    block, warps = launch.elementwise(cols, x.element_size(), tile)
     return ((x.numel() // cols) * triton.cdiv(cols, block),), block, warps
 
 
@@ -80,7 +81,7 @@ def gated_forward(launch: RowLaunch, op: str, gate: torch.Tensor, up: torch.Tens
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if y.numel() == 0:
         return y
-    grid, block, warps = _grid(launch, gate)
+    grid, block, warps = _grid(launch, gate, GATED_FORWARD_TILE)
     _gated_fwd[grid](
         gate, up, y, row_stride(gate), row_stride(up), gate.shape[-1],
         ACT=ACTIVATIONS[op], BLOCK=block, num_warps=warps,
@@ -95,7 +96,7 @@ def gated_backward(
     dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if dgate.numel() == 0:
         return dgate, dup
-    grid, block, warps = _grid(launch, gate)
+    grid, block, warps = _grid(launch, gate, GATED_BACKWARD_TILE)
     _gated_bwd[grid](
         dy, gate, up, dgate, dup, row_stride(dy), row_stride(gate), row_stride(up), gate.shape[-1],
         ACT=ACTIVATIONS[op], BLOCK=block, num_warps=warps,

@@ -19,7 +19,7 @@ from torchhal.hal_core import DeviceCapabilities, Feature, RejectionReason, Unsu
 TRITON_DTYPES = frozenset({torch.float32, torch.bfloat16, torch.float16})
 MAX_THREADS_PER_PROGRAM = 1024  # the block-size limit of CUDA, HIP and SYCL alike
 VECTOR_BYTES = 16  # widest global load of one thread
-VECTORS_PER_THREAD = 2  # row elements each thread holds per tensor: two 16-byte vectors
+ROW_THREAD_BYTES = 2 * VECTOR_BYTES  # row bytes each thread holds per tensor: two 16-byte vectors
 # Measured on an H100 (benchmarks/ab_row_backward.py and sweep_row_warps.py, docs/benchmarks.md):
 # the norms, forward and backward, are fastest with two vectors per thread but no more than 512
 # threads (at hidden 16384, 1024 threads ran the forwards 9-26% slower); RoPE, element-wise with
@@ -45,6 +45,14 @@ RESIDENT_THREADS_PER_UNIT = 512
 MIN_ROWS_PER_PROGRAM = 8  # below this, a backward program's partial weight gradient costs more than it saves
 MAX_BLOCK = 32768  # one row per program: beyond this, registers spill
 ELEMENTWISE_BLOCK_BYTES = 8192  # per tensor per program of an element-wise kernel
+# swiglu/geglu, measured on an H100 against the rule above (benchmarks/ab_row_backward.py, two
+# processes, docs/benchmarks.md, eleventh session): their forward (two loads and one store an
+# element) ran 0.3-1.0% faster on 16 KB tiles with one 16-byte vector a thread, their backward
+# (three loads, two stores) 0.5-1.0% faster on the 8 KB tiles with 8 bytes a thread. ptxas issues
+# a thread's loads one after another between the arithmetic, so more threads keep more loads in
+# flight; half a vector a thread ran the forward 5-8% slower. (tile bytes, bytes a thread)
+GATED_FORWARD_TILE = (16384, VECTOR_BYTES)
+GATED_BACKWARD_TILE = (ELEMENTWISE_BLOCK_BYTES, VECTOR_BYTES // 2)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -137,12 +145,12 @@ class RowLaunch:
         self,
         block: int,
         element_bytes: int,
-        vectors: int = VECTORS_PER_THREAD,
+        thread_bytes: int = ROW_THREAD_BYTES,
         most_threads: int = MAX_THREADS_PER_PROGRAM,
     ) -> int:
-        """Warps so each thread holds `vectors` 16-byte vectors of a row of `block` elements, with
-        at most `most_threads` threads per program."""
-        threads = block * element_bytes // (VECTOR_BYTES * vectors)
+        """Warps so each thread holds `thread_bytes` of a row of `block` elements, with at most
+        `most_threads` threads per program."""
+        threads = block * element_bytes // thread_bytes
         most = max(1, most_threads // self.simd_width)
         return min(most, next_power_of_2(max(1, threads // self.simd_width)))
 
@@ -155,10 +163,17 @@ class RowLaunch:
         holding them across the reduction."""
         return block // (warps * self.simd_width) >= RELOAD_ROW_ELEMENTS_PER_THREAD
 
-    def elementwise(self, cols: int, element_bytes: int) -> tuple[int, int]:
-        """(block, warps) of an element-wise kernel tiling rows of `cols` elements."""
-        block = min(next_power_of_2(cols), ELEMENTWISE_BLOCK_BYTES // element_bytes)
-        return block, self.warps(block, element_bytes)
+    def elementwise(
+        self,
+        cols: int,
+        element_bytes: int,
+        tile: tuple[int, int] = (ELEMENTWISE_BLOCK_BYTES, ROW_THREAD_BYTES),
+    ) -> tuple[int, int]:
+        """(block, warps) of an element-wise kernel tiling rows of `cols` elements; `tile` is
+        (bytes of a tensor per program, bytes of it per thread)."""
+        tile_bytes, thread_bytes = tile
+        block = min(next_power_of_2(cols), tile_bytes // element_bytes)
+        return block, self.warps(block, element_bytes, thread_bytes)
 
     def backward_programs(self, rows: int, warps: int) -> int:
         """Programs of a backward pass that accumulates a partial weight gradient per program: enough
