@@ -1,9 +1,9 @@
 """Tile and warps of the swiglu/geglu kernels against Liger-Kernel, bf16, on a GPU.
 
 The gated kernels tile each row in blocks of `RowLaunch.elementwise` (GATED_FORWARD_TILE and
-GATED_BACKWARD_TILE: bytes per tensor per program, bytes per thread), a 1-D grid over the
-tiles; Liger runs one program per row. In the sixth session both sat at 97-100% of the copy
-bandwidth, Liger up to 3% ahead at hidden 16384 (docs/benchmarks.md).
+ELEMENTWISE_TILE: bytes per tensor per program, bytes per thread), a 1-D grid over the tiles;
+Liger runs one program per row. In the sixth session both sat at 97-100% of the copy bandwidth,
+Liger up to 3% ahead at hidden 16384 (docs/benchmarks.md).
 This times the forward and backward kernels with the block forced to 2048-16384 elements and the
 warps to 4, 8 and 16, beside the launch rule and Liger's functional ops (forward under no_grad,
 backward through autograd.grad with its output gradient cloned once), do_bench medians, one run.

@@ -2,8 +2,8 @@
 
 Element-wise over (rows, cols) views, so gate and up may be strided views of one fused
 projection (e.g. `gate, up = proj.chunk(2, -1)`) without a copy. A 1-D grid over the (row,
-column block) tiles in memory order (`RowLaunch.elementwise`, on the tiles GATED_FORWARD_TILE
-and GATED_BACKWARD_TILE), so programs launched together read neighbouring memory. Activations
+column block) tiles in memory order (`RowLaunch.elementwise`: the forward on GATED_FORWARD_TILE,
+the backward on ELEMENTWISE_TILE), so programs launched together read neighbouring memory. Activations
 and their derivatives in fp32, through the logistic function: silu(g) = g*sigmoid(g),
 gelu_tanh(g) = g*sigmoid(2*sqrt(2/pi)*(g + 0.044715*g^3)) (0.5*(1 + tanh(z)) = sigmoid(2z)
 exactly), so one exp serves value and derivative.
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from torchhal.kernels.swiglu import GELU_C, GELU_K
-from torchhal.kernels.triton_rows import GATED_BACKWARD_TILE, GATED_FORWARD_TILE, RowLaunch, row_stride
+from torchhal.kernels.triton_rows import ELEMENTWISE_TILE, GATED_FORWARD_TILE, RowLaunch, row_stride
 
 SILU = 0
 GELU_TANH = 1
@@ -96,7 +96,7 @@ def gated_backward(
     dup = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if dgate.numel() == 0:
         return dgate, dup
-    grid, block, warps = _grid(launch, gate, GATED_BACKWARD_TILE)
+    grid, block, warps = _grid(launch, gate, ELEMENTWISE_TILE)
     _gated_bwd[grid](
         dy, gate, up, dgate, dup, row_stride(dy), row_stride(gate), row_stride(up), gate.shape[-1],
         ACT=ACTIVATIONS[op], BLOCK=block, num_warps=warps,

@@ -20,10 +20,18 @@ from torchhal.kernels.triton_rows import RowLaunch, next_power_of_2, row_stride
 
 
 @triton.jit
-def _rms_norm_fwd(X, W, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr):
+def _row_mask(cols, n_cols, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    """The columns inside the row. EVEN (the row fills the block) makes it a compile-time constant,
+    so the loads and stores lose their predicates: on an H200 the forwards ran 0.4-2% faster
+    that way, on an H100 within 0.2% (docs/benchmarks.md, eleventh session)."""
+    return cols < (BLOCK if EVEN else n_cols)
+
+
+@triton.jit
+def _rms_norm_fwd(X, W, Y, x_stride, n_cols, eps, BLOCK: tl.constexpr, EVEN: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    mask = _row_mask(cols, n_cols, BLOCK, EVEN)
     x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
@@ -82,11 +90,12 @@ def _rms_norm_bwd(
 
 @triton.jit
 def _layer_norm_fwd(
-    X, W, B, Y, Mean, Rstd, x_stride, n_cols, eps, BLOCK: tl.constexpr, SAVE_STATS: tl.constexpr
+    X, W, B, Y, Mean, Rstd, x_stride, n_cols, eps,
+    BLOCK: tl.constexpr, SAVE_STATS: tl.constexpr, EVEN: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    mask = _row_mask(cols, n_cols, BLOCK, EVEN)
     x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     mean = tl.sum(x, axis=0) / n_cols
     diff = tl.where(mask, x - mean, 0.0)
@@ -156,7 +165,7 @@ def rms_norm_forward(
     block = next_power_of_2(cols)
     _rms_norm_fwd[(rows,)](
         x, weight, y, row_stride(x), cols, eps,
-        BLOCK=block, num_warps=launch.norm_warps(block, x.element_size()),
+        BLOCK=block, EVEN=cols == block, num_warps=launch.norm_warps(block, x.element_size()),
     )  # fmt: skip
     return y
 
@@ -209,7 +218,8 @@ def _layer_norm_forward(
     mean, rstd = (None, None) if stats is None else stats
     _layer_norm_fwd[(rows,)](
         x, weight, bias, y, mean, rstd, row_stride(x), cols, eps,
-        BLOCK=block, SAVE_STATS=stats is not None, num_warps=launch.norm_warps(block, x.element_size()),
+        BLOCK=block, SAVE_STATS=stats is not None, EVEN=cols == block,
+        num_warps=launch.norm_warps(block, x.element_size()),
     )  # fmt: skip
     return y
 

@@ -44,15 +44,16 @@ ROPE_THREADS = 128
 RESIDENT_THREADS_PER_UNIT = 512
 MIN_ROWS_PER_PROGRAM = 8  # below this, a backward program's partial weight gradient costs more than it saves
 MAX_BLOCK = 32768  # one row per program: beyond this, registers spill
-ELEMENTWISE_BLOCK_BYTES = 8192  # per tensor per program of an element-wise kernel
-# swiglu/geglu, measured on an H100 against the rule above (benchmarks/ab_row_backward.py, two
-# processes, docs/benchmarks.md, eleventh session): their forward (two loads and one store an
-# element) ran 0.3-1.0% faster on 16 KB tiles with one 16-byte vector a thread, their backward
-# (three loads, two stores) 0.5-1.0% faster on the 8 KB tiles with 8 bytes a thread. ptxas issues
-# a thread's loads one after another between the arithmetic, so more threads keep more loads in
-# flight; half a vector a thread ran the forward 5-8% slower. (tile bytes, bytes a thread)
+# an element-wise kernel's tile: (bytes of each tensor per program, bytes of it per thread)
+ELEMENTWISE_TILE = (8192, ROW_THREAD_BYTES)
+# The swiglu/geglu forward (two loads and one store an element) on 16 KB tiles with one 16-byte
+# vector a thread (tile bytes, bytes a thread): ptxas issues a thread's loads one after another
+# between the arithmetic, so more threads keep more loads in flight. Against the rule above
+# (benchmarks/ab_row_backward.py, docs/benchmarks.md, eleventh session) it ran 0.5-1.1% faster on
+# an H100 and -0.1 to +0.7% on an H200; half a vector a thread ran 5-8% slower on the H100. Their
+# backward keeps the rule above: 8 bytes a thread ran it 0.4-1.1% faster on the H100 but 1.4-3.6%
+# slower on the H200.
 GATED_FORWARD_TILE = (16384, VECTOR_BYTES)
-GATED_BACKWARD_TILE = (ELEMENTWISE_BLOCK_BYTES, VECTOR_BYTES // 2)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -167,7 +168,7 @@ class RowLaunch:
         self,
         cols: int,
         element_bytes: int,
-        tile: tuple[int, int] = (ELEMENTWISE_BLOCK_BYTES, ROW_THREAD_BYTES),
+        tile: tuple[int, int] = ELEMENTWISE_TILE,
     ) -> tuple[int, int]:
         """(block, warps) of an element-wise kernel tiling rows of `cols` elements; `tile` is
         (bytes of a tensor per program, bytes of it per thread)."""
