@@ -50,7 +50,7 @@ ELEMENTWISE_TILE = (8192, ROW_THREAD_BYTES)
 # vector a thread (tile bytes, bytes a thread): ptxas issues a thread's loads one after another
 # between the arithmetic, so more threads keep more loads in flight. Against the rule above
 # (benchmarks/ab_row_backward.py, docs/benchmarks.md, eleventh session) it ran 0.5-1.1% faster on
-# an H100 and -0.1 to +0.7% on an H200; half a vector a thread ran 5-8% slower on the H100. Their
+# an H100 and -0.1 to +0.7% on an H200; half a vector a thread ran 5-7% slower on the H100. Their
 # backward keeps the rule above: 8 bytes a thread ran it 0.4-1.1% faster on the H100 but 1.4-3.6%
 # slower on the H200.
 GATED_FORWARD_TILE = (16384, VECTOR_BYTES)
