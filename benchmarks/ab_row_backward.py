@@ -4,11 +4,12 @@ installed one.
 
 Separate runs of bench_norms swing by up to 40% on the backward (both torchhal's and Liger's, one
 run to the next), more than the changes they should judge. This loads the older file as its own
-module beside `torchhal.kernels.triton_norms` and times, in each of several rounds, the old
+module beside the installed one and times, in each of several rounds, the old
 kernel, the new one (by its launch rule and with the warps forced, if asked) and Liger's
 one after the other (do_bench medians, L2 flushed), so drift hits them alike. Every variant's
 outputs are compared with the old kernel's before anything is timed. The old file imports
-the installed `triton_rows`, so "old" is the old kernels under the current launch rules.
+the installed `triton_rows`, so "old" is the old kernels under the current launch rules (for
+triton_gated.py, under the tiles the old file itself asks `RowLaunch.elementwise` for).
 
     python3 benchmarks/ab_row_backward.py --old /tmp/old/triton_norms.py [--warps 4 8] [--out ab.json]
         [--variant NAME=PATH ...]   # more kernels files, each timed beside old and new
