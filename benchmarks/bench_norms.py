@@ -225,6 +225,11 @@ def timed_with_allocator(fn: Callable[[], Any]) -> tuple[float, dict[str, int]]:
     return ms, {k: v - before[k] for k, v in allocator_calls().items()}
 
 
+def record(case: Case, impl: str, direction: str, ms: float, nbytes: int, **extra: Any) -> None:
+    """One timing of `case`: its time and the bandwidth that moving `nbytes` in it makes."""
+    case.results.append({"impl": impl, "direction": direction, "ms": ms, "gbps": nbytes / ms / 1e6, **extra})
+
+
 def measure(case: Case, name: str, fn: Callable[..., Any]) -> Callable[[], Any]:
     """Time `fn`'s forward and backward on fresh copies of the inputs; returns the backward, to
     time those same tensors again."""
@@ -240,15 +245,7 @@ def measure(case: Case, name: str, fn: Callable[..., Any]) -> Callable[[], Any]:
         ("forward", forward, case.forward_bytes),
         ("backward", backward, case.backward_bytes),
     ):
-        case.results.append(
-            {
-                "impl": name,
-                "direction": direction,
-                "ms": ms,
-                "gbps": nbytes / ms / 1e6,
-                "allocator": allocator,
-            }
-        )
+        record(case, name, direction, ms, nbytes, allocator=allocator)
         if any(allocator.values()):
             print(
                 f"{case.op} {case.rows}x{case.hidden} {direction} {name}: "
@@ -267,10 +264,7 @@ def recheck_slow_backward(case: Case, our_backward: Callable[[], Any], ours: Cal
     if "liger" not in by_impl or "torchhal" not in by_impl or by_impl["liger"] / by_impl["torchhal"] >= SLOW:
         return
     same_ms = timed(our_backward)
-    case.results.append(
-        {"impl": "torchhal, same tensors again", "direction": "backward", "ms": same_ms,
-         "gbps": case.backward_bytes / same_ms / 1e6}
-    )  # fmt: skip
+    record(case, "torchhal, same tensors again", "backward", same_ms, case.backward_bytes)
     measure(case, "torchhal, fresh tensors", ours)
     fresh_ms = case.results[-1]["ms"]
     print(
@@ -289,7 +283,7 @@ def copy_ms(nbytes: int) -> float:
 def measure_copy(case: Case) -> None:
     for direction, nbytes in (("forward", case.forward_bytes), ("backward", case.backward_bytes)):
         ms = copy_ms(nbytes)
-        case.results.append({"impl": "copy", "direction": direction, "ms": ms, "gbps": nbytes / ms / 1e6})
+        record(case, "copy", direction, ms, nbytes)
 
 
 def summarize(case: Case) -> list[dict[str, Any]]:
