@@ -11,7 +11,8 @@ call each: its figures are per pair), where the second layout checked pays for t
 guard (a model alternating layouts does). Measured interleaved (A B A B ...) in batches;
 reports the median per-call difference (and its minimum, the floor least disturbed by a shared
 machine), with telemetry unconfigured and with an in-memory exporter configured.
-Usage: python benchmarks/bench_dispatch.py [--out results.json] [--pin CORE]
+Usage: python benchmarks/bench_dispatch.py [--out results.json] [--pin CORE] [--cases NAME ...]
+       [--modes unconfigured memory-exporter] [--no-layers] [--rounds N] [--calls N]
 """
 
 from __future__ import annotations
@@ -137,12 +138,24 @@ def layers(hal: torchhal.HardwareAbstractionLayer) -> dict[str, Case]:
 
 
 def main() -> None:
+    global CALLS, ROUNDS
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument(
         "--pin", type=int, help="run on this CPU core only (unpinned, H100-host medians swung up to 60%%)"
     )
+    parser.add_argument("--cases", nargs="+", help="only these cases (default: all)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=["unconfigured", "memory-exporter"],
+        choices=["unconfigured", "memory-exporter"],
+    )
+    parser.add_argument("--no-layers", action="store_true", help="leave out the per-layer breakdown")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved batches per case")
+    parser.add_argument("--calls", type=int, default=CALLS, help="calls per batch")
     args = parser.parse_args()
+    CALLS, ROUNDS = args.calls, args.rounds
     if args.pin is not None:
         os.sched_setaffinity(0, {args.pin})
     torch.set_num_threads(1)
@@ -158,17 +171,19 @@ def main() -> None:
         "torch": torch.__version__,
         "python": platform.python_version(),
     }
-    for mode in ("unconfigured", "memory-exporter"):
+    for mode in args.modes:
         telemetry.configure(exporter="none" if mode == "unconfigured" else "memory")
         for kernels, device in targets:
             torchhal.ops.set_default_hal(hals[kernels])
             label = "noop" if kernels == "noop" else device
             for name, (op, direct) in cases(hals[kernels], device).items():
+                if args.cases and name not in args.cases:
+                    continue
                 hals[kernels].kernels.clear_cache()  # this case's layouts alone in the memo
                 results[f"{name}/{label}/{mode}"] = overhead(op, direct)
     telemetry.configure(exporter="none")
     torchhal.ops.set_default_hal(hals["noop"])
-    for name, (op, direct) in layers(hals["noop"]).items():
+    for name, (op, direct) in ({} if args.no_layers else layers(hals["noop"])).items():
         hals["noop"].kernels.clear_cache()
         results[f"layers/{name}"] = overhead(op, direct)
     if args.out:

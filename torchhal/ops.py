@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torchhal.hal_core.hal import active_use
+from torchhal.hal_core.kernels import NOT_SEEN
 from torchhal.kernels import attention as _attention
 from torchhal.kernels import attention_varlen as _attention_varlen
 from torchhal.kernels import layer_norm as _layer_norm
@@ -25,6 +26,11 @@ if TYPE_CHECKING:
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
 _default: HardwareAbstractionLayer | None = None
+# op -> the default HAL's `dispatcher(op)` (and its `seen_only` one), made on first use. Replaced,
+# never cleared, when the default is: a call that read the old dicts while the default changed
+# writes only to those.
+_default_dispatchers: dict[str, Callable[..., Any]] = {}
+_default_seen_dispatchers: dict[str, Callable[..., Any]] = {}
 
 
 def default_hal() -> HardwareAbstractionLayer:
@@ -39,14 +45,36 @@ def default_hal() -> HardwareAbstractionLayer:
 
 def set_default_hal(hal: HardwareAbstractionLayer | None) -> None:
     """Replace the default HAL (None: make a new one on next use)."""
-    global _default
+    global _default, _default_dispatchers, _default_seen_dispatchers
     _default = hal
+    _default_dispatchers, _default_seen_dispatchers = {}, {}
 
 
 def _dispatch(op: str, *args: Any) -> Any:
-    """Through the HAL of the innermost `hal.use(device)` block, else the default HAL."""
+    """Through the HAL of the innermost `hal.use(device)` block, else the default HAL's bound
+    dispatcher (every op call comes here: one frame, one `use()` lookup, one dict lookup)."""
     use = active_use()
-    return (use[0] if use is not None else _default or default_hal()).dispatch(op, *args)
+    if use is not None:
+        return use[0].dispatch(op, *args)
+    dispatchers = _default_dispatchers
+    call = dispatchers.get(op) or _bind_default(dispatchers, op, seen_only=False)
+    return call(*args)
+
+
+def _dispatch_seen(op: str, *args: Any) -> Any:
+    """The default HAL's `dispatch_seen` (NOT_SEEN inside a `use()` block: those take `_dispatch`)."""
+    if active_use() is not None:
+        return NOT_SEEN
+    dispatchers = _default_seen_dispatchers
+    call = dispatchers.get(op) or _bind_default(dispatchers, op, seen_only=True)
+    return call(*args)
+
+
+def _bind_default(
+    dispatchers: dict[str, Callable[..., Any]], op: str, *, seen_only: bool
+) -> Callable[..., Any]:
+    call = dispatchers[op] = default_hal().dispatcher(op, seen_only=seen_only)
+    return call
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -56,7 +84,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def _public(spec: AutogradSpec) -> Callable[..., Any]:
     """The op's DifferentiableOp as its bound `__call__`: calling the instance would go through
     its type's call slot, a tenth of a µs more on every op call."""
-    return DifferentiableOp(spec, _dispatch).__call__
+    return DifferentiableOp(spec, _dispatch, _dispatch_seen).__call__
 
 
 _RMS_NORM = _public(_rms_norm.AUTOGRAD)

@@ -530,3 +530,93 @@ def test_ops_whose_signature_reads_contents_validate_every_call(settings):
     hal.kernels.call("scale_by_first", hal.device("cpu"), t)
     hal.kernels.call("scale_by_first", hal.device("cpu"), t)
     assert len(calls) == 2
+
+
+def test_dispatch_seen_runs_only_layouts_guarded_without_gradients(hal):
+    """What the autograd glue asks first when gradients are on: it must answer NOT_SEEN (and run
+    nothing) for a new layout, and for a seen one whose tensors required grad, since only a
+    guard made from tensors that required none vouches that none does now."""
+    from torchhal.hal_core.kernels import NOT_SEEN
+
+    calls = _count_validations(hal)
+    x, w = torch.randn(6, 32), torch.randn(32)
+    assert hal.kernels.dispatch_seen("rms_norm", None, x, w, 1e-6) is NOT_SEEN
+    assert calls == []  # not validated, not run
+    hal.dispatch("rms_norm", x, w, 1e-6)
+    x2, w2 = torch.randn(6, 32), torch.randn(32)
+    torch.testing.assert_close(
+        hal.kernels.dispatch_seen("rms_norm", None, x2, w2, 1e-6), rms_norm.reference(x2, w2)
+    )
+    assert len(calls) == 1
+    assert hal.kernels.dispatch_seen("rms_norm", None, x2, w2, 1e-5) is NOT_SEEN  # another eps
+    assert hal.kernels.dispatch_seen("rms_norm", None, torch.randn(7, 32), w2, 1e-6) is NOT_SEEN
+    assert hal.kernels.dispatch_seen("rms_norm", hal.device("cpu"), x2, w2, 1e-6) is NOT_SEEN  # other route
+
+    trained = torch.randn(32, requires_grad=True)
+    with torch.no_grad():
+        hal.dispatch("rms_norm", x2, trained, 1e-6)  # its guard holds requires_grad=True
+    assert hal.kernels.dispatch_seen("rms_norm", None, x2, trained, 1e-6) is NOT_SEEN
+    assert hal.kernels.dispatch_seen("rms_norm", None, x2, w2, 1e-6) is not NOT_SEEN
+
+
+def test_dispatch_seen_falls_back_from_a_raising_kernel(hal):
+    failing = []
+
+    def flaky(x, w, eps):
+        if failing:
+            raise RuntimeError("kernel launch failed")
+        return rms_norm.reference(x, w, eps)
+
+    hal.kernels.register("rms_norm", "flaky", flaky, provider="test", priority=100)
+    x, w = torch.randn(5, 8), torch.randn(8)
+    hal.dispatch("rms_norm", x, w, 1e-6)
+    failing.append(True)
+    torch.testing.assert_close(
+        hal.kernels.dispatch_seen("rms_norm", None, x, w, 1e-6), rms_norm.reference(x, w)
+    )
+    assert hal.kernels.fallback_counts == {"test/flaky": 1}
+
+
+def test_a_layout_seen_without_gradients_still_differentiates_once_an_input_requires_grad(hal):
+    """ops skip their requires_grad reads for a layout a guard holds as gradient-free: the same
+    layout with a weight that requires grad must still go through autograd, with the right
+    gradients."""
+    torchhal.ops.set_default_hal(hal)
+    try:
+        x, w = torch.randn(6, 32), torch.randn(32)
+        for _ in range(3):
+            plain = torchhal.ops.rms_norm(x, w)
+        assert plain.grad_fn is None
+        weight = w.clone().requires_grad_()
+        out = torchhal.ops.rms_norm(x, weight)
+        assert out.grad_fn is not None
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        ref_weight = w.clone().requires_grad_()
+        rms_norm.reference(x, ref_weight).backward(grad)
+        torch.testing.assert_close(weight.grad, ref_weight.grad)
+    finally:
+        torchhal.ops.set_default_hal(None)
+
+
+def test_ops_follow_a_new_default_hal(hal, settings):
+    """ops bind the default HAL's dispatchers on first use; replacing the default must drop them."""
+
+    class Doubling:
+        @staticmethod
+        @torchhal.hal_core.hookimpl
+        def torchhal_register_kernels(registry):
+            registry.register("rms_norm", "doubling", lambda x, w, eps: 2 * x, provider="test", priority=1e9)
+
+    other = HardwareAbstractionLayer(plugins=[Doubling], settings=settings(disable_plugin_autoload="1"))
+    x, w = torch.randn(6, 32), torch.randn(32)
+    torchhal.ops.set_default_hal(hal)
+    try:
+        for _ in range(2):
+            torch.testing.assert_close(torchhal.ops.rms_norm(x, w), rms_norm.reference(x, w))
+        torchhal.ops.set_default_hal(other)
+        torch.testing.assert_close(torchhal.ops.rms_norm(x, w), 2 * x)
+        with torch.no_grad():
+            torch.testing.assert_close(torchhal.ops.rms_norm(x, w), 2 * x)
+    finally:
+        torchhal.ops.set_default_hal(None)

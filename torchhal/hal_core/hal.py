@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -176,6 +177,16 @@ class HardwareAbstractionLayer:
         active = active_use()
         route = active[1] if active is not None and active[0] is self else None
         return self._kernels.dispatch(op, route, self._locator, *args)
+
+    def dispatcher(self, op: str, *, seen_only: bool = False) -> Callable[..., Any]:
+        """`dispatch` bound to `op` (with `seen_only`, the registry's `dispatch_seen`), for calls
+        made outside this HAL's `use()` blocks, where no route applies. What `torchhal.ops`
+        calls on the default HAL: a C-level partial of the registry's method, so a call skips
+        this HAL's frame and its `use()` lookup."""
+        self._discovered()
+        if seen_only:
+            return functools.partial(self._kernels.dispatch_seen, op, None)
+        return functools.partial(self._kernels.dispatch, op, None, self._locator)
 
     def _locate(self, op: str, first: Any) -> Device:
         try:

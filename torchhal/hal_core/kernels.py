@@ -37,6 +37,7 @@ log = telemetry.get_logger("torchhal.kernels")
 SEEN_LIMIT = 4096  # remembered argument layouts per op before the memo starts over
 
 REFERENCE = "reference"
+NOT_SEEN: Any = object()  # `KernelRegistry.dispatch_seen`'s answer for arguments it will not run
 
 
 class RejectionReason(str, enum.Enum):
@@ -246,6 +247,23 @@ class KernelRegistry:
         except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
             return self._fall_back(selection, device, exc, args, {})
 
+    def dispatch_seen(self, op: str, route: Hashable, *args: Any) -> Any:
+        """`dispatch` for arguments that pass the guard of a layout validated before, whose
+        tensors required no gradient; `NOT_SEEN` for any other (nothing is run or validated).
+
+        For the autograd glue: the guard checks each tensor's `requires_grad`, so one that admits
+        the arguments has said that none requires grad, and the glue need not read them all
+        first (three tensor attributes cost as much as the guard's whole Python part)."""
+        seen = self._seen.get(op)
+        if seen is not None:
+            for guard, (device, selection) in seen.recent:
+                if not guard.requires_grad and guard.admits(route, args):
+                    try:
+                        return selection.fn(*args)
+                    except Exception as exc:  # as in `dispatch`
+                        return self._fall_back(selection, device, exc, args, {})
+        return NOT_SEEN
+
     def clear_cache(self) -> None:
         with self._lock:
             for selections in self._cache.values():
@@ -453,13 +471,23 @@ class _Guard:
     C++ `TensorGuards` check (Dynamo's: Python type, dispatch keys, dtype, device, requires_grad,
     sizes and strides). That is everything the key holds and more. Made by `_guard`."""
 
-    __slots__ = ("arity", "check", "route", "scalar_types", "scalars_of", "tensors_of", "values")
+    __slots__ = (
+        "arity",
+        "check",
+        "requires_grad",
+        "route",
+        "scalar_types",
+        "scalars_of",
+        "tensors_of",
+        "values",
+    )
 
     def __init__(
         self, route: Hashable, args: tuple[Any, ...], tensor_at: list[int], check: Callable[..., bool]
     ) -> None:
         scalar_at = [i for i in range(len(args)) if i not in tensor_at]
         self.route, self.arity, self.check = route, len(args), check
+        self.requires_grad = any(args[i].requires_grad for i in tensor_at)  # the check holds it to this
         self.tensors_of, self.scalars_of = _picker(tensor_at), _picker(scalar_at)
         self.values = tuple(args[i] for i in scalar_at)
         self.scalar_types = tuple((i, type(args[i])) for i in scalar_at)

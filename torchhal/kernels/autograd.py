@@ -3,7 +3,10 @@
 A `DifferentiableOp` joins three registry ops (the plain op, its training forward, its
 backward) into one public function with three paths:
 
-- eager, no gradient needed: straight to `dispatch(spec.op, ...)`, a few µs of Python;
+- eager, no gradient needed: straight to `dispatch(spec.op, ...)`, a few µs of Python. With
+  gradients on, `dispatch_seen(spec.op, ...)` is asked first: it runs the plain op on a layout
+  whose guard already vouches that no tensor requires grad, so those calls skip reading each
+  input's `requires_grad`;
 - eager with autograd: a `torch.autograd.Function` whose forward dispatches `spec.forward` and
   whose backward dispatches `spec.backward`, so backward kernels are selected (and fall back)
   through the registry like any op;
@@ -32,6 +35,7 @@ from typing import Any
 import torch
 
 from torchhal.hal_core import UnsupportedError
+from torchhal.hal_core.kernels import NOT_SEEN
 
 _SAVED = object()  # marks a context slot whose tensor went through ctx.save_for_backward
 # Bound once: every op call runs them. `_any_requires_grad` is what torch.library's own autograd
@@ -61,10 +65,20 @@ class AutogradSpec:
 class DifferentiableOp:
     """The public function of one op; see the module docstring for its three paths."""
 
-    def __init__(self, spec: AutogradSpec, dispatch: Dispatch, *, namespace: str = "torchhal") -> None:
+    def __init__(
+        self,
+        spec: AutogradSpec,
+        dispatch: Dispatch,
+        dispatch_seen: Dispatch | None = None,
+        *,
+        namespace: str = "torchhal",
+    ) -> None:
+        """`dispatch_seen(op, *args)`: `dispatch` for arguments whose layout was validated before
+        without gradients, else NOT_SEEN (see `KernelRegistry.dispatch_seen`); None: never seen."""
         self.spec = spec
         self._dispatch = dispatch
         self._plain = functools.partial(dispatch, spec.op)  # the no-gradient path, bound once
+        self._plain_seen = functools.partial(dispatch_seen or _never_seen, spec.op)
         self._input_names = tuple(inspect.signature(spec.forward_fake).parameters)
         self._tensor_inputs = _tensor_parameters(spec.forward_fake, self._input_names)
         if not set(spec.differentiable) <= set(self._tensor_inputs):
@@ -83,24 +97,27 @@ class DifferentiableOp:
         if _is_compiling():
             self._check_differentiable(args)
             return self._visible(_as_tuple(self._traced_forward(*args)))
-        if _is_grad_enabled() and self._needs_grad(args):
-            self._check_differentiable(args)
-            return self._visible(self._function.apply(*args))
+        if _is_grad_enabled():
+            result = self._plain_seen(*args)  # a layout guarded before as needing no gradient
+            if result is not NOT_SEEN:
+                return result
+            # Whether a tensor input requires grad. Only the positions typed as tensors: half
+            # the time of torch's C check of every argument (~0.5 µs at attention's six). A
+            # tensor in a number's place is refused by validation (eps, scale,
+            # label_smoothing) or is a flag or an integer, which has no gradient.
+            needs_grad = False
+            try:
+                for i in self._tensor_inputs:
+                    a = args[i]
+                    if a is not None and a.requires_grad:
+                        needs_grad = True
+                        break
+            except (AttributeError, IndexError):  # no tensor where one belongs: torch checks all
+                needs_grad = _any_requires_grad(*args)
+            if needs_grad:
+                self._check_differentiable(args)
+                return self._visible(self._function.apply(*args))
         return self._plain(*args)
-
-    def _needs_grad(self, args: tuple[Any, ...]) -> bool:
-        """Whether a tensor input requires grad. Reads only the positions typed as tensors: half
-        the time of torch's C check of every argument (~0.5 µs at attention's six). A tensor in
-        a number's place is refused by validation (eps, scale, label_smoothing) or is a flag or
-        an integer, which has no gradient."""
-        try:
-            for i in self._tensor_inputs:
-                a = args[i]
-                if a is not None and a.requires_grad:
-                    return True
-        except (AttributeError, IndexError):  # no tensor where one belongs: torch's check of them all
-            return _any_requires_grad(*args)
-        return False
 
     def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:
         schema = torch.library.infer_schema(fake, mutates_args=())
@@ -156,6 +173,10 @@ def _tensor_parameters(fake: Callable[..., Any], names: Sequence[str]) -> tuple[
     hints = typing.get_type_hints(fake)
     tensor_types = (torch.Tensor, torch.Tensor | None)
     return tuple(i for i, name in enumerate(names) if hints.get(name) in tensor_types)
+
+
+def _never_seen(op: str, *args: Any) -> Any:
+    return NOT_SEEN
 
 
 def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
