@@ -228,11 +228,11 @@ class KernelRegistry:
                     hit = found
                     break
             else:
-                key = _argument_key(route, args)
                 try:
+                    key = _argument_key(route, args)
                     hit = seen.found(key, route, args)
-                except TypeError:  # an unhashable argument: validate every time
-                    key = None
+                except (TypeError, RuntimeError):  # an unhashable argument, or a tensor without
+                    key = None  # sizes or strides (nested): validate every time
         if hit is None:
             opdef = self._opdef(op)
             device = locate(op, args[0] if args else None)

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from torchhal.hal_core import InvalidArgumentError
+from torchhal.hal_core import InvalidArgumentError, UnsupportedError
 
 PROVIDER = "torchhal"  # provider name of the built-in candidates
 
@@ -14,6 +14,8 @@ PROVIDER = "torchhal"  # provider name of the built-in candidates
 def require_tensor(op: str, name: str, value: object) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise InvalidArgumentError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.is_nested:  # torch's own error for its missing sizes names neither op nor argument
+        raise UnsupportedError(f"{op}: {name} is a nested tensor; the op takes strided tensors only")
     return value
 
 
