@@ -426,9 +426,9 @@ def test_a_nested_tensor_is_refused_by_name(hal, requires_grad):
             [torch.randn(2, 8), torch.randn(3, 8)], requires_grad=requires_grad
         )
         w = torch.randn(8)
-        with pytest.raises(UnsupportedError, match="rms_norm(_forward)?: x is a nested tensor"):
+        with pytest.raises(UnsupportedError, match=r"rms_norm(_forward)?: x is a nested tensor"):
             torchhal.ops.rms_norm(nested, w)
-        with pytest.raises(UnsupportedError, match="attention(_forward)?: k is a nested tensor"):
+        with pytest.raises(UnsupportedError, match=r"attention(_forward)?: k is a nested tensor"):
             torchhal.ops.attention(torch.randn(1, 2, 3, 8), nested, nested)
     finally:
         torchhal.ops.set_default_hal(None)
@@ -639,3 +639,13 @@ def test_ops_follow_a_new_default_hal(hal, settings):
             torch.testing.assert_close(torchhal.ops.rms_norm(x, w), 2 * x)
     finally:
         torchhal.ops.set_default_hal(None)
+
+
+def test_a_window_of_bools_is_refused_after_the_same_window_of_ints(hal):
+    """(True, 0) == (1, 0) and they hash alike: keyed by value alone, a window of bools would reuse
+    the validation of a window of ints."""
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    for _ in range(2):
+        hal.dispatch("attention", q, k, v, True, None, (1, 0))
+    with pytest.raises(InvalidArgumentError, match="window must be"):
+        hal.dispatch("attention", q, k, v, True, None, (True, 0))

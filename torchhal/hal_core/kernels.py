@@ -513,12 +513,15 @@ class _Guard:
 
 def _argument_key(route: Hashable, args: tuple[Any, ...]) -> tuple[Hashable, ...]:
     """What a signature may depend on: each tensor's type, dtype, shape, strides and device; each
-    scalar's type and value (True == 1 == 1.0 hash alike); and the route."""
+    scalar's type and value (True == 1 == 1.0 hash alike), and a tuple's item types too (a
+    window of (True, 0) is refused where (1, 0) is not); and the route."""
     tensor = _TENSOR or _tensor_type()
     parts: list[Hashable] = [route]
     for a in args:
         kind = type(a)
-        if kind in _NOT_TENSORS or not isinstance(a, tensor):
+        if kind is tuple:
+            parts.append((kind, a, tuple(map(type, a))))
+        elif kind in _PLAIN or not isinstance(a, tensor):
             parts.append((kind, a))
         else:
             parts.append((kind, a.dtype, a.shape, a.stride(), a.device))
@@ -558,10 +561,9 @@ def _picker(positions: list[int]) -> Callable[[tuple[Any, ...]], tuple[Any, ...]
     return operator.itemgetter(*positions) if positions else operator.itemgetter(slice(0, 0))
 
 
-# Argument types that are never tensors, tested before `isinstance(a, torch.Tensor)`: that test
-# is ~4x slower for a non-tensor (torch.Tensor's metaclass) and ops pass scalars on every call.
-_PLAIN = frozenset({bool, int, float, str, type(None)})  # scalars a guard compares by type and value
-_NOT_TENSORS = _PLAIN | {tuple}
+# Scalars a guard compares by type and value. The key tests them before `isinstance(a,
+# torch.Tensor)`: that test is ~4x slower for a non-tensor (torch.Tensor's metaclass).
+_PLAIN = frozenset({bool, int, float, str, type(None)})
 _GUARDED_TENSORS: frozenset[type] = frozenset()  # torch.Tensor and nn.Parameter, bound with TensorGuards
 RECENT_LAYOUTS = 4  # layouts per op checked by guard before the arguments are keyed
 _TENSOR: type[torch.Tensor] | None = None  # torch.Tensor, bound on first dispatch (hal_core imports no torch)
