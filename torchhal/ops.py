@@ -61,13 +61,13 @@ def _dispatch(op: str, *args: Any) -> Any:
     return call(*args)
 
 
-def _dispatch_seen(op: str, *args: Any) -> Any:
+def _dispatch_seen(op: str, args: tuple[Any, ...]) -> Any:
     """The default HAL's `dispatch_seen` (NOT_SEEN inside a `use()` block: those take `_dispatch`)."""
     if active_use() is not None:
         return NOT_SEEN
     dispatchers = _default_seen_dispatchers
     call = dispatchers.get(op) or _bind_default(dispatchers, op, seen_only=True)
-    return call(*args)
+    return call(args)
 
 
 def _bind_default(

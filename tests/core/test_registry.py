@@ -559,23 +559,23 @@ def test_dispatch_seen_runs_only_layouts_guarded_without_gradients(hal):
 
     calls = _count_validations(hal)
     x, w = torch.randn(6, 32), torch.randn(32)
-    assert hal.kernels.dispatch_seen("rms_norm", None, x, w, 1e-6) is NOT_SEEN
+    assert hal.kernels.dispatch_seen("rms_norm", None, (x, w, 1e-6)) is NOT_SEEN
     assert calls == []  # not validated, not run
     hal.dispatch("rms_norm", x, w, 1e-6)
     x2, w2 = torch.randn(6, 32), torch.randn(32)
     torch.testing.assert_close(
-        hal.kernels.dispatch_seen("rms_norm", None, x2, w2, 1e-6), rms_norm.reference(x2, w2)
+        hal.kernels.dispatch_seen("rms_norm", None, (x2, w2, 1e-6)), rms_norm.reference(x2, w2)
     )
     assert len(calls) == 1
-    assert hal.kernels.dispatch_seen("rms_norm", None, x2, w2, 1e-5) is NOT_SEEN  # another eps
-    assert hal.kernels.dispatch_seen("rms_norm", None, torch.randn(7, 32), w2, 1e-6) is NOT_SEEN
-    assert hal.kernels.dispatch_seen("rms_norm", hal.device("cpu"), x2, w2, 1e-6) is NOT_SEEN  # other route
+    assert hal.kernels.dispatch_seen("rms_norm", None, (x2, w2, 1e-5)) is NOT_SEEN  # another eps
+    assert hal.kernels.dispatch_seen("rms_norm", None, (torch.randn(7, 32), w2, 1e-6)) is NOT_SEEN
+    assert hal.kernels.dispatch_seen("rms_norm", hal.device("cpu"), (x2, w2, 1e-6)) is NOT_SEEN  # other route
 
     trained = torch.randn(32, requires_grad=True)
     with torch.no_grad():
         hal.dispatch("rms_norm", x2, trained, 1e-6)  # its guard holds requires_grad=True
-    assert hal.kernels.dispatch_seen("rms_norm", None, x2, trained, 1e-6) is NOT_SEEN
-    assert hal.kernels.dispatch_seen("rms_norm", None, x2, w2, 1e-6) is not NOT_SEEN
+    assert hal.kernels.dispatch_seen("rms_norm", None, (x2, trained, 1e-6)) is NOT_SEEN
+    assert hal.kernels.dispatch_seen("rms_norm", None, (x2, w2, 1e-6)) is not NOT_SEEN
 
 
 def test_dispatch_seen_falls_back_from_a_raising_kernel(hal):
@@ -591,7 +591,7 @@ def test_dispatch_seen_falls_back_from_a_raising_kernel(hal):
     hal.dispatch("rms_norm", x, w, 1e-6)
     failing.append(True)
     torch.testing.assert_close(
-        hal.kernels.dispatch_seen("rms_norm", None, x, w, 1e-6), rms_norm.reference(x, w)
+        hal.kernels.dispatch_seen("rms_norm", None, (x, w, 1e-6)), rms_norm.reference(x, w)
     )
     assert hal.kernels.fallback_counts == {"test/flaky": 1}
 

@@ -247,13 +247,15 @@ class KernelRegistry:
         except Exception as exc:  # a failing kernel is demoted, never fatal while others remain
             return self._fall_back(selection, device, exc, args, {})
 
-    def dispatch_seen(self, op: str, route: Hashable, *args: Any) -> Any:
+    def dispatch_seen(self, op: str, route: Hashable, args: tuple[Any, ...]) -> Any:
         """`dispatch` for arguments that pass the guard of a layout validated before, whose
         tensors required no gradient; `NOT_SEEN` for any other (nothing is run or validated).
 
         For the autograd glue: the guard checks each tensor's `requires_grad`, so one that admits
         the arguments has said that none requires grad, and the glue need not read them all
-        first (three tensor attributes cost as much as the guard's whole Python part)."""
+        first (three tensor attributes cost as much as the guard's whole Python part). The
+        arguments come as one tuple: every caller has them as one, and `*args` at each of the
+        three frames between the op and here would unpack and pack them again."""
         seen = self._seen.get(op)
         if seen is not None:
             for guard, (device, selection) in seen.recent:

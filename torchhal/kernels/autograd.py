@@ -69,12 +69,13 @@ class DifferentiableOp:
         self,
         spec: AutogradSpec,
         dispatch: Dispatch,
-        dispatch_seen: Dispatch | None = None,
+        dispatch_seen: Callable[[str, tuple[Any, ...]], Any] | None = None,
         *,
         namespace: str = "torchhal",
     ) -> None:
-        """`dispatch_seen(op, *args)`: `dispatch` for arguments whose layout was validated before
-        without gradients, else NOT_SEEN (see `KernelRegistry.dispatch_seen`); None: never seen."""
+        """`dispatch_seen(op, args)`: `dispatch` for the argument tuple `args` if its layout was
+        validated before without gradients, else NOT_SEEN (see `KernelRegistry.dispatch_seen`);
+        None: never seen."""
         self.spec = spec
         self._dispatch = dispatch
         self._plain = functools.partial(dispatch, spec.op)  # the no-gradient path, bound once
@@ -98,7 +99,7 @@ class DifferentiableOp:
             self._check_differentiable(args)
             return self._visible(_as_tuple(self._traced_forward(*args)))
         if _is_grad_enabled():
-            result = self._plain_seen(*args)  # a layout guarded before as needing no gradient
+            result = self._plain_seen(args)  # a layout guarded before as needing no gradient
             if result is not NOT_SEEN:
                 return result
             # Whether a tensor input requires grad. Only the positions typed as tensors: half
@@ -175,7 +176,7 @@ def _tensor_parameters(fake: Callable[..., Any], names: Sequence[str]) -> tuple[
     return tuple(i for i, name in enumerate(names) if hints.get(name) in tensor_types)
 
 
-def _never_seen(op: str, *args: Any) -> Any:
+def _never_seen(op: str, args: tuple[Any, ...]) -> Any:
     return NOT_SEEN
 
 
