@@ -62,6 +62,7 @@ def overhead(op: Callable[[], object], direct: Callable[[], object]) -> dict[str
 
 
 Case = tuple[Callable[[], object], Callable[[], object]]
+CASES = ("rms_norm", "attention", "attention_t", "attention_pair", "none")  # the keys `cases` returns
 
 
 class NoopKernels:
@@ -144,7 +145,12 @@ def main() -> None:
     parser.add_argument(
         "--pin", type=int, help="run on this CPU core only (unpinned, H100-host medians swung up to 60%%)"
     )
-    parser.add_argument("--cases", nargs="+", help="only these cases (default: all)")
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        choices=CASES,
+        help="only these cases (default: all); 'none' runs only the layers",
+    )
     parser.add_argument(
         "--modes",
         nargs="+",
@@ -155,6 +161,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=ROUNDS, help="interleaved batches per case")
     parser.add_argument("--calls", type=int, default=CALLS, help="calls per batch")
     args = parser.parse_args()
+    if args.rounds < 2:
+        parser.error(f"--rounds must be at least 2 (the spread needs two batches), got {args.rounds}")
     CALLS, ROUNDS = args.calls, args.rounds
     if args.pin is not None:
         os.sched_setaffinity(0, {args.pin})
@@ -170,6 +178,9 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread",
         "torch": torch.__version__,
         "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torchhal": torchhal.__file__,  # which build ran (an old one shadowed in on PYTHONPATH, say)
+        "options": {"cases": args.cases, "modes": args.modes, "rounds": ROUNDS, "calls": CALLS},
     }
     for mode in args.modes:
         telemetry.configure(exporter="none" if mode == "unconfigured" else "memory")
@@ -191,7 +202,7 @@ def main() -> None:
             json.dump(results, f, indent=2)
     print(f"{'case':<36}{'ops µs':>10}{'direct µs':>11}{'overhead µs':>13}{'min':>8}{'IQR':>8}")
     for key, row in results.items():
-        if isinstance(row, dict):
+        if isinstance(row, dict) and "ops_us" in row:
             print(
                 f"{key:<36}{row['ops_us']:>10.2f}{row['direct_us']:>11.2f}{row['overhead_us']:>13.2f}"
                 f"{row['overhead_min_us']:>8.2f}{row['overhead_spread_us']:>8.2f}"

@@ -6,6 +6,7 @@ first tensor (or `hal.use(device)`), looks up the cached selection and calls it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,21 +34,29 @@ _default_dispatchers: dict[str, Callable[..., Any]] = {}
 _default_seen_dispatchers: dict[str, Callable[..., Any]] = {}
 
 
+_default_lock = threading.Lock()  # one default HAL even when first op calls race
+
+
 def default_hal() -> HardwareAbstractionLayer:
     """The process's default HAL, made on first use; the only HAL that is a global."""
     global _default
-    if _default is None:
-        from torchhal.hal_core.hal import HardwareAbstractionLayer
+    hal = _default
+    if hal is None:
+        with _default_lock:
+            if _default is None:
+                from torchhal.hal_core.hal import HardwareAbstractionLayer
 
-        _default = HardwareAbstractionLayer()
-    return _default
+                _default = HardwareAbstractionLayer()
+            hal = _default
+    return hal
 
 
 def set_default_hal(hal: HardwareAbstractionLayer | None) -> None:
     """Replace the default HAL (None: make a new one on next use)."""
     global _default, _default_dispatchers, _default_seen_dispatchers
-    _default = hal
-    _default_dispatchers, _default_seen_dispatchers = {}, {}
+    with _default_lock:
+        _default = hal
+        _default_dispatchers, _default_seen_dispatchers = {}, {}
 
 
 def _dispatch(op: str, *args: Any) -> Any:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -430,6 +432,8 @@ def test_a_nested_tensor_is_refused_by_name(hal, requires_grad):
             torchhal.ops.rms_norm(nested, w)
         with pytest.raises(UnsupportedError, match=r"attention(_forward)?: k is a nested tensor"):
             torchhal.ops.attention(torch.randn(1, 2, 3, 8), nested, nested)
+        with pytest.raises(UnsupportedError, match=r"linear_cross_entropy(_forward)?: hidden is a nested"):
+            torchhal.ops.linear_cross_entropy(nested, torch.randn(5, 8), torch.randint(0, 5, (2,)))
     finally:
         torchhal.ops.set_default_hal(None)
 
@@ -649,3 +653,60 @@ def test_a_window_of_bools_is_refused_after_the_same_window_of_ints(hal):
         hal.dispatch("attention", q, k, v, True, None, (1, 0))
     with pytest.raises(InvalidArgumentError, match="window must be"):
         hal.dispatch("attention", q, k, v, True, None, (True, 0))
+
+
+def test_a_layout_seen_under_no_grad_with_a_parameter_differentiates_once_gradients_are_on(hal):
+    """Inference under no_grad with a Parameter leaves a guard made from a tensor that requires
+    grad; with gradients on, ops must not run the plain op from it."""
+    torchhal.ops.set_default_hal(hal)
+    try:
+        x, weight = torch.randn(6, 32), torch.nn.Parameter(torch.randn(32))
+        with torch.no_grad():
+            for _ in range(3):
+                assert torchhal.ops.rms_norm(x, weight).grad_fn is None
+        out = torchhal.ops.rms_norm(x, weight)
+        assert out.grad_fn is not None
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        reference = weight.detach().clone().requires_grad_()
+        rms_norm.reference(x, reference).backward(grad)
+        torch.testing.assert_close(weight.grad, reference.grad)
+    finally:
+        torchhal.ops.set_default_hal(None)
+
+
+def test_a_bound_dispatcher_runs_on_the_native_device_inside_a_use_block_and_leaves_the_memo_right(settings):
+    """`HAL.dispatcher` has no route: inside the HAL's own use() block it must neither run on the
+    use() device nor file that device's selection where unrouted calls will find it."""
+    hal = HardwareAbstractionLayer(
+        adapters=[FakeAdapter([fake_caps(dtypes=frozenset({DType.BF16}))])],
+        settings=settings(disable_plugin_autoload="1"),
+    )
+    call = hal.dispatcher("rms_norm")
+    x, w = torch.randn(3, 8), torch.randn(8)
+    with hal.use("acme:0"):
+        with pytest.raises(UnsupportedError, match="acme:0"):
+            hal.dispatch("rms_norm", x, w, 1e-6)  # routed: fp32 on a bf16-only device
+        torch.testing.assert_close(call(x, w, 1e-6), rms_norm.reference(x, w))  # unrouted: the CPU
+    for _ in range(2):
+        torch.testing.assert_close(hal.dispatch("rms_norm", x, w, 1e-6), rms_norm.reference(x, w))
+
+
+def test_racing_first_calls_make_one_default_hal(monkeypatch):
+    made = []
+    real_init = HardwareAbstractionLayer.__init__
+
+    def slow_init(self, *args, **kwargs):
+        made.append(self)
+        time.sleep(0.05)  # widen the window between checking for a default and setting it
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(HardwareAbstractionLayer, "__init__", slow_init)
+    torchhal.ops.set_default_hal(None)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            hals = list(pool.map(lambda _: torchhal.ops.default_hal(), range(4)))
+        assert len(made) == 1
+        assert all(h is hals[0] for h in hals)
+    finally:
+        torchhal.ops.set_default_hal(None)

@@ -100,6 +100,7 @@ class HardwareAbstractionLayer:
         self._lock = threading.Lock()
         self._profiles: dict[str, MeasuredProfile] = {}
         self._locator: Locate = self._locate  # bound once: `dispatch` hands it on with every call
+        self._native_locator: Locate = functools.partial(self._locate, native=True)  # `dispatcher`'s
 
     def _discovered(self) -> _Discovered:
         state = self._state
@@ -161,6 +162,10 @@ class HardwareAbstractionLayer:
         active = _active.get()
         if active is not None and active[0] is self and active[1].torch_device.type == tdev.type:
             return active[1]
+        return self._native_device(tdev)
+
+    def _native_device(self, tdev: torch.device) -> Device:
+        """The device that natively owns a torch device, whatever `use()` block is active."""
         state = self._state or self._discovered()
         dev = state.by_torch.get(tdev)
         if dev is None:
@@ -179,18 +184,22 @@ class HardwareAbstractionLayer:
         return self._kernels.dispatch(op, route, self._locator, *args)
 
     def dispatcher(self, op: str, *, seen_only: bool = False) -> Callable[..., Any]:
-        """`dispatch` bound to `op` (with `seen_only`, the registry's `dispatch_seen`), for calls
-        made outside this HAL's `use()` blocks, where no route applies. What `torchhal.ops`
-        calls on the default HAL: a C-level partial of the registry's method, so a call skips
-        this HAL's frame and its `use()` lookup."""
+        """`dispatch` bound to `op` with no route (with `seen_only`, the registry's
+        `dispatch_seen`): it runs on the device that natively owns the first tensor's torch
+        device, even inside this HAL's `use()` blocks, whose calls are the caller's to route to
+        `dispatch` (as `torchhal.ops` does). What `torchhal.ops` calls on the default HAL: a
+        C-level partial of the registry's method, so a call skips this HAL's frame and its
+        `use()` lookup."""
         self._discovered()
         if seen_only:
             return functools.partial(self._kernels.dispatch_seen, op, None)
-        return functools.partial(self._kernels.dispatch, op, None, self._locator)
+        return functools.partial(self._kernels.dispatch, op, None, self._native_locator)
 
-    def _locate(self, op: str, first: Any) -> Device:
+    def _locate(self, op: str, first: Any, native: bool = False) -> Device:
+        """The device for an op's first argument: `device_for_tensor`'s, or with `native` the one
+        that owns its torch device (what a call with no route must run on)."""
         try:
-            return self.device_for_tensor(first)
+            return self._native_device(first.device) if native else self.device_for_tensor(first)
         except AttributeError:
             raise InvalidArgumentError(
                 f"{op}: the first argument must be a torch.Tensor, got {type(first).__name__}"

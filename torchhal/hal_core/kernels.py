@@ -230,9 +230,13 @@ class KernelRegistry:
             else:
                 try:
                     key = _argument_key(route, args)
-                    hit = seen.found(key, route, args)
-                except (TypeError, RuntimeError):  # an unhashable argument, or a tensor without
-                    key = None  # sizes or strides (nested): validate every time
+                except RuntimeError:  # a tensor without sizes or strides (nested): validate every time
+                    key = None
+                else:
+                    try:
+                        hit = seen.found(key, route, args)
+                    except TypeError:  # an unhashable argument: validate every time
+                        key = None
         if hit is None:
             opdef = self._opdef(op)
             device = locate(op, args[0] if args else None)
@@ -248,8 +252,9 @@ class KernelRegistry:
             return self._fall_back(selection, device, exc, args, {})
 
     def dispatch_seen(self, op: str, route: Hashable, args: tuple[Any, ...]) -> Any:
-        """`dispatch` for arguments that pass the guard of a layout validated before, whose
-        tensors required no gradient; `NOT_SEEN` for any other (nothing is run or validated).
+        """`dispatch` for arguments that pass the guard of one of the op's recent layouts
+        (`RECENT_LAYOUTS`), made from tensors that required no gradient; `NOT_SEEN` for any
+        other (nothing is run or validated; `dispatch` then finds older layouts by their key).
 
         For the autograd glue: the guard checks each tensor's `requires_grad`, so one that admits
         the arguments has said that none requires grad, and the glue need not read them all

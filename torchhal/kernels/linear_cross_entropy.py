@@ -153,6 +153,7 @@ def public_arguments(
     """The registry ops' arguments from the public function's: a 0-element stand-in for no bias,
     an int label_smoothing as a float (the custom op's schema says float)."""
     if bias is None and isinstance(hidden, torch.Tensor):
+        require_tensor("linear_cross_entropy", "hidden", hidden)  # refuses one new_empty fails on
         bias = hidden.new_empty(0)
     if isinstance(label_smoothing, int) and not isinstance(label_smoothing, bool):
         label_smoothing = float(label_smoothing)
