@@ -27,14 +27,12 @@ if TYPE_CHECKING:
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
 _default: HardwareAbstractionLayer | None = None
+_default_lock = threading.Lock()  # one default HAL even when first op calls race
 # op -> the default HAL's `dispatcher(op)` (and its `seen_only` one), made on first use. Replaced,
 # never cleared, when the default is: a call that read the old dicts while the default changed
 # writes only to those.
 _default_dispatchers: dict[str, Callable[..., Any]] = {}
 _default_seen_dispatchers: dict[str, Callable[..., Any]] = {}
-
-
-_default_lock = threading.Lock()  # one default HAL even when first op calls race
 
 
 def default_hal() -> HardwareAbstractionLayer:

@@ -73,9 +73,9 @@ class DifferentiableOp:
         *,
         namespace: str = "torchhal",
     ) -> None:
-        """`dispatch_seen(op, args)`: `dispatch` for the argument tuple `args` if its layout was
-        validated before without gradients, else NOT_SEEN (see `KernelRegistry.dispatch_seen`);
-        None: never seen."""
+        """`dispatch_seen(op, args)`: `dispatch` for the argument tuple `args` if the guard of a
+        recent layout, made from tensors that required no grad, admits it, else NOT_SEEN (see
+        `KernelRegistry.dispatch_seen`); None: never seen."""
         self.spec = spec
         self._dispatch = dispatch
         self._plain = functools.partial(dispatch, spec.op)  # the no-gradient path, bound once
