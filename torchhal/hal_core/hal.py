@@ -100,7 +100,6 @@ class HardwareAbstractionLayer:
         self._lock = threading.Lock()
         self._profiles: dict[str, MeasuredProfile] = {}
         self._locator: Locate = self._locate  # bound once: `dispatch` hands it on with every call
-        self._native_locator: Locate = functools.partial(self._locate, native=True)  # `dispatcher`'s
 
     def _discovered(self) -> _Discovered:
         state = self._state
@@ -193,7 +192,9 @@ class HardwareAbstractionLayer:
         self._discovered()
         if seen_only:
             return functools.partial(self._kernels.dispatch_seen, op, None)
-        return functools.partial(self._kernels.dispatch, op, None, self._native_locator)
+        return functools.partial(
+            self._kernels.dispatch, op, None, functools.partial(self._locate, native=True)
+        )
 
     def _locate(self, op: str, first: Any, native: bool = False) -> Device:
         """The device for an op's first argument: `device_for_tensor`'s, or with `native` the one
