@@ -99,17 +99,17 @@ def main() -> None:
     save(args.out, rows_out, rounds=args.rounds, old=args.old, variants=args.variant)
     names = list(variants)
     print("speed vs Liger, median over rounds (range); new's speed over old's; Liger's ms median")
-    print(f"{'case':15s} {'shape':11s} " + " ".join(f"{v:>18s}" for v in names) + "  new/old  liger ms")
+    print(f"{'case':15s} {'shape':11s} " + " ".join(f"{v:>21s}" for v in names) + "  new/old  liger ms")
     for r in rows_out:
         liger = r["ms"]["liger"]
         cells = []
         for v in names:
             ratios = [lt / t for lt, t in zip(liger, r["ms"][v], strict=True)]
-            cells.append(f"{statistics.median(ratios):5.2f} ({min(ratios):.2f}-{max(ratios):.2f})")
+            cells.append(f"{statistics.median(ratios):5.3f} ({min(ratios):.3f}-{max(ratios):.3f})")
         gain = statistics.median(o / n for o, n in zip(r["ms"]["old"], r["ms"]["new"], strict=True))
         print(
             f"{r['case']:15s} {r['shape']:11s} "
-            + " ".join(f"{c:>18s}" for c in cells)
+            + " ".join(f"{c:>21s}" for c in cells)
             + f"  {gain:7.3f}  {statistics.median(liger):8.3f}"
         )
 
