@@ -10,7 +10,9 @@ argument memo, so it times one layout; `attention_pair` then calls both layouts 
 call each: its figures are per pair), where the second layout checked pays for the first's
 guard (a model alternating layouts does). Measured interleaved (A B A B ...) in batches;
 reports the median per-call difference (and its minimum, the floor least disturbed by a shared
-machine), with telemetry unconfigured and with an in-memory exporter configured.
+machine), with telemetry unconfigured and with an in-memory exporter configured. The memo's
+guards are torchhal_speedups' C ones where installed; TORCHHAL_PURE_PYTHON_GUARDS=1 times the
+Python ones (the JSON's "guards" says which ran).
 Usage: python benchmarks/bench_dispatch.py [--out results.json] [--pin CORE] [--cases NAME ...]
        [--modes unconfigured memory-exporter] [--no-layers] [--rounds N] [--calls N]
 """
@@ -30,7 +32,7 @@ import torch
 
 import torchhal
 from torchhal.hal_core import KernelRegistry, hookimpl, telemetry
-from torchhal.hal_core.kernels import _argument_key  # the registry's own key, timed alone
+from torchhal.hal_core.kernels import _argument_key, guard_implementation  # the key: timed alone
 
 CALLS = 20_000
 ROUNDS = 15
@@ -180,6 +182,7 @@ def main() -> None:
         "python": platform.python_version(),
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "torchhal": torchhal.__file__,  # which build ran (an old one shadowed in on PYTHONPATH, say)
+        "guards": guard_implementation(),  # torchhal_speedups (C) or python (TORCHHAL_PURE_PYTHON_GUARDS)
         "options": {"cases": args.cases, "modes": args.modes, "rounds": ROUNDS, "calls": CALLS},
     }
     for mode in args.modes:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs torchhal, the four vendor plugins and, with
-# `dev`, the test tools. Needs only Python >= 3.10 and pip. Idempotent.
+# Creates .venv (if missing) and installs torchhal, the four vendor plugins, the C speedups and,
+# with `dev`, the test tools. Needs only Python >= 3.10 and pip. Idempotent.
 # torch: an importable torch in the venv is kept; otherwise torch==2.13.0 is installed (a CPU
 # build where the machine has one on local disk; install a CUDA/ROCm/XPU build first to use a GPU).
 set -euo pipefail
@@ -15,3 +15,7 @@ extras=""
 "${pip[@]}" -e ".${extras}"
 # The plugins depend on torchhal, which is not on PyPI: install them once it is installed here.
 "${pip[@]}" plugins/nvidia plugins/amd plugins/intel plugins/simasic
+# The optional C accelerator of the dispatch memo's guards (speedups/README.md), built here with
+# this machine's C compiler. torchhal runs without it, but a checkout is tested with it: a failed
+# build fails this script (pip shows the compiler's output).
+"${pip[@]}" ./speedups

@@ -20,7 +20,7 @@ from torchhal.hal_core.adapters.cpu import CPUAdapter
 from torchhal.hal_core.capabilities import DeviceRequirements, DType, Topology
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import DeviceNotFoundError, InvalidArgumentError, NoDeviceMatchesError
-from torchhal.hal_core.kernels import KernelRegistry, Locate
+from torchhal.hal_core.kernels import KernelRegistry, Locate, guard_implementation
 from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
 from torchhal.hal_core.settings import Settings
 from torchhal.hal_core.tuning import Tuner
@@ -293,6 +293,7 @@ class HardwareAbstractionLayer:
                 for op in self.kernels.ops()
             },
             "kernel_fallbacks": dict(self.kernels.fallback_counts),
+            "kernel_guards": guard_implementation(),  # the dispatch memo's: torchhal_speedups or python
             "profiles": {k: p.model_dump(mode="json") for k, p in self._profiles.items()},
         }
 

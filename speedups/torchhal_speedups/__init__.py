@@ -1,0 +1,10 @@
+"""Optional C speedups for torchhal, used where installed (`_guards.c` says why it exists).
+
+torchhal runs the same logic in Python without them; TORCHHAL_PURE_PYTHON_GUARDS=1 makes it do so
+even where they are installed.
+"""
+
+from torchhal_speedups._guards import Guard, first_admitted
+
+__version__ = "0.1.0"
+__all__ = ["Guard", "first_admitted"]
