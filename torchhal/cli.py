@@ -30,6 +30,7 @@ def info(
         typer.echo(json.dumps(report, indent=2))
         return
     console.print(f"[bold]torchhal {report['torchhal_version']}[/] on torch {report['torch_version']}")
+    console.print(f"dispatch guards: {report['kernel_guards']}")  # python where torchhal-speedups is missing
     devices = Table(title="Devices")
     for col in ("id", "name", "arch", "units", "simd", "memory", "dtypes", "collectives", "notes"):
         devices.add_column(col)

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from torchhal.cli import app
+from torchhal.hal_core.kernels import guard_implementation
 
 runner = CliRunner()
 
@@ -31,6 +32,7 @@ def test_info_table_names_each_device():
     result = runner.invoke(app, ["info"])
     assert result.exit_code == 0, result.output
     assert "simasic:0" in result.output and "Plugins and adapters" in result.output
+    assert f"dispatch guards: {guard_implementation()}" in result.output
 
 
 def test_profile_of_the_simulated_asic_is_labelled_and_cached(tmp_path):
