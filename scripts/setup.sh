@@ -22,5 +22,5 @@ extras=""
 if ! "${pip[@]}" ./speedups; then
   [ "${1:-}" = "dev" ] && exit 1
   echo "setup: torchhal-speedups did not build (no C compiler or Python headers?): the dispatch" \
-    "guards will run in Python, about 0.3-0.9 us more per op call" >&2
+    "guards will run in Python, 0.2-1.6 us more per op call (docs/benchmarks.md)" >&2
 fi

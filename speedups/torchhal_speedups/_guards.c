@@ -1,5 +1,5 @@
 /* torchhal_speedups._guards: the kernel registry's memo guard (torchhal/hal_core/kernels.py,
- * `_Guard` and `python_first_admitted`) in C.
+ * `_Guard` and `_python_first_admitted`) in C.
  *
  * Why it exists: every memoised op call checks its op's recent argument layouts with these guards
  * before running a kernel. In Python the guard's own frames and loops cost about 0.9 µs a call,
