@@ -77,10 +77,12 @@ admits(Guard *g, State *st, PyObject *route, PyObject *args)
     return verdict;
 }
 
+/* An exact tuple: its items are read from its storage, which a subclass's __len__ or
+ * __getitem__ would not see (the Python guard would). Every registry caller passes one. */
 static int
 need_tuple(PyObject *obj, const char *what)
 {
-    if (PyTuple_Check(obj))
+    if (PyTuple_CheckExact(obj))
         return 0;
     PyErr_Format(PyExc_TypeError, "%s must be a tuple, not %R", what, (PyObject *)Py_TYPE(obj));
     return -1;
@@ -123,7 +125,6 @@ Guard_new(PyTypeObject *type, PyObject *posargs, PyObject *kwargs)
     }
     g->scalar_at = positions;  /* freed by Guard_dealloc from now on */
     g->tensor_at = positions + arity;
-    g->route = Py_NewRef(route);
     g->check = Py_NewRef(check);
     g->arity = arity;
     g->n_tensors = n_tensors;
@@ -148,8 +149,9 @@ Guard_new(PyTypeObject *type, PyObject *posargs, PyObject *kwargs)
             continue;
         PyObject *value = PyTuple_GetItem(args, pos);
         g->scalar_at[i] = pos;
-        PyTuple_SetItem(g->values, i, Py_NewRef(value));
-        PyTuple_SetItem(g->types, i, Py_NewRef((PyObject *)Py_TYPE(value)));
+        if (PyTuple_SetItem(g->values, i, Py_NewRef(value)) < 0 ||
+            PyTuple_SetItem(g->types, i, Py_NewRef((PyObject *)Py_TYPE(value))) < 0)
+            goto fail;
         i++;
     }
     for (Py_ssize_t i = 0; i < n_tensors && !g->requires_grad; i++) {  /* the check holds it to this */
@@ -162,6 +164,9 @@ Guard_new(PyTypeObject *type, PyObject *posargs, PyObject *kwargs)
     }
     PyMem_Free(is_tensor);
     Py_DECREF(at);
+    /* the route last: the collector may find the guard while it is made (an allocation above can
+     * run a finalizer), and `admits` reads nothing else while the route is unset */
+    g->route = Py_NewRef(route);
     return (PyObject *)g;
 fail:
     if (g == NULL || g->scalar_at == NULL)
@@ -213,10 +218,8 @@ Guard_scalar_types(Guard *self, void *closure)
     PyObject *pairs = PyTuple_New(self->n_scalars);
     for (Py_ssize_t i = 0; pairs != NULL && i < self->n_scalars; i++) {
         PyObject *pair = Py_BuildValue("(nO)", self->scalar_at[i], PyTuple_GetItem(self->types, i));
-        if (pair == NULL)
+        if (pair == NULL || PyTuple_SetItem(pairs, i, pair) < 0)
             Py_CLEAR(pairs);
-        else
-            PyTuple_SetItem(pairs, i, pair);
     }
     return pairs;
 }
@@ -315,8 +318,10 @@ module_exec(PyObject *module)
     State *st = PyModule_GetState(module);
     st->is_nested = PyUnicode_InternFromString("is_nested");
     st->requires_grad = PyUnicode_InternFromString("requires_grad");
+    if (st->is_nested == NULL || st->requires_grad == NULL)
+        return -1;
     st->guard_type = PyType_FromModuleAndSpec(module, &Guard_spec, NULL);
-    if (st->is_nested == NULL || st->requires_grad == NULL || st->guard_type == NULL)
+    if (st->guard_type == NULL)
         return -1;
     return PyModule_AddObjectRef(module, "Guard", st->guard_type);
 }

@@ -199,6 +199,14 @@ def test_the_c_loop_takes_only_c_guards():
     with pytest.raises(TypeError, match="must be a tuple"):
         torchhal_speedups.first_admitted((), ROUTE, [X, W], False)
 
+    class Args(tuple):  # a subclass's own __len__ would go unread: refused, never misread
+        def __len__(self) -> int:
+            return 99
+
+    c_guard = guards(ROUTE, (X, W))["c"]
+    with pytest.raises(TypeError, match="must be a tuple"):
+        c_guard.admits(ROUTE, Args((X, W)))
+
 
 def test_the_c_guard_leaks_no_references():
     """Every path, refused, admitted and raising, many times over: no reference gained or lost."""
@@ -254,6 +262,18 @@ def test_the_environment_variable_keeps_the_python_guards(unbound, hal, value):
     for _ in range(2):
         hal.dispatch("rms_norm", X, W, 1e-6)
     assert hal.report()["kernel_guards"] == "python"
+    assert kernels._first_admitted is kernels._python_first_admitted
+    assert [type(g) for g, _ in hal.kernels._seen["rms_norm"].recent] == [kernels._Guard]
+
+
+def test_choosing_the_python_guards_after_the_c_ones_rebinds_the_loop(unbound, hal):
+    """The C loop refuses Python guards, so a later choice of them must take the Python loop too."""
+    kernels._guard_type()
+    assert kernels._first_admitted is torchhal_speedups.first_admitted
+    unbound.setattr(kernels, "_GUARD", None)
+    unbound.setenv(kernels.PURE_PYTHON_GUARDS, "1")
+    for _ in range(3):
+        torch.testing.assert_close(hal.dispatch("rms_norm", X, W, 1e-6), torch.rms_norm(X, (32,), W, 1e-6))
     assert kernels._first_admitted is kernels._python_first_admitted
     assert [type(g) for g, _ in hal.kernels._seen["rms_norm"].recent] == [kernels._Guard]
 

@@ -541,7 +541,7 @@ def _guard_type() -> Any:
     above, which is logged once."""
     global _GUARD, _first_admitted
     if os.environ.get(PURE_PYTHON_GUARDS, "0") not in ("", "0"):
-        _GUARD = _Guard
+        _first_admitted, _GUARD = _python_first_admitted, _Guard  # the C loop takes no Python guard
         return _GUARD
     try:
         import torchhal_speedups
@@ -551,7 +551,7 @@ def _guard_type() -> Any:
             "(0.2 to 0.5 µs more per op call on the GPU hosts measured, 0.6 to 1.6 µs on a 2-core VM)",
             error=repr(exc),
         )
-        _GUARD = _Guard
+        _first_admitted, _GUARD = _python_first_admitted, _Guard
         return _GUARD
     _first_admitted = torchhal_speedups.first_admitted
     _GUARD = torchhal_speedups.Guard
