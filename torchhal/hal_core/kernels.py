@@ -10,6 +10,7 @@ signature) is exactly as valid as a fresh one, and cached dispatch is two dict l
 from __future__ import annotations
 
 import enum
+import importlib
 import math
 import operator
 import os
@@ -540,21 +541,22 @@ def _guard_type() -> Any:
     TORCHHAL_PURE_PYTHON_GUARDS is set (to compare, or to test both); else the reference ones
     above, which is logged once."""
     global _GUARD, _first_admitted
-    if os.environ.get(PURE_PYTHON_GUARDS, "0") not in ("", "0"):
-        _first_admitted, _GUARD = _python_first_admitted, _Guard  # the C loop takes no Python guard
-        return _GUARD
-    try:
-        import torchhal_speedups
-    except ImportError as exc:
-        log.info(
-            "torchhal_speedups is not installed: the dispatch memo's guards run in Python "
-            "(0.2 to 0.5 µs more per op call on the GPU hosts measured, 0.6 to 1.6 µs on a 2-core VM)",
-            error=repr(exc),
-        )
+    speedups: Any = None
+    if os.environ.get(PURE_PYTHON_GUARDS, "0") in ("", "0"):
+        try:
+            speedups = importlib.import_module("torchhal_speedups")
+        except ImportError as exc:
+            log.info(
+                "torchhal_speedups is not installed: the dispatch memo's guards run in Python "
+                "(0.2 to 0.5 µs more per op call on the GPU hosts measured, 0.6 to 1.6 µs on a 2-core VM)",
+                error=repr(exc),
+            )
+    # the loop before the type: the C loop takes no Python guard, and a guard exists only once
+    # the type is bound
+    if speedups is None:
         _first_admitted, _GUARD = _python_first_admitted, _Guard
-        return _GUARD
-    _first_admitted = torchhal_speedups.first_admitted
-    _GUARD = torchhal_speedups.Guard
+    else:
+        _first_admitted, _GUARD = speedups.first_admitted, speedups.Guard
     return _GUARD
 
 
