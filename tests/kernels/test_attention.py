@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from torchhal_nvidia import sdpa
 
 from torchhal.hal_core import (
     DeviceCapabilities,
@@ -18,10 +19,10 @@ from torchhal.hal_core import (
     RejectionReason,
     UnsupportedError,
 )
-from torchhal.kernels import attention, sdpa_backends, triton_attention
+from torchhal.kernels import attention, triton_attention
 from torchhal.kernels.autograd import DifferentiableOp
 
-FLASH, CUDNN = sdpa_backends.FLASH_BACKEND, sdpa_backends.CUDNN_BACKEND
+FLASH, CUDNN = sdpa.FLASH_BACKEND, sdpa.CUDNN_BACKEND
 NAMESPACE = "torchhal_test_attention"  # custom ops of this module, apart from torchhal.ops' and conftest's
 
 
@@ -312,27 +313,27 @@ def _sig(dtype=torch.bfloat16, dim=64, causal=False, square=True, window=None, s
 @pytest.mark.parametrize(
     ("supports", "sig", "backends", "reason"),
     [
-        (sdpa_backends.flash_supports, _sig(), (), RejectionReason.FEATURE),
-        (sdpa_backends.flash_supports, _sig(), (FLASH,), None),
+        (sdpa.flash_supports, _sig(), (), RejectionReason.FEATURE),
+        (sdpa.flash_supports, _sig(), (FLASH,), None),
         (
-            sdpa_backends.flash_supports,
+            sdpa.flash_supports,
             _sig(dtype=torch.float32),
             (FLASH,),
             RejectionReason.DTYPE,
         ),
         (
-            sdpa_backends.flash_supports,
+            sdpa.flash_supports,
             _sig(causal=True, square=False),
             (FLASH,),
             RejectionReason.SHAPE,
         ),
-        (sdpa_backends.flash_supports, _sig(window=(4, 4)), (FLASH,), RejectionReason.SHAPE),
-        (sdpa_backends.flash_supports, _sig(stride_dim=2), (FLASH,), RejectionReason.LAYOUT),
-        (sdpa_backends.flash_supports, _sig(dim=264), (FLASH,), RejectionReason.SHAPE),
-        (sdpa_backends.cudnn_supports, _sig(), (CUDNN,), None),
-        (sdpa_backends.cudnn_supports, _sig(), (FLASH,), RejectionReason.FEATURE),
-        (sdpa_backends.cudnn_supports, _sig(dim=256), (CUDNN,), RejectionReason.SHAPE),
-        (sdpa_backends.cudnn_supports, _sig(dim=60), (CUDNN,), RejectionReason.SHAPE),
+        (sdpa.flash_supports, _sig(window=(4, 4)), (FLASH,), RejectionReason.SHAPE),
+        (sdpa.flash_supports, _sig(stride_dim=2), (FLASH,), RejectionReason.LAYOUT),
+        (sdpa.flash_supports, _sig(dim=264), (FLASH,), RejectionReason.SHAPE),
+        (sdpa.cudnn_supports, _sig(), (CUDNN,), None),
+        (sdpa.cudnn_supports, _sig(), (FLASH,), RejectionReason.FEATURE),
+        (sdpa.cudnn_supports, _sig(dim=256), (CUDNN,), RejectionReason.SHAPE),
+        (sdpa.cudnn_supports, _sig(dim=60), (CUDNN,), RejectionReason.SHAPE),
     ],
 )
 def test_sdpa_backend_predicates(supports, sig, backends, reason):

@@ -133,11 +133,18 @@ def test_the_adapter_registers_sdpa_candidates_that_only_its_devices_accept():
     facts = load("nvidia-h100-sxm")
     facts["libraries"] = {"cudnn": 91002, "triton": False, "flash_attention": True}
     hal = HardwareAbstractionLayer(adapters=[adapter(facts)], settings=NO_AUTOLOAD)
-    names = {c.qualified_name for c in hal.kernels.candidates("attention")}
-    assert {"nvidia/sdpa_flash", "nvidia/sdpa_cudnn"} <= names
     q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
-    rejected = {r.candidate: r for r in hal.kernels.select("attention", hal.device("cpu"), q, q, q).rejected}
-    assert "does not list kernel backend 'flash-attention'" in rejected["nvidia/sdpa_flash"].detail
+    out, lse = torch.randn_like(q), torch.randn(1, 2, 16)
+    for op, args in (
+        ("attention", (q, q, q)),
+        ("attention_forward", (q, q, q)),
+        ("attention_backward", (out, q, q, q, out, lse)),
+    ):
+        names = {c.qualified_name for c in hal.kernels.candidates(op)}
+        assert {"nvidia/sdpa_flash", "nvidia/sdpa_cudnn"} <= names, op
+        rejected = {r.candidate: r for r in hal.kernels.select(op, hal.device("cpu"), *args).rejected}
+        assert "does not list kernel backend 'flash-attention'" in rejected["nvidia/sdpa_flash"].detail
+        assert "does not list kernel backend 'cudnn-attention'" in rejected["nvidia/sdpa_cudnn"].detail
 
 
 def test_h100_declared_peaks_are_the_sxm_datasheet_dense_figures():

@@ -52,11 +52,11 @@ class NvidiaAdapter(VendorAdapter):
         self.runtime_probe = probe if probe is not None else CudaProbe()
 
     def register_kernels(self, registry: KernelRegistry) -> None:
-        """PyTorch SDPA pinned to its flash and cuDNN backends as `attention` candidates; each device
+        """PyTorch SDPA pinned to its flash and cuDNN backends as attention candidates; each device
         offers them through `kernel_backends` (see `_attention_backends`)."""
-        from torchhal.kernels import sdpa_backends
+        from torchhal_nvidia import sdpa
 
-        sdpa_backends.register(registry, provider=self.name)
+        sdpa.register(registry, provider=self.name)
 
     def probe(self) -> ProbeResult:
         build = self.runtime_probe.runtime()

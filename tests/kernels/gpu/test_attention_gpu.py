@@ -8,10 +8,13 @@ import math
 
 import pytest
 import torch
+from torchhal_nvidia import sdpa
 
-from torchhal.kernels import attention, attention_varlen, plugin, sdpa_backends
+from torchhal.kernels import attention, attention_varlen, plugin
 from torchhal.kernels.autograd import DifferentiableOp
 from torchhal.testing import tolerance
+
+from ..conftest import assert_within_pytorch_error
 
 pytestmark = pytest.mark.gpu
 
@@ -184,17 +187,72 @@ def test_compile_with_inductor(ops):
 
 @pytest.mark.parametrize(
     ("name", "backend"),
-    [("sdpa_flash", sdpa_backends.FLASH_BACKEND), ("sdpa_cudnn", sdpa_backends.CUDNN_BACKEND)],
+    [("sdpa_flash", sdpa.FLASH_BACKEND), ("sdpa_cudnn", sdpa.CUDNN_BACKEND)],
 )
 def test_sdpa_backend_candidates(gpu_hal, candidate, name, backend):
     """The NVIDIA adapter offers both on Ampere and newer (the GPU hosts here are Hopper)."""
-    device = gpu_hal.device_for_tensor(torch.empty(0, device="cuda"))
-    if device.capabilities.vendor != "nvidia" or device.capabilities.arch < "sm_80":
-        pytest.skip(f"{device.id} ({device.capabilities.arch}) is not an NVIDIA GPU of sm_80 or newer")
-    assert backend in device.capabilities.kernel_backends
+    _require_sdpa_backend(gpu_hal, backend)
     args = (*_qkv(2, 8, 2, 1024, 1024, 128, torch.bfloat16), True)
     got = candidate(gpu_hal, "attention", name, *args)(*args)
     truth = torch_math(*(t.double() for t in args[:3]), True)
     same = torch_math(*args)
     bound = 2 * (same.double() - truth).abs().max() + tolerance.floor(truth, got.dtype)
     assert (got.double() - truth).abs().max() <= bound
+
+
+def _require_sdpa_backend(hal, backend):
+    device = hal.device_for_tensor(torch.empty(0, device="cuda"))
+    if device.capabilities.vendor != "nvidia" or device.capabilities.arch < "sm_80":
+        pytest.skip(f"{device.id} ({device.capabilities.arch}) is not an NVIDIA GPU of sm_80 or newer")
+    assert backend in device.capabilities.kernel_backends
+
+
+def _bshd(batch, heads, seq, dim, dtype):
+    """A (batch, heads, seq, dim) view of a (batch, seq, heads, dim) tensor, as projections give."""
+    return torch.randn(batch, seq, heads, dim, device="cuda", dtype=dtype).transpose(1, 2)
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [("sdpa_flash", sdpa.FLASH_BACKEND), ("sdpa_cudnn", sdpa.CUDNN_BACKEND)],
+)
+@pytest.mark.parametrize(
+    ("heads_q", "heads_kv", "seq", "dim", "causal", "layout"),
+    [
+        (8, 8, 1024, 128, True, "bhsd"),
+        (8, 2, 777, 64, False, "bhsd"),
+        (8, 1, 512, 128, True, "bshd"),
+        (6, 6, 333, 64, False, "bshd"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sdpa_training_candidates(
+    gpu_hal, candidate, name, backend, heads_q, heads_kv, seq, dim, causal, layout, dtype
+):
+    """The SDPA training pair under the rule: the forward's out (2x) and its lse against fp64; the
+    backward (3x) from the fp64 reference's out and lse, so any forward's pair with it, and with a
+    grad_out laid out unlike out (cuDNN's backward alone gets that wrong without a word)."""
+    _require_sdpa_backend(gpu_hal, backend)
+    if layout == "bhsd":
+        q, k, v = _qkv(2, heads_q, heads_kv, seq, seq, dim, dtype)
+    else:
+        q, k, v = (_bshd(2, heads, seq, dim, dtype) for heads in (heads_q, heads_kv, heads_kv))
+    args = (q, k, v, causal, None, None)
+    out, lse = candidate(gpu_hal, "attention_forward", name, *args)(*args)
+    truth_out, truth_lse = attention.reference_forward(*(t.double() for t in (q, k, v)), causal)
+    assert out.is_contiguous() and lse.shape == (2, heads_q, seq) and lse.dtype == torch.float32
+    assert_within_pytorch_error("out", out, torch_math(*args[:3], causal), truth_out, 2)
+    torch.testing.assert_close(lse, truth_lse, rtol=0, atol=1e-4)  # both fp32; truth from fp64
+
+    grad_out = torch.randn(2, seq, heads_q, dim, device="cuda", dtype=dtype).transpose(1, 2)
+    saved = (truth_out.to(dtype), truth_lse.float())
+    grads = candidate(gpu_hal, "attention_backward", name, grad_out, *args[:3], *saved, *args[3:])(
+        grad_out, *args[:3], *saved, *args[3:]
+    )
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    truth = torch.autograd.grad(torch_math(*leaves64, causal), leaves64, grad_out.double())
+    same = torch.autograd.grad(torch_math(*leaves, causal), leaves, grad_out)
+    for what, got, s, t in zip(("dq", "dk", "dv"), grads, same, truth, strict=True):
+        assert got.is_contiguous()
+        assert_within_pytorch_error(what, got, s, t, 3)
