@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["DeviceRequirements", "HardwareAbstractionLayer", "__version__", "ops"]
+__all__ = ["DeviceRequirements", "HardwareAbstractionLayer", "__version__", "ops", "telemetry"]
 
 if TYPE_CHECKING:
-    from torchhal import ops
+    from torchhal import ops, telemetry
     from torchhal.hal_core.capabilities import DeviceRequirements
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
@@ -31,4 +31,8 @@ def __getattr__(name: str) -> Any:
         import torchhal.ops
 
         return torchhal.ops
+    if name == "telemetry":
+        import torchhal.telemetry
+
+        return torchhal.telemetry
     raise AttributeError(f"module 'torchhal' has no attribute {name!r}")

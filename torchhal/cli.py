@@ -3,15 +3,36 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
+import typer.core
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from torchhal.hal_core.errors import TorchHALError
 from torchhal.hal_core.hal import HardwareAbstractionLayer
 
-app = typer.Typer(help="torchhal: one PyTorch code path across NVIDIA, AMD, Intel, ASICs and the CPU.")
+EXIT_BAD_INPUT = 2  # as `torchhal ab` and click's usage errors
+
+
+class _Commands(typer.core.TyperGroup):
+    """A TorchHALError (an unknown device or adapter, a malformed TORCHHAL_* setting) is the
+    user's to fix: its message, which names the thing, the constraint and the value, on one
+    error line and exit code 2. Any other exception is a bug and keeps its traceback."""
+
+    def invoke(self, ctx: Any) -> Any:  # a click Context; recent typer vendors click privately
+        try:
+            return super().invoke(ctx)
+        except TorchHALError as exc:
+            Console(stderr=True).print("[red]error:[/] " + escape(str(exc)), soft_wrap=True)
+            raise typer.Exit(EXIT_BAD_INPUT) from exc
+
+
+app = typer.Typer(
+    cls=_Commands, help="torchhal: one PyTorch code path across NVIDIA, AMD, Intel, ASICs and the CPU."
+)
 console = Console(width=None if Console().is_terminal else 140)  # pipes and CI logs get wide tables
 
 

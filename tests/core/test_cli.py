@@ -47,10 +47,27 @@ def test_profile_of_the_simulated_asic_is_labelled_and_cached(tmp_path):
     assert json.loads(again.output)["measured_at"] == profile["measured_at"]  # read from the cache
 
 
-def test_unknown_device_is_a_clear_error():
-    result = runner.invoke(app, ["profile", "cuda:7"])
-    assert result.exit_code != 0
-    assert "no device 'cuda:7'; devices found: simasic:0, cpu" in str(result.exception)
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["profile", "cuda:7"], {}, "no device 'cuda:7'; devices found: simasic:0, cpu"),
+        (
+            ["conformance", "warp9"],
+            {},
+            "conformance: no adapter named 'warp9' is loaded (loaded: simasic, cpu)",
+        ),
+        (["info"], {"TORCHHAL_STRICT_PLUGINS": "perhaps"}, "TORCHHAL_STRICT_PLUGINS='perhaps'"),
+    ],
+    ids=["unknown-device", "unknown-adapter", "malformed-setting"],
+)
+def test_bad_input_is_one_error_line_and_exit_code_2(monkeypatch, args, env, message):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    (line,) = result.stderr.splitlines()  # no traceback
+    assert line.startswith("error: ") and message in line
+    assert result.stdout == ""
 
 
 def test_conformance_exit_code_and_json():

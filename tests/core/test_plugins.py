@@ -157,3 +157,103 @@ def test_discovery_is_lazy_and_per_hal(plugin_dist, settings):
     assert module in sys.modules
     other = HardwareAbstractionLayer(settings=settings(plugins="none-at-all"))
     assert [d.id for d in other.devices()] == ["cpu"]
+
+
+KERNEL_HOOK = """
+RAN = []
+
+@hookimpl
+def torchhal_register_kernels(registry):
+    RAN.append(True)
+    import torch
+    registry.register("matmul", "{name}-mm", torch.matmul, provider="{name}")
+    {then}
+"""
+
+
+def kernel_plugin(name: str, *, api: tuple[int, int] = (1, 1), then: str = "pass") -> str:
+    """A plugin with an adapter and a kernel hook that registers a matmul candidate, then `then`."""
+    return adapter_plugin(name, api=api) + KERNEL_HOOK.format(name=name, then=then)
+
+
+def providers(hal: HardwareAbstractionLayer) -> set[str]:
+    return {c.provider for op in hal.kernels.ops() for c in hal.kernels.candidates(op)}
+
+
+def test_plugin_refused_for_its_api_version_registers_no_kernels(plugin_dist, settings):
+    module = plugin_dist("future", kernel_plugin("future", api=(2, 3)))
+    plugin_dist("good", kernel_plugin("good"))
+    hal = HardwareAbstractionLayer(settings=settings(plugins="future,good"))
+    d = diag(hal, "future")
+    assert (d.status, d.stage) == (Status.FAILED, "api-version")
+    assert "skipped whole, its kernels included" in d.reason and d.distribution == "torchhal-test-future"
+    assert "future" not in providers(hal) and "good" in providers(hal)
+    assert sys.modules[module].RAN == []  # its kernel hook never ran
+    assert [a.name for a in hal.adapters] == ["good", "cpu"]
+
+
+def test_one_refused_adapter_refuses_its_whole_plugin(plugin_dist, settings):
+    plugin_dist(
+        "mixed",
+        """
+        from torchhal.hal_core import hookimpl
+        from tests.core.adapters import FakeAdapter
+
+        class Current(FakeAdapter):
+            name = namespace = "current"
+
+        class Old(FakeAdapter):
+            name = namespace = "old"
+            api_versions = (0, 0)
+
+        @hookimpl
+        def torchhal_adapters():
+            return [Current(), Old()]
+        """,
+    )
+    hal = HardwareAbstractionLayer(settings=settings(plugins="mixed"))
+    d = diag(hal, "old")
+    assert (d.status, d.stage) == (Status.FAILED, "api-version")
+    assert "plugin 'mixed' is skipped whole" in d.reason
+    assert [a.name for a in hal.adapters] == ["cpu"]
+
+
+def test_kernel_hook_that_raises_leaves_no_candidate_and_no_adapter(plugin_dist, settings):
+    plugin_dist("halfway", kernel_plugin("halfway", then="raise RuntimeError('second candidate broke')"))
+    hal = HardwareAbstractionLayer(settings=settings(plugins="halfway"))
+    d = diag(hal, "halfway")
+    assert (d.status, d.stage) == (Status.FAILED, "kernels")
+    assert "RuntimeError: second candidate broke" in d.reason
+    assert "halfway" not in providers(hal)  # the candidate it registered before raising is gone
+    assert [a.name for a in hal.adapters] == ["cpu"]
+
+
+def test_adapter_whose_kernel_registration_raises_is_failed_not_loaded(settings):
+    import torch
+
+    from tests.core.adapters import FakeAdapter
+
+    class HalfRegistered(FakeAdapter):
+        def register_kernels(self, registry):
+            registry.register("matmul", "acme-mm", torch.matmul, provider=self.name)
+            registry.register("no_such_op", "acme-x", torch.add, provider=self.name)
+
+    hal = HardwareAbstractionLayer(
+        adapters=[HalfRegistered()], settings=settings(disable_plugin_autoload="1")
+    )
+    assert [(d.status, d.stage) for d in hal.diagnostics if d.name == "acme"] == [(Status.FAILED, "kernels")]
+    assert "unknown op 'no_such_op'" in diag(hal, "acme").reason
+    assert "acme" not in providers(hal)
+    assert [d.id for d in hal.devices()] == ["cpu"]
+    strict = settings(disable_plugin_autoload="1", strict_plugins="true")
+    with pytest.raises(PluginError, match="no_such_op") as err:
+        HardwareAbstractionLayer(adapters=[HalfRegistered()], settings=strict).devices()
+    assert (err.value.plugin, err.value.stage) == ("acme", "kernels")
+
+
+def test_strict_mode_raises_on_a_kernel_hook_that_raises(plugin_dist, settings):
+    plugin_dist("bad", kernel_plugin("bad", then="raise RuntimeError('broke')"))
+    hal = HardwareAbstractionLayer(settings=settings(strict_plugins="true", plugins="bad"))
+    with pytest.raises(PluginError, match="broke") as err:
+        hal.devices()
+    assert (err.value.plugin, err.value.stage) == ("bad", "kernels")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from torchhal.hal_core import (
     DType,
     InvalidArgumentError,
     KernelFailedError,
+    KernelRegistry,
     RejectionReason,
     UnknownOpError,
     Unsupported,
@@ -193,7 +195,7 @@ def test_ops_dispatch_through_default_hal_and_use(settings):
         torchhal.ops.set_default_hal(None)
 
 
-def test_measured_selection_picks_the_fastest_and_persists(settings, tmp_path):
+def test_measured_selection_picks_the_fastest_and_persists(settings, tmp_path, capsys):
     import time
 
     def slow(x, weight, eps=1e-6):
@@ -216,6 +218,13 @@ def test_measured_selection_picks_the_fastest_and_persists(settings, tmp_path):
     assert sel.fallbacks  # the slower valid candidates stay as fallbacks
     again = make_hal().kernels.select("rms_norm", make_hal().device("cpu"), x, w)
     assert again.candidate.qualified_name == sel.candidate.qualified_name and again.timings_ms == ()
+    (saved,) = (tmp_path / "selections").glob("*.json")
+    saved.write_text(saved.read_text()[:-7])  # a torn write: measured again, logged, rewritten
+    telemetry.configure(log_level="warning")
+    capsys.readouterr()
+    remeasured = make_hal().kernels.select("rms_norm", make_hal().device("cpu"), x, w)
+    assert remeasured.timings_ms and "cached kernel selections unusable" in capsys.readouterr().err
+    assert json.loads(saved.read_text())
 
 
 def test_auto_tuning_leaves_the_cpu_to_priority(hal):
@@ -710,3 +719,17 @@ def test_racing_first_calls_make_one_default_hal(monkeypatch):
         assert all(h is hals[0] for h in hals)
     finally:
         torchhal.ops.set_default_hal(None)
+
+
+def test_all_or_nothing_keeps_a_block_that_returns_and_undoes_one_that_raises():
+    registry = KernelRegistry()
+    registry.define_op("double", lambda x: 2 * x, signature=lambda x: type(x))
+    before = registry.candidates("double")
+    with pytest.raises(RuntimeError, match="half-way"), registry.all_or_nothing():
+        registry.register("double", "fast", lambda x: x + x, provider="p")
+        registry.define_op("triple", lambda x: 3 * x, signature=lambda x: type(x))
+        raise RuntimeError("hook failed half-way")
+    assert registry.ops() == ("double",) and registry.candidates("double") == before
+    with registry.all_or_nothing():
+        registry.register("double", "fast", lambda x: x + x, provider="p")
+    assert [c.name for c in registry.candidates("double")] == ["fast", "reference"]

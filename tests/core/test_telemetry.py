@@ -121,3 +121,30 @@ def test_bad_exporter_is_refused():
 def test_otlp_without_its_extra_names_the_extra():
     with pytest.raises(ConfigurationError, match=r"torchhal\[otlp\]"):
         telemetry.configure(exporter="otlp")
+
+
+def test_public_telemetry_module_configures_the_core_and_its_spans_arrive(settings):
+    """`torchhal.telemetry` is the documented face (DESIGN.md): the same functions as the core's,
+    so configuring it routes the HAL's own spans to the exporter."""
+    import torchhal
+    import torchhal.telemetry as public
+
+    assert torchhal.telemetry is public
+    assert all(getattr(public, name) is getattr(telemetry, name) for name in public.__all__)
+    public.configure(exporter="memory")
+    HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1")).devices()
+    with public.span("torchhal.test.public", answer=42):
+        pass
+    spans = {s.name: s for s in public.memory_exporter().get_finished_spans()}
+    assert "torchhal.discovery" in spans
+    assert spans["torchhal.test.public"].attributes["answer"] == 42
+
+
+def test_import_torchhal_does_not_load_telemetry():
+    code = (
+        "import sys, torchhal;"
+        "heavy = ('torchhal.telemetry', 'torchhal.hal_core', 'opentelemetry');"
+        "bad = [m for m in sys.modules if m.startswith(heavy)];"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

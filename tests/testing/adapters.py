@@ -166,6 +166,13 @@ class UnavailableBackendDeclared(CPUAdapter):
         return [host.model_copy(update={"collective_backends": ("gloo", "warpdrive")})]
 
 
+class RaisingSynchronize(CPUAdapter):
+    """synchronize() raises: the checks that wait on the device are blocked, not failed again."""
+
+    def synchronize(self, index: int) -> None:
+        raise RuntimeError("stream 0 lost")
+
+
 class WrongHealth(CPUAdapter):
     def health(self, index: int):  # type: ignore[no-untyped-def]
         return HealthStatus.OK  # a status, not a HealthReport

@@ -92,6 +92,7 @@ BROKEN = [
     (adapters.EventsClaimedNotUsed, "device.timer_events", "HostTimer"),
     (adapters.UnknownBackend, "collectives.backend", "'warpdrive'"),
     (adapters.UnavailableBackendDeclared, "collectives.all_reduce", "warpdrive: declared but not available"),
+    (adapters.RaisingSynchronize, "device.synchronize", "cpu: raised RuntimeError: stream 0 lost"),
     (adapters.WrongHealth, "device.health", "must return HealthReport"),
     (adapters.WrongKernel, "kernel.matmul/cpu/sloppy", "fp32"),
     (adapters.RaisingPredicate, "kernel.matmul/cpu/fragile", "predicate raised KeyError"),
@@ -114,6 +115,13 @@ def test_a_raising_probe_blocks_the_rest_with_a_reason() -> None:
     assert rest and all(c.status is CheckStatus.NOT_APPLICABLE for c in rest)
     assert all("blocked: probe() raised RuntimeError" in c.reason for c in rest)
     assert report.devices == ()
+
+
+def test_a_raising_synchronize_blocks_the_checks_that_wait_on_the_device() -> None:
+    report = run_conformance(adapters.RaisingSynchronize())
+    blocked = {c.check for c in report.checks if "blocked: synchronize() failed" in c.reason}
+    assert blocked == {"device.memory_accounting", "device.timer", "collectives.all_reduce"}
+    assert by_status(report, CheckStatus.PASSED) >= {"device.memory_info", "device.health", "dtype.fp32"}
 
 
 def test_an_absent_runtime_conforms_with_everything_else_not_applicable() -> None:

@@ -10,7 +10,7 @@ import enum
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
 if TYPE_CHECKING:
     import torch
@@ -103,10 +103,23 @@ class DeclaredPeaks(_Frozen):
     memory_bandwidth_gbps: float | None = None
 
 
-class DeviceCapabilities(_Frozen):
-    """One physical device as its adapter declares it."""
+class _Versioned(_Frozen):
+    """A record that outlives the process (profile caches, reports): one written under another
+    schema version is refused, never read as if its fields meant the same."""
 
     schema_version: int = SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _supported(cls, version: int) -> int:
+        if version != SCHEMA_VERSION:
+            raise ValueError(f"this torchhal reads schema_version {SCHEMA_VERSION}, got {version}")
+        return version
+
+
+class DeviceCapabilities(_Versioned):
+    """One physical device as its adapter declares it."""
+
     vendor: str
     adapter: str
     device_type: str  # as torch knows it: cuda, xpu, cpu, or a PrivateUse1 name
@@ -126,14 +139,6 @@ class DeviceCapabilities(_Frozen):
     uuid: str | None = None
     pci_bus_id: str | None = None
     driver_version: str | None = None
-
-    @model_validator(mode="after")
-    def _schema(self) -> DeviceCapabilities:
-        if self.schema_version != SCHEMA_VERSION:
-            raise ValueError(
-                f"schema_version: this torchhal reads version {SCHEMA_VERSION}, got {self.schema_version}"
-            )
-        return self
 
     @property
     def simulated(self) -> bool:
@@ -159,7 +164,7 @@ class CollectiveBandwidth(_Frozen):
     bus_bandwidth_gbps: float
 
 
-class MeasuredProfile(_Frozen):
+class MeasuredProfile(_Versioned):
     """What `profile.py` measured on one device. Simulated devices report simulated time.
 
     `direct_*` are the same measurements made with plain torch calls that bypass the HAL, in
@@ -167,7 +172,6 @@ class MeasuredProfile(_Frozen):
     Copy bandwidth counts bytes read plus bytes written.
     """
 
-    schema_version: int = SCHEMA_VERSION
     fingerprint: str
     device_id: str
     device_name: str

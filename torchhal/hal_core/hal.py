@@ -116,8 +116,7 @@ class HardwareAbstractionLayer:
             loader.load_entry_points()
             for plugin in self._extra_plugins:
                 loader.register(plugin, getattr(plugin, "__name__", type(plugin).__name__))
-            loader.register_kernels(self._kernels)
-            adapters = loader.adapters(builtin=(CPUAdapter(), *self._extra_adapters))
+            adapters = loader.load(self._kernels, builtin=(CPUAdapter(), *self._extra_adapters))
             active = loader.activate(adapters, self._kernels)
             state = _Discovered(adapters, active, loader)
             span.set_attribute("torchhal.adapters", [a.name for a in adapters])

@@ -9,13 +9,14 @@ signature) is exactly as valid as a fresh one, and cached dispatch is two dict l
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import importlib
 import math
 import operator
 import os
 import threading
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -180,6 +181,26 @@ class KernelRegistry:
             self._cache[op].clear()
             self._forget_layouts(op)
         return candidate
+
+    @contextlib.contextmanager
+    def all_or_nothing(self) -> Iterator[KernelRegistry]:
+        """Keep the ops and candidates registered in the block only if it exits normally: a
+        plugin's kernel hook that raises half-way leaves nothing behind (the loader then refuses
+        the plugin whole). For registration at discovery, before any op is dispatched."""
+        ops, candidates = dict(self._ops), {op: list(cands) for op, cands in self._candidates.items()}
+        try:
+            yield self
+        except BaseException:
+            with self._lock:
+                for op in self._ops.keys() - ops.keys():
+                    del self._ops[op], self._candidates[op], self._cache[op]
+                    self._seen.pop(op, None)
+                for op, cands in candidates.items():
+                    if self._candidates[op] != cands:
+                        self._candidates[op] = cands
+                        self._cache[op].clear()
+                        self._forget_layouts(op)
+            raise
 
     def ops(self) -> tuple[str, ...]:
         return tuple(sorted(self._ops))

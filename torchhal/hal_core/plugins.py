@@ -2,18 +2,20 @@
 
 Listing entry points imports nothing. A plugin is imported only when allowed; one that fails
 to import, implements no hook, raises in a hook or declares an unsupported API version is
-skipped and recorded (strict mode raises instead). Entry points of the torchhal distribution
-itself (the built-in kernels) load the same way but are not subject to the allowlist: they
-are part of the core, not optional plugins (docs/decisions.md).
+skipped whole and recorded (strict mode raises instead): it contributes no adapter and no
+kernel candidate. Kernel registration is all or nothing, for plugins and adapters alike.
+Entry points of the torchhal distribution itself (the built-in kernels) load the same way but
+are not subject to the allowlist: they are part of the core, not optional plugins
+(docs/decisions.md).
 """
 
 from __future__ import annotations
 
 import enum
 import importlib.metadata
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import pluggy
 
@@ -26,14 +28,13 @@ from torchhal.hal_core.settings import Settings
 
 log = telemetry.get_logger("torchhal.plugins")
 CORE_DISTRIBUTION = "torchhal"
-T = TypeVar("T")
 
 
 class Status(str, enum.Enum):
     LOADED = "loaded"  # imported, hooks run, adapter found its hardware
     ABSENT = "absent"  # adapter loaded, but its runtime or hardware is not here
     SKIPPED = "skipped"  # not imported, by the allowlist or autoload switch
-    FAILED = "failed"  # broke: import, hooks, API version, probe or discover raised
+    FAILED = "failed"  # broke: import, hooks, API version, probe, discover or kernel registration
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +70,7 @@ class PluginLoader:
         self.manager = pluggy.PluginManager(hookspecs.PROJECT)
         self.manager.add_hookspecs(hookspecs)
         self._core: set[str] = set()  # plugins of the torchhal distribution itself
+        self._distributions: dict[str, str | None] = {}  # plugin name -> its distribution
 
     def record(self, diag: Diagnostic) -> None:
         self.diagnostics.append(diag)
@@ -131,63 +133,54 @@ class PluginLoader:
             self.manager.unregister(plugin)
             self.record(Diagnostic(name, Status.FAILED, "hooks", "implements no torchhal hook", distribution))
             return
+        self._distributions[name] = distribution
         if distribution == CORE_DISTRIBUTION:
             self._core.add(name)
 
-    def _each(self, hook: str, call: Callable[[Callable[..., Any]], T]) -> list[tuple[str, T]]:
-        """Run one hook plugin by plugin, so one raising plugin cannot take the others down."""
-        results = []
-        impls = sorted(getattr(self.manager.hook, hook).get_hookimpls(), key=lambda i: i.plugin_name)
-        for impl in impls:
-            try:
-                results.append((impl.plugin_name, call(impl.function)))
-            except Exception as exc:
-                self.record(Diagnostic(impl.plugin_name, Status.FAILED, hook, f"{type(exc).__name__}: {exc}"))
-        return results
+    def load(self, registry: KernelRegistry, builtin: Sequence[VendorAdapter] = ()) -> list[VendorAdapter]:
+        """Collect the plugins' adapters, then run the kernel hooks of the plugins still standing.
 
-    def register_kernels(self, registry: KernelRegistry) -> None:
-        """Core ops first (they define what vendor candidates attach to), then other plugins."""
+        Adapters come first so that a plugin refused for them (an API version this core lacks)
+        never runs its kernel hook. Returns `builtin` and the adapters of the plugins that loaded
+        whole, by priority then name (never pluggy's registration order)."""
+        offered = self._offered_adapters(builtin)
         impls = self.manager.hook.torchhal_register_kernels.get_hookimpls()
+        # core ops first: they define what the other plugins' candidates attach to
         for impl in sorted(impls, key=lambda i: (i.plugin_name not in self._core, i.plugin_name)):
             try:
-                impl.function(registry=registry)
+                with registry.all_or_nothing():
+                    impl.function(registry=registry)
             except Exception as exc:
-                self.record(
-                    Diagnostic(impl.plugin_name, Status.FAILED, "kernels", f"{type(exc).__name__}: {exc}")
-                )
+                self._refuse(impl.plugin_name, impl.plugin_name, "kernels", _describe(exc))
+        kept = [a for plugin, found in offered.items() if self.manager.has_plugin(plugin) for a in found]
+        return sorted([*builtin, *kept], key=lambda a: (-a.priority, a.name))
 
-    def adapters(self, builtin: Iterable[VendorAdapter] = ()) -> list[VendorAdapter]:
-        found: list[VendorAdapter] = list(builtin)
-        for plugin, result in self._each("torchhal_adapters", lambda fn: fn()):
-            for adapter in result or ():
-                if not isinstance(adapter, VendorAdapter):
-                    self.record(
-                        Diagnostic(
-                            plugin, Status.FAILED, "adapters", f"returned {adapter!r}, not a VendorAdapter"
-                        )
-                    )
-                elif not adapter.supports_api(HAL_API_VERSION):
-                    low, high = adapter.api_versions
-                    self.record(
-                        Diagnostic(
-                            adapter.name,
-                            Status.FAILED,
-                            "api-version",
-                            f"supports HAL API {low}..{high}, this torchhal is {HAL_API_VERSION}",
-                        )
-                    )
-                elif any(a.name == adapter.name for a in found):
-                    self.record(
-                        Diagnostic(
-                            adapter.name,
-                            Status.FAILED,
-                            "adapters",
-                            "an adapter of this name is already loaded",
-                        )
-                    )
-                else:
-                    found.append(adapter)
-        return sorted(found, key=lambda a: (-a.priority, a.name))
+    def _offered_adapters(self, builtin: Sequence[VendorAdapter]) -> dict[str, list[VendorAdapter]]:
+        """Each plugin's adapters, all or none: a plugin whose hook raises or that offers one
+        adapter it may not is refused whole."""
+        taken = {a.name for a in builtin}
+        offered: dict[str, list[VendorAdapter]] = {}
+        impls = self.manager.hook.torchhal_adapters.get_hookimpls()
+        for impl in sorted(impls, key=lambda i: i.plugin_name):
+            plugin = impl.plugin_name
+            try:
+                result: Any = impl.function()
+                adapters = list(result or ())
+                refusal = _refusal(plugin, adapters, taken)  # reads attributes an adapter may lack
+            except Exception as exc:
+                self._refuse(plugin, plugin, "torchhal_adapters", _describe(exc))
+                continue
+            if refusal is not None:
+                self._refuse(plugin, *refusal)
+                continue
+            taken.update(a.name for a in adapters)
+            offered[plugin] = adapters
+        return offered
+
+    def _refuse(self, plugin: str, name: str, stage: str, reason: str) -> None:
+        """Record a plugin's failure and unregister it, so none of its hooks runs again."""
+        self.manager.unregister(name=plugin)
+        self.record(Diagnostic(name, Status.FAILED, stage, reason, self._distributions.get(plugin)))
 
     def activate(self, adapters: Sequence[VendorAdapter], registry: KernelRegistry) -> list[ActiveAdapter]:
         """Probe each adapter, discover its devices and let it register kernels, in isolation."""
@@ -220,11 +213,11 @@ class PluginLoader:
                     )
                     continue
                 try:
-                    adapter.register_kernels(registry)
+                    with registry.all_or_nothing():
+                        adapter.register_kernels(registry)
                 except Exception as exc:
-                    self.record(
-                        Diagnostic(adapter.name, Status.FAILED, "kernels", f"{type(exc).__name__}: {exc}")
-                    )
+                    self.record(Diagnostic(adapter.name, Status.FAILED, "kernels", _describe(exc)))
+                    continue
                 self.record(
                     Diagnostic(
                         adapter.name, Status.LOADED, "discover", f"{len(devices)} device(s); {probe.reason}"
@@ -232,3 +225,27 @@ class PluginLoader:
                 )
                 active.append(ActiveAdapter(adapter, devices))
         return active
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _refusal(plugin: str, adapters: Sequence[object], taken: set[str]) -> tuple[str, str, str] | None:
+    """Why a plugin's adapters cannot load, as (name to report, stage, reason); None if they can."""
+    whole = f"; plugin {plugin!r} is skipped whole, its kernels included"
+    names = set(taken)
+    for adapter in adapters:
+        if not isinstance(adapter, VendorAdapter):
+            return plugin, "adapters", f"returned {adapter!r}, not a VendorAdapter{whole}"
+        if not adapter.supports_api(HAL_API_VERSION):
+            low, high = adapter.api_versions
+            return (
+                adapter.name,
+                "api-version",
+                f"supports HAL API {low}..{high}, this torchhal is {HAL_API_VERSION}{whole}",
+            )
+        if adapter.name in names:
+            return adapter.name, "adapters", f"an adapter of this name is already loaded{whole}"
+        names.add(adapter.name)
+    return None

@@ -17,6 +17,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import ValidationError
+
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.capabilities import DType, MeasuredProfile
 from torchhal.hal_core.device import Device
@@ -56,10 +58,12 @@ def measure_or_load(
     hal: HardwareAbstractionLayer, device: Device, *, refresh: bool = False
 ) -> MeasuredProfile:
     path = cache_path(hal.settings.cache_dir, device)
-    if path.exists() and not refresh:
-        return MeasuredProfile.model_validate_json(path.read_text())
+    cached = None if refresh else _load_cached(device, path)
+    if cached is not None:
+        return cached
     # seconds of device work a caller may not expect (HeteroGroup.create asks for a rate): said
-    log.info("measuring device profile", device=device.id, reason="refresh" if refresh else "none cached")
+    reason = "refresh" if refresh else "no usable profile cached"
+    log.info("measuring device profile", device=device.id, reason=reason)
     profile = measure(hal, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -67,6 +71,24 @@ def measure_or_load(
     tmp.replace(path)  # atomic: a crash never leaves half a profile
     log.info("device profile cached", device=device.id, path=str(path))
     return profile
+
+
+def _load_cached(device: Device, path: Path) -> MeasuredProfile | None:
+    """The cached profile, or None: missing, or unusable (another schema version, a torn or
+    hand-edited file), which is a cache miss that is logged and measured again, never a crash."""
+    if not path.exists():
+        return None
+    try:
+        return MeasuredProfile.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        reason = "; ".join(
+            ".".join(map(str, e["loc"])) + ": " + e["msg"] if e["loc"] else e["msg"]
+            for e in exc.errors(include_url=False)
+        )
+    except OSError as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    log.warning("cached profile unusable; measuring again", device=device.id, path=str(path), reason=reason)
+    return None
 
 
 def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:

@@ -268,7 +268,6 @@ def _make_structlog(name: str) -> Any:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
-        logger_name=name,
         context_class=dict,
     ).bind(logger=name)
 

@@ -77,8 +77,23 @@ class Tuner:
         fp = fingerprint(device)
         if fp not in self._winners:
             path = None if self._dir is None else self._dir / f"{fp}.json"
-            self._winners[fp] = json.loads(path.read_text()) if path is not None and path.exists() else {}
+            self._winners[fp] = _read_winners(path) if path is not None and path.exists() else {}
         return self._winners[fp]
+
+
+def _read_winners(path: Path) -> dict[str, str]:
+    """The persisted winners, or none where the file is unusable (torn, hand-edited): then every
+    selection is measured again and the file rewritten, which is logged, never a crash."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+    else:
+        if isinstance(table, dict) and all(isinstance(v, str) for v in table.values()):
+            return table
+        reason = "not an object of op|signature -> candidate names"
+    log.warning("cached kernel selections unusable; measuring again", path=str(path), reason=reason)
+    return {}
 
 
 def _key(op: str, sig: Hashable) -> str:

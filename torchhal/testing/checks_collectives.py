@@ -115,6 +115,7 @@ def check_all_reduce(ctx: AdapterUnderTest) -> str:
             f"this process already has a default process group (rank {dist.get_rank()} of "
             f"{dist.get_world_size()}); run the kit in a process without one to test all_reduce"
         )
+    ctx.require_synchronize()
     device = devices[0]
     problems, notes = [], []
     for backend in declared:

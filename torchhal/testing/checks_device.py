@@ -48,10 +48,7 @@ def random_buffer(ctx: AdapterUnderTest, device: Device, nbytes: int, salt: str)
 
 
 def check_synchronize(ctx: AdapterUnderTest) -> str:
-    def one(device: Device) -> None:
-        device.synchronize()
-
-    each_device(ctx.devices(), one)
+    ctx.synchronize_once()
     return f"synchronize() returned on {len(ctx.devices())} device(s)"
 
 
@@ -84,6 +81,8 @@ def check_memory_info(ctx: AdapterUnderTest) -> str:
 
 
 def check_memory_accounting(ctx: AdapterUnderTest) -> str:
+    ctx.require_synchronize()
+
     def one(device: Device) -> str:
         gc.collect()  # so that garbage freed mid-check cannot offset the figure
         before = device.memory_info()
@@ -165,6 +164,8 @@ def torch_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def check_timer(ctx: AdapterUnderTest) -> str:
+    ctx.require_synchronize()  # a timer's marks wait on the device (HostTimer through synchronize)
+
     def one(device: Device) -> str:
         elapsed, wall_ms = _timed_copies(ctx, device)
         what = f"{TIMER_COPIES} copies of {TIMER_BUFFER_BYTES // MIB} MiB"

@@ -76,6 +76,7 @@ def _float_ops(ctx: AdapterUnderTest, dtype: DType, device: Device) -> None:
 def _tf32_matmul(ctx: AdapterUnderTest, dtype: DType, device: Device) -> None:
     import torch
 
+    ctx.require_synchronize()
     a, _, b = _host_operands(ctx, dtype, device)
     da, db = device.to_device(a), device.to_device(b)
     previous = torch.get_float32_matmul_precision()

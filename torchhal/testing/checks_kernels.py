@@ -150,6 +150,7 @@ def candidate_check(op: str, qualified_name: str) -> Callable[[AdapterUnderTest]
 
     def check(ctx: AdapterUnderTest) -> str:
         registry = ctx.kernel_registry()
+        ctx.require_synchronize()
         cand = next(c for c in registry.candidates(op) if c.qualified_name == qualified_name)
         if op not in kernel_inputs.CASES:
             raise NotApplicable(f"the kit has no inputs for op {op!r} (known: {sorted(kernel_inputs.CASES)})")

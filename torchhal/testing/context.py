@@ -1,8 +1,9 @@
 """What every check shares: the adapter, its probe and discovery outcomes, its devices, randomness.
 
-Probe, discovery and kernel registration run at most once per conformance run; their
-outcome (value or exception) is cached so the check that owns a step reports its failure,
-and the checks that depend on it report "not applicable: blocked" instead of failing again.
+Probe, discovery, a first synchronize and kernel registration run at most once per conformance
+run; their outcome (value or exception) is cached so the check that owns a step reports its
+failure, and the checks that depend on it report "not applicable: blocked" instead of failing
+again.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class AdapterUnderTest:
         self.seed = seed
         self._probe = _Once(adapter.probe)
         self._discovered = _Once(lambda: list(adapter.discover()))
+        self._synchronized = _Once(lambda: each_device(self.devices(), lambda device: device.synchronize()))
         self._kernels = _Once(self._register_kernels)
 
     # -- probe and discovery ------------------------------------------------------------------
@@ -140,6 +142,21 @@ class AdapterUnderTest:
             }
             for d in devices
         ]
+
+    # -- synchronize -------------------------------------------------------------------------
+
+    def synchronize_once(self) -> None:
+        """synchronize() on every device, the first time asked; raises CheckFailed naming each
+        device whose synchronize raised (device.synchronize reports it)."""
+        self._synchronized.get()
+
+    def require_synchronize(self) -> None:
+        """For checks that wait on their devices' work: NotApplicable (blocked) when synchronize()
+        failed, so a broken synchronize fails its own check and not every check that waits."""
+        self.devices()
+        error = self._synchronized.failed()
+        if error is not None:
+            raise NotApplicable(f"blocked: synchronize() failed: {error} (see device.synchronize)")
 
     # -- kernels -----------------------------------------------------------------------------
 

@@ -1,0 +1,53 @@
+"""The versioned records: frozen, and refused when written under another schema version."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pydantic
+import pytest
+
+from tests.core.adapters import fake_caps
+from torchhal.hal_core import SCHEMA_VERSION, DeviceCapabilities, MeasuredProfile
+
+
+def measured(**overrides: object) -> MeasuredProfile:
+    fields: dict[str, object] = dict(
+        fingerprint="0123456789abcdef",
+        device_id="acme:0",
+        device_name="Acme Test Accelerator",
+        simulated=False,
+        matmul_tflops={"fp32": 1.5},
+        matmul_sizes={"fp32": 256},
+        copy_bandwidth_gbps=20.0,
+        copy_bytes=2**20,
+        launch_latency_us=3.0,
+        measured_at=datetime(2026, 1, 1, tzinfo=timezone.utc),
+        torch_version="2.0",
+    )
+    fields.update(overrides)
+    return MeasuredProfile.model_validate(fields)
+
+
+@pytest.mark.parametrize("make", [fake_caps, measured], ids=["DeviceCapabilities", "MeasuredProfile"])
+def test_records_are_frozen(make):
+    record = make()
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        record.schema_version = SCHEMA_VERSION + 1
+
+
+@pytest.mark.parametrize(
+    ("model", "make"),
+    [(DeviceCapabilities, fake_caps), (MeasuredProfile, measured)],
+    ids=["DeviceCapabilities", "MeasuredProfile"],
+)
+def test_another_schema_version_is_refused_naming_field_supported_and_seen(model, make):
+    seen = SCHEMA_VERSION + 98
+    with pytest.raises(pydantic.ValidationError) as err:
+        make(schema_version=seen)
+    (error,) = err.value.errors()
+    assert error["loc"] == ("schema_version",)
+    assert f"this torchhal reads schema_version {SCHEMA_VERSION}, got {seen}" in error["msg"]
+    assert model.__name__ in str(err.value)
+    with pytest.raises(pydantic.ValidationError, match="schema_version"):
+        model.model_validate_json(make().model_copy(update={"schema_version": seen}).model_dump_json())
