@@ -3,20 +3,22 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 from torchhal_simasic.cost import (
     Bound,
+    Matmul,
     Reuse,
-    attention_cost,
     copy_time_s,
     elementwise_cost,
     matmul_cost,
     matmul_traffic,
-    rms_norm_cost,
+    op_cost,
 )
 from torchhal_simasic.spec import bundled_spec
+from torchhal_simasic.workloads import attention_cost
 
 from torchhal.hal_core import DType, InvalidArgumentError, UnsupportedError
 
@@ -88,14 +90,31 @@ def test_batched_matmul_is_batch_times_one_plus_one_overhead(tiny):
     assert three.time_s == pytest.approx(3 * (one.time_s - 1e-6) + 1e-6, rel=1e-12)
 
 
-def test_elementwise_and_rms_norm_are_bytes_over_bandwidth(tiny):
+def test_elementwise_is_bytes_over_bandwidth(tiny):
     cost = elementwise_cost(tiny(), "scale", DType.FP32, 4000)
-    assert (cost.bound, cost.compute_s) == (Bound.MEMORY, 0.0)
+    assert (cost.bound, cost.compute_s, cost.flops) == (Bound.MEMORY, 0.0, 0)
     assert cost.time_s == pytest.approx(4000 / 1e11 + 1e-6, rel=1e-12)
-    # rms_norm of 3×5 fp32: read x (60 B) and the weight (20 B), write 60 B.
-    norm = rms_norm_cost(tiny(), 3, 5, DType.FP32)
-    assert norm.bytes == 140
-    assert norm.time_s == pytest.approx(140 / 1e11 + 1e-6, rel=1e-12)
+
+
+def test_an_op_is_its_matmuls_then_its_streamed_bytes_in_one_launch(tiny):
+    # 8×16×8 fp32 twice (88 ns of compute each, 12.8 ns of bytes), a 5×3×5 (4 tiles of 9
+    # cycles, 36 ns; 15 + 15 + 25 floats = 220 B, 2.2 ns), each its own roofline, and 1000
+    # streamed bytes (10 ns), after one 1 µs launch.
+    cost = op_cost(tiny(), "fused", DType.FP32, [Matmul(8, 16, 8, 2), Matmul(5, 3, 5)], 1000)
+    assert cost.time_s == pytest.approx(2 * 88e-9 + 36e-9 + 10e-9 + 1e-6, rel=1e-12)
+    assert cost.compute_s == pytest.approx(2 * 88e-9 + 36e-9, rel=1e-12)
+    assert cost.bytes == 2 * 1280 + 220 + 1000
+    assert cost.flops == 2 * (2 * 8 * 16 * 8 + 5 * 3 * 5)
+    assert cost.reuse is None, "two matmul shapes have no one reuse"
+    assert cost.op == "fused"
+
+
+@pytest.mark.parametrize("member", [*Bound, *Reuse])
+def test_bound_and_reuse_print_as_their_values(member):
+    """Reports print and serialise them; on Python 3.10 too (no enum.StrEnum there)."""
+    assert str(member) == f"{member}" == format(member, "") == member.value
+    assert json.dumps({"v": member}) == json.dumps({"v": member.value})
+    assert member == member.value
 
 
 def test_attention_is_two_matmuls_and_the_softmax_bytes(tiny):
@@ -129,6 +148,10 @@ def test_dtype_without_a_mac_rate_has_no_matmul(tiny):
 def test_negative_sizes_are_refused(tiny):
     with pytest.raises(InvalidArgumentError, match="matmul cost: k must be an integer >= 0, got -1"):
         matmul_cost(tiny(), 4, -1, 4, DType.FP32)
+    with pytest.raises(InvalidArgumentError, match="attention cost: seq_k must be an integer >= 0, got -2"):
+        attention_cost(
+            tiny(), batch=1, heads=1, seq_q=4, seq_k=-2, head_dim=4, v_head_dim=4, dtype=DType.FP32
+        )
 
 
 def test_h100_like_estimate_for_8192_cubed_bf16():

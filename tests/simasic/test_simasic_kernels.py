@@ -6,8 +6,8 @@ import gc
 
 import pytest
 import torch
-from torchhal_simasic.cost import attention_cost, matmul_cost, rms_norm_cost
-from torchhal_simasic.kernels import matmul_dims
+from torchhal_simasic.cost import elementwise_cost, matmul_cost
+from torchhal_simasic.workloads import attention_cost, matmul_dims
 
 import torchhal
 from torchhal.hal_core import DeviceOutOfMemoryError, DType, RejectionReason, UnsupportedError
@@ -71,7 +71,7 @@ def test_rms_norm_and_attention(sim_hal, tiny):
     assert torch.equal(normed, hal.kernels.op("rms_norm").reference(x, w, 1e-5))
     reference = hal.kernels.op("attention").reference(q, k, v, causal=True, scale=0.3, window=(4, 1))
     assert torch.equal(attended, reference)
-    norm_cost = rms_norm_cost(spec, 15, 24, DType.FP32)
+    norm_cost = elementwise_cost(spec, "rms_norm", DType.FP32, (2 * 15 * 24 + 24) * 4)  # x, weight in; y out
     attn_cost = attention_cost(
         spec, batch=2, heads=4, seq_q=7, seq_k=9, head_dim=8, v_head_dim=8, dtype=DType.FP32
     )
@@ -95,13 +95,31 @@ def test_fp64_is_rejected_through_ops_inside_use(sim_hal):
     assert torch.equal(torchhal.ops.matmul(a, a), a @ a), "outside use() the CPU computes it"
 
 
-def test_dtype_without_a_mac_rate_is_rejected_by_the_predicate(sim_hal, tiny):
+def test_dtype_without_a_mac_rate_is_rejected_by_the_predicate_and_said_so(sim_hal, tiny, capsys):
     hal = sim_hal(tiny(dtypes=["fp32", "bf16", "fp16"]))
     a = torch.randn(4, 4, dtype=torch.float16)
-    selection = hal.kernels.select("matmul", hal.device("simasic:0"), a, a)
+    with hal.use("simasic:0") as dev:
+        out = torchhal.ops.matmul(a, a)
+    selection = hal.kernels.select("matmul", dev, a, a)
     rejection = next(r for r in selection.rejected if r.candidate == "simasic/simasic")
     assert rejection.reason is RejectionReason.DTYPE
     assert "matmul on simasic supports ['bf16', 'fp32'], got torch.float16" in rejection.detail
+    assert torch.equal(out, a @ a) and _clock(dev) == 0.0, "a host candidate ran it, uncharged"
+    logged = capsys.readouterr().err
+    assert "simasic turns this op down: it runs on the host, without simulated time or memory" in logged
+    assert "simasic:0" in logged and rejection.detail in logged
+
+
+def test_rope_tables_in_a_dtype_the_spec_lacks_are_rejected(sim_hal):
+    hal = sim_hal()
+    q, k = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    cos, sin = torch.randn(1, 1, 3, 4, dtype=torch.float64), torch.randn(1, 1, 3, 4, dtype=torch.float64)
+    selection = hal.kernels.select("rope", hal.device("simasic:0"), q, k, cos, sin)
+    rejection = next(r for r in selection.rejected if r.candidate == "simasic/simasic")
+    assert rejection.reason is RejectionReason.DTYPE
+    assert rejection.detail == (
+        "rope on simasic: cos and sin must be in the spec's dtypes ['bf16', 'fp32'], got torch.float64"
+    )
 
 
 def test_other_devices_are_rejected_by_the_predicate(sim_hal):

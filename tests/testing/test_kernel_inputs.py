@@ -128,6 +128,20 @@ def test_nan_output_fails() -> None:
     assert not tolerance.compare(bad, truth.float(), truth).ok
 
 
+def test_equal_infinities_are_no_error_and_a_wrong_infinity_fails() -> None:
+    """attention's lse is -inf for a query that sees no key: -inf against -inf is right, not NaN."""
+    truth = torch.randn(8, dtype=torch.float64)
+    truth[2] = float("-inf")
+    lse = truth.float()
+    assert tolerance.compare(lse, lse, truth).ok
+    wrong = lse.clone()
+    wrong[5] = float("-inf")
+    assert not tolerance.compare(wrong, lse, truth).ok
+    finite_where_inf = lse.clone()
+    finite_where_inf[2] = 0.0
+    assert not tolerance.compare(finite_where_inf, lse, truth).ok
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

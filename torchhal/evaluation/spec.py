@@ -1,4 +1,4 @@
-"""Experiment spec files for `torchhal ab`: TOML (standard library), or YAML when PyYAML is installed.
+"""Experiment spec files for `torchhal ab`: TOML (tomllib; tomli on 3.10), or YAML when PyYAML is installed.
 
     [experiment]            name, baseline, metrics, alpha, correction, warmup, repetitions,
                             inner, order, seed, flush_every, reference, quality_error, n_resamples
@@ -20,6 +20,7 @@ runs a test file: use spec files you trust.
 from __future__ import annotations
 
 import importlib
+import sys
 import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,10 +79,10 @@ def read_spec(path: str | Path) -> dict[str, Any]:
             ) from exc
         data = yaml.safe_load(text)
     elif path.suffix == ".toml":
-        try:
+        if sys.version_info >= (3, 11):
             import tomllib
-        except ImportError as exc:  # Python 3.10
-            raise ConfigurationError(f"spec {path}: TOML specs need Python >= 3.11 (tomllib)") from exc
+        else:  # Python 3.10: the backport, a dependency there
+            import tomli as tomllib
         try:
             data = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:

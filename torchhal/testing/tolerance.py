@@ -9,6 +9,8 @@ candidate's own dtype, plus a floor that keeps the bound above zero when that er
   in fp32, so in those dtypes the same-dtype reference and the truth are the same computation
   (error 0) while a correct candidate that sums in another order differs by O(sqrt(K)) ulps;
   64 ulps covers reductions thousands of elements long and still fails a kernel off by 1e-5.
+Values equal to the truth count as no error, equal infinities included (attention's lse is -inf
+for a query that sees no key), and the floor reads the finite truth only.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Comparison:
 def floor(truth: torch.Tensor, dtype: torch.dtype) -> float:
     import torch
 
+    truth = truth[truth.isfinite()]
     if truth.numel() == 0:
         return 0.0
     t = truth.to(dtype)
@@ -59,10 +62,15 @@ def floor(truth: torch.Tensor, dtype: torch.dtype) -> float:
 def compare(candidate: torch.Tensor, reference: torch.Tensor, truth: torch.Tensor) -> Comparison:
     """Candidate and same-dtype reference outputs against the fp64 truth (all moved to the host)."""
     truth = truth.cpu().double()
-    error = _max_abs(candidate.cpu().double() - truth)
-    reference_error = _max_abs(reference.cpu().double() - truth)
+    error = _max_abs(_difference(candidate.cpu().double(), truth))
+    reference_error = _max_abs(_difference(reference.cpu().double(), truth))
     bound = REFERENCE_ERROR_FACTOR * reference_error + floor(truth, reference.dtype)
     return Comparison(error, reference_error, bound)
+
+
+def _difference(got: torch.Tensor, truth: torch.Tensor) -> torch.Tensor:
+    """got - truth, 0 where they are equal (so -inf against -inf is no error, not NaN)."""
+    return (got - truth).masked_fill(got == truth, 0.0)
 
 
 def _max_abs(diff: torch.Tensor) -> float:

@@ -25,19 +25,22 @@ and a panel of B (K × C columns) stream through it.
                     reads = K·N·s + ceil(Tn/pB)·M·K·s
     (A-stationary on a tie). When that comes to M·K·s + K·N·s, each operand is read once
     (reuse ONCE). Double buffering and K-splitting are not modelled.
-* Op time: max(compute, bytes / bandwidth) + launch overhead (a roofline per op).
+* Time: max(compute, bytes / bandwidth) (a roofline per matmul).
 
-A batched matmul is `batch` independent matmuls in one launch. Element-wise and reduction ops
-move bytes and do no array work: time = bytes / bandwidth + overhead. Attention is its two
-matmuls (Q·Kᵀ per query head, then P·V) with the softmax between them reading and writing the
-score matrix once: the three phases run back to back in one launch, each with its own roofline.
-Masks (causal, window) do not skip work: the array computes the dense score matrix.
+An op is the matmuls it runs on the array plus the bytes it streams through the vector path
+(element-wise and reduction work: activations, norms, softmax, statistics). Each matmul is
+its own roofline, max(compute, its bytes / bandwidth); streamed bytes take bytes / bandwidth
+and no array time (the spec gives the vector path no rate of its own, so its FLOPs are not
+counted); all of it runs back to back after one launch overhead (`op_cost`). A batched
+matmul is `batch` independent matmuls in one launch. What each registry op runs is in
+`torchhal_simasic.workloads`.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torchhal.hal_core import DType, InvalidArgumentError, UnsupportedError
@@ -57,21 +60,36 @@ ELEMENT_BYTES = {
     DType.INT8: 1,
 }
 
-RMS_NORM_FLOPS_PER_ELEMENT = 4  # square, accumulate, scale by the inverse root, scale by the weight
+
+class _ValueEnum(str, enum.Enum):
+    """A str enum that prints as its value, as enum.StrEnum (Python 3.11+) does, on 3.10 too."""
+
+    def __str__(self) -> str:
+        return str(self.value)
 
 
-class Bound(enum.StrEnum):
+class Bound(_ValueEnum):
     COMPUTE = "compute"
     MEMORY = "memory"
 
 
-class Reuse(enum.StrEnum):
+class Reuse(_ValueEnum):
     """How a matmul's operand panels were reused through SRAM (see the module docstring)."""
 
     ONCE = "once"  # each operand read from memory once
     A_STATIONARY = "a_stationary"  # blocks of A panels held, B re-streamed once per block
     B_STATIONARY = "b_stationary"  # blocks of B panels held, A re-streamed once per block
     NONE = "none"  # not even one A and one B panel fit: each tile streams its own panels
+
+
+@dataclass(frozen=True, slots=True)
+class Matmul:
+    """`count` independent M×K×N matmuls of one op, run on the array back to back."""
+
+    m: int
+    k: int
+    n: int
+    count: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,10 +105,10 @@ class OpCost:
     overhead_s: float
     time_s: float
     bytes: int
-    flops: int
+    flops: int  # the array's: 2 per MAC of the op's matmuls
     bound: Bound
     utilisation: float
-    reuse: Reuse | None = None  # matmul only
+    reuse: Reuse | None = None  # of the op's matmul, when it runs one (a batch counts as one)
 
     @property
     def achieved_flops_per_s(self) -> float:
@@ -99,15 +117,6 @@ class OpCost:
     @property
     def achieved_bytes_per_s(self) -> float:
         return self.bytes / self.time_s if self.time_s > 0 else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class _Phase:
-    """One step of an op, run `count` times back to back."""
-
-    compute_s: float
-    bytes: int
-    count: int = 1
 
 
 def element_bytes(dtype: DType) -> int:
@@ -146,77 +155,42 @@ def matmul_traffic(spec: SimASICSpec, m: int, k: int, n: int, dtype: DType) -> t
 
 def matmul_cost(spec: SimASICSpec, m: int, k: int, n: int, dtype: DType, *, batch: int = 1) -> OpCost:
     """`batch` independent M×K×N matmuls in one launch."""
-    _require_sizes("matmul", m=m, k=k, n=n, batch=batch)
-    phase, reuse = _matmul_phase(spec, m, k, n, dtype, batch)
-    return _cost(spec, "matmul", dtype, [phase], 2 * batch * m * k * n, reuse)
+    require_sizes("matmul", m=m, k=k, n=n, batch=batch)
+    return op_cost(spec, "matmul", dtype, [Matmul(m, k, n, batch)])
 
 
-def attention_cost(
-    spec: SimASICSpec,
-    *,
-    batch: int,
-    heads: int,
-    seq_q: int,
-    seq_k: int,
-    head_dim: int,
-    v_head_dim: int,
-    dtype: DType,
-) -> OpCost:
-    """Per query head: S = Q·Kᵀ (seq_q × head_dim × seq_k), softmax over S, O = P·V."""
-    _require_sizes(
-        "attention",
-        batch=batch,
-        heads=heads,
-        seq_q=seq_q,
-        seq_k=seq_k,
-        head_dim=head_dim,
-        v_head_dim=v_head_dim,
-    )
-    count = batch * heads
-    scores, _ = _matmul_phase(spec, seq_q, head_dim, seq_k, dtype, count)
-    softmax = _Phase(0.0, 2 * seq_q * seq_k * element_bytes(dtype), count)  # read scores, write probabilities
-    output, _ = _matmul_phase(spec, seq_q, seq_k, v_head_dim, dtype, count)
-    flops = 2 * count * seq_q * seq_k * (head_dim + v_head_dim)
-    return _cost(spec, "attention", dtype, [scores, softmax, output], flops)
-
-
-def elementwise_cost(spec: SimASICSpec, op: str, dtype: DType, nbytes: int, flops: int = 0) -> OpCost:
-    """An element-wise or reduction op: it only moves `nbytes`."""
-    _require_dtype(spec, op, dtype)
-    _require_sizes(op, nbytes=nbytes, flops=flops)
-    return _cost(spec, op, dtype, [_Phase(0.0, nbytes)], flops)
-
-
-def rms_norm_cost(spec: SimASICSpec, rows: int, hidden: int, dtype: DType) -> OpCost:
-    """Reads x and the weight, writes the output."""
-    _require_sizes("rms_norm", rows=rows, hidden=hidden)
-    nbytes = (2 * rows * hidden + hidden) * element_bytes(dtype)
-    return elementwise_cost(spec, "rms_norm", dtype, nbytes, RMS_NORM_FLOPS_PER_ELEMENT * rows * hidden)
+def elementwise_cost(spec: SimASICSpec, op: str, dtype: DType, nbytes: int) -> OpCost:
+    """An element-wise or reduction op: it only streams `nbytes`."""
+    return op_cost(spec, op, dtype, streamed_bytes=nbytes)
 
 
 def copy_time_s(spec: SimASICSpec, nbytes: int) -> float:
     """A device copy reads and writes every byte, after one launch: 2 × bytes / bandwidth + overhead."""
-    _require_sizes("copy", nbytes=nbytes)
+    require_sizes("copy", nbytes=nbytes)
     return 2 * nbytes / spec.memory_bandwidth_bytes_per_s + spec.launch_overhead_s
 
 
-def _matmul_phase(
-    spec: SimASICSpec, m: int, k: int, n: int, dtype: DType, count: int
-) -> tuple[_Phase, Reuse]:
-    cycles = matmul_tiles(spec, m, n) * matmul_cycles_per_tile(spec, k, dtype)
-    nbytes, reuse = matmul_traffic(spec, m, k, n, dtype)
-    return _Phase(cycles / spec.clock_hz, nbytes, count), reuse
-
-
-def _cost(
-    spec: SimASICSpec, op: str, dtype: DType, phases: list[_Phase], flops: int, reuse: Reuse | None = None
+def op_cost(
+    spec: SimASICSpec, op: str, dtype: DType, matmuls: Sequence[Matmul] = (), streamed_bytes: int = 0
 ) -> OpCost:
-    """Each phase is its own roofline; phases run back to back after one launch overhead."""
+    """One launch of `op`: its matmuls, each its own roofline, and `streamed_bytes` through the
+    vector path at the memory bandwidth, back to back after the launch overhead."""
+    _require_dtype(spec, op, dtype)
+    require_sizes(op, streamed_bytes=streamed_bytes)
     bandwidth = spec.memory_bandwidth_bytes_per_s
-    compute_s = sum(p.count * p.compute_s for p in phases)
-    nbytes = sum(p.count * p.bytes for p in phases)
+    compute_s, nbytes, flops = 0.0, streamed_bytes, 0
+    busy_s = streamed_bytes / bandwidth
+    reuse = None
+    for mm in matmuls:
+        require_sizes(op, m=mm.m, k=mm.k, n=mm.n, count=mm.count)
+        tile_s = matmul_tiles(spec, mm.m, mm.n) * matmul_cycles_per_tile(spec, mm.k, dtype) / spec.clock_hz
+        moved, reuse = matmul_traffic(spec, mm.m, mm.k, mm.n, dtype)
+        compute_s += mm.count * tile_s
+        nbytes += mm.count * moved
+        busy_s += mm.count * max(tile_s, moved / bandwidth)
+        flops += 2 * mm.count * mm.m * mm.k * mm.n
+    time_s = busy_s + spec.launch_overhead_s
     memory_s = nbytes / bandwidth
-    time_s = sum(p.count * max(p.compute_s, p.bytes / bandwidth) for p in phases) + spec.launch_overhead_s
     bound = Bound.COMPUTE if compute_s > 0 and compute_s >= memory_s else Bound.MEMORY
     if time_s <= 0:
         utilisation = 0.0
@@ -235,7 +209,7 @@ def _cost(
         flops,
         bound,
         utilisation,
-        reuse,
+        reuse if len(matmuls) == 1 else None,
     )
 
 
@@ -258,7 +232,8 @@ def _require_dtype(spec: SimASICSpec, op: str, dtype: DType) -> None:
         )
 
 
-def _require_sizes(op: str, **sizes: int) -> None:
+def require_sizes(op: str, **sizes: int) -> None:
+    """Every size an integer >= 0, or InvalidArgumentError naming the op, the size and its value."""
     for name, value in sizes.items():
         if not isinstance(value, int) or value < 0:
             raise InvalidArgumentError(f"{op} cost: {name} must be an integer >= 0, got {value!r}")

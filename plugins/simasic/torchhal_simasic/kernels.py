@@ -1,20 +1,31 @@
-"""simasic candidates for the core ops `matmul`, `rms_norm` and `attention`.
+"""simasic candidates for every core op: real numerics, charged simulated time and memory.
+
+The device's tensors live in host memory, so any host candidate could compute an op for it,
+but only this plugin's charges the clock and the ledger: an op it did not cover would run
+on `simasic:N` for free. So every op the registry defines gets one candidate,
+`simasic/simasic`, charged by the op's workload (`torchhal_simasic.workloads`); an op the
+plugin has no workload for (one a newer core adds) is named in a warning at registration.
 
 The registry calls a kernel as `fn(*args, **kwargs)`, without the device, and caches its
-choice per (device id, signature). Each op therefore gets one candidate, `simasic/simasic`,
-whose predicate accepts only this adapter's devices and whose `bind` hook makes, once per
-selection, a kernel bound to the selected device's clock and ledger. Routing comes from the
-registry alone: no hidden "current device" state, and several devices used at once (threads,
-`hal.use` blocks) each charge their own clock.
+choice per (device id, signature). The candidate's predicate accepts only this adapter's
+devices, and its `bind` hook makes, once per selection, a kernel bound to the selected
+device's clock and ledger. Routing comes from the registry alone: no hidden "current device"
+state, and several devices used at once (threads, `hal.use` blocks) each charge their own.
 
 A bound kernel computes with the op's reference implementation (real numerics, on the host),
-charges the output to the ledger (DeviceOutOfMemoryError beyond capacity, clock untouched),
-then advances the clock by exactly the cost model's time for the op.
+charges all of its results to the ledger at once (DeviceOutOfMemoryError beyond capacity,
+ledger and clock untouched), then advances the clock by exactly the workload's time.
+
+The predicate turns down a dtype the device cannot run the op in: an array op (matmul,
+attention, linear_cross_entropy and their training ops) in a dtype without a MAC rate, or a
+rope table in a dtype the spec does not hold. The registry then runs the op on a host
+candidate, without simulated time or memory; the predicate says so in a warning, once per
+selection, as well as in the rejection `Selection.explain()` shows.
 """
 
 from __future__ import annotations
 
-import math
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -26,80 +37,111 @@ from torchhal.hal_core import (
     RejectionReason,
     Unsupported,
     UnsupportedError,
+    telemetry,
 )
 
-from torchhal_simasic.cost import OpCost, attention_cost, matmul_cost, rms_norm_cost
 from torchhal_simasic.spec import SimASICSpec
 from torchhal_simasic.state import DeviceState
+from torchhal_simasic.workloads import ARRAY_WORKLOADS, WORKLOADS, Workload
 
 PROVIDER = "simasic"
 PRIORITY = 100.0  # above the built-in host candidates, which would run without simulated cost
 
-Reference = Callable[..., torch.Tensor]
-Kernel = Callable[..., torch.Tensor]
-Builder = Callable[[SimASICSpec, DeviceState, Reference], Kernel]
+log = telemetry.get_logger("torchhal_simasic.kernels")
+
+Reference = Callable[..., Any]
+Kernel = Callable[..., Any]
 
 
 def register_simasic_kernels(
     registry: KernelRegistry, adapter: str, spec: SimASICSpec, states: Sequence[DeviceState]
 ) -> None:
-    """Register the ops' candidates; `adapter` is the adapter's name as capabilities carry it."""
-    matmul_dtypes = frozenset(spec.macs_per_cell_per_cycle)
-    builders = {
-        "matmul": (_matmul, matmul_dtypes),
-        "rms_norm": (_rms_norm, spec.dtypes),
-        "attention": (_attention, matmul_dtypes),  # both of its matmuls run on the array
-    }
-    builder: Builder
-    for op, (builder, dtypes) in builders.items():
+    """Register a candidate for every op the registry defines; `adapter` is the adapter's name
+    as capabilities carry it."""
+    array_dtypes = frozenset(spec.macs_per_cell_per_cycle)
+    for op in registry.ops():
+        workload = WORKLOADS.get(op)
+        if workload is None:
+            log.warning(
+                "simasic has no cost for this op: on simasic devices it runs on the host, "
+                "without simulated time or memory",
+                op=op,
+                known=sorted(WORKLOADS),
+            )
+            continue
         registry.register(
             op,
             PROVIDER,
             _unbound(op),
             provider=PROVIDER,
-            supports=_on_this_adapter(adapter, op, dtypes),
+            supports=_predicate(
+                adapter, op, array_dtypes if op in ARRAY_WORKLOADS else spec.dtypes, spec.dtypes, states
+            ),
             priority=PRIORITY,
-            bind=_binder(builder, spec, states, registry.op(op).reference),
+            bind=_binder(workload, spec, states, registry.op(op).reference),
         )
 
 
-def matmul_dims(a: Sequence[int], b: Sequence[int]) -> tuple[int, int, int, int]:
-    """(batch, M, K, N) of torch.matmul(a, b), folding batch dims into M where torch does."""
-    if len(b) == 1:  # matrix-vector (or dot): a's leading dims are rows
-        return 1, math.prod(a[:-1]), a[-1], 1
-    if len(a) == 1:  # vector-matrix, batched over b
-        return math.prod(b[:-2]), 1, a[0], b[-1]
-    if len(b) == 2:  # a's batch dims fold into its rows
-        return 1, math.prod(a[:-1]), a[-1], b[-1]
-    batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))  # type: ignore[no-untyped-call]
-    return math.prod(batch), a[-2], a[-1], b[-1]
-
-
 def _binder(
-    build: Builder, spec: SimASICSpec, states: Sequence[DeviceState], reference: Reference
+    workload: Workload, spec: SimASICSpec, states: Sequence[DeviceState], reference: Reference
 ) -> Callable[[DeviceCapabilities], Kernel]:
     """The `bind` hook: a kernel charging the selected device (capabilities' index)."""
+    parameters = inspect.signature(reference)
 
     def bind(caps: DeviceCapabilities) -> Kernel:
-        return build(spec, states[caps.index], reference)
+        state = states[caps.index]
+
+        def kernel(*args: Any, **kwargs: Any) -> Any:
+            outputs = reference(*args, **kwargs)
+            results = outputs if isinstance(outputs, tuple) else (outputs,)
+            arguments = parameters.bind(*args, **kwargs)
+            arguments.apply_defaults()
+            cost = workload(spec, results, **arguments.arguments)
+            state.ledger.track(*results)
+            state.clock.advance(cost.time_s)
+            return outputs
+
+        return kernel
 
     return bind
 
 
-def _on_this_adapter(
-    adapter: str, op: str, dtypes: frozenset[DType]
+def _predicate(
+    adapter: str, op: str, dtypes: frozenset[DType], held: frozenset[DType], states: Sequence[DeviceState]
 ) -> Callable[[DeviceCapabilities, Any], Unsupported | None]:
+    """This adapter's devices only, in `dtypes` (the op's own), with rope's tables in a dtype the
+    spec holds (`held`); a dtype turned down on this adapter's device is also a warning."""
+
     def supports(caps: DeviceCapabilities, sig: Any) -> Unsupported | None:
         if caps.adapter != adapter:
             return Unsupported(RejectionReason.DEVICE, f"runs on {adapter} devices only, not {caps.adapter}")
-        if DType.from_torch(sig.dtype) not in dtypes:
-            supported = sorted(d.value for d in dtypes)
-            return Unsupported(
-                RejectionReason.DTYPE, f"{op} on {adapter} supports {supported}, got {sig.dtype}"
+        verdict = _dtype_verdict(f"{op} on {adapter}", sig, dtypes, held)
+        if verdict is not None:
+            log.warning(
+                "simasic turns this op down: it runs on the host, without simulated time or memory",
+                op=op,
+                device=states[caps.index].device,
+                reason=verdict.detail,
             )
-        return None
+        return verdict
 
     return supports
+
+
+def _dtype_verdict(
+    what: str, sig: Any, dtypes: frozenset[DType], held: frozenset[DType]
+) -> Unsupported | None:
+    if DType.from_torch(sig.dtype) not in dtypes:
+        supported = sorted(d.value for d in dtypes)
+        return Unsupported(RejectionReason.DTYPE, f"{what} supports {supported}, got {sig.dtype}")
+    tables = getattr(sig, "table_dtype", None)  # rope's cos and sin
+    if tables is not None and DType.from_torch(tables) not in held:
+        declared = sorted(d.value for d in held)
+        return Unsupported(
+            RejectionReason.DTYPE,
+            f"{what}: cos and sin must be in the spec's dtypes {declared}, got {tables}",
+        )
+    return None
 
 
 def _unbound(op: str) -> Kernel:
@@ -112,57 +154,3 @@ def _unbound(op: str) -> Kernel:
         )
 
     return unbound
-
-
-def _finish(state: DeviceState, out: torch.Tensor, cost: OpCost) -> torch.Tensor:
-    state.ledger.track(out)
-    state.clock.advance(cost.time_s)
-    return out
-
-
-def _dtype(dtype: torch.dtype) -> DType:
-    declared = DType.from_torch(dtype)
-    assert declared is not None, f"the predicate admitted {dtype}"
-    return declared
-
-
-def _matmul(spec: SimASICSpec, state: DeviceState, reference: Reference) -> Callable[..., torch.Tensor]:
-    def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        batch, m, k, n = matmul_dims(a.shape, b.shape)
-        cost = matmul_cost(spec, m, k, n, _dtype(a.dtype), batch=batch)
-        return _finish(state, reference(a, b), cost)
-
-    return matmul
-
-
-def _rms_norm(spec: SimASICSpec, state: DeviceState, reference: Reference) -> Callable[..., torch.Tensor]:
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-        cost = rms_norm_cost(spec, math.prod(x.shape[:-1]), weight.shape[0], _dtype(x.dtype))
-        return _finish(state, reference(x, weight, eps), cost)
-
-    return rms_norm
-
-
-def _attention(spec: SimASICSpec, state: DeviceState, reference: Reference) -> Callable[..., torch.Tensor]:
-    def attention(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool = False,
-        scale: float | None = None,
-        window: Sequence[int] | None = None,
-    ) -> torch.Tensor:
-        batch, heads, seq_q, head_dim = q.shape
-        cost = attention_cost(
-            spec,
-            batch=batch,
-            heads=heads,
-            seq_q=seq_q,
-            seq_k=k.shape[2],
-            head_dim=head_dim,
-            v_head_dim=v.shape[3],
-            dtype=_dtype(q.dtype),
-        )
-        return _finish(state, reference(q, k, v, causal, scale, window), cost)
-
-    return attention

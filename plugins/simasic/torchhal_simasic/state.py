@@ -82,12 +82,13 @@ class MemoryLedger:
         finalizer = weakref.finalize(tensor.untyped_storage(), self.release, nbytes)
         finalizer.atexit = False  # nothing to give back once the process ends
 
-    def track(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Charge a tensor that already exists (an op's output) for its storage."""
-        nbytes = tensor.untyped_storage().nbytes()
-        self.charge(nbytes)
-        self.release_with(tensor, nbytes)
-        return tensor
+    def track(self, *tensors: torch.Tensor) -> None:
+        """Charge tensors that already exist (an op's results) for their storage: all of them
+        at once, or none (DeviceOutOfMemoryError, the ledger as it was)."""
+        sizes = [t.untyped_storage().nbytes() for t in tensors]
+        self.charge(sum(sizes))
+        for tensor, nbytes in zip(tensors, sizes, strict=True):
+            self.release_with(tensor, nbytes)
 
 
 class SimulatedTimer:
