@@ -19,9 +19,12 @@ from ..conftest import assert_within_pytorch_error
 pytestmark = pytest.mark.gpu
 
 NAMESPACE = "torchhal_test_attention_gpu"
-SEQLENS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (2048, 2048)]
-HEAD_DIMS_BF16 = [32, 64, 80, 96, 128, 256]
-HEAD_DIMS_FP16 = [64, 128]
+# FlashAttention-2's test sweep (tests/test_flash_attn.py, test_flash_attn_output), both dtypes
+SEQLENS = [
+    (113, 203), (128, 217), (113, 211), (108, 256), (256, 512),
+    (512, 256), (1024, 1024), (1023, 1024), (1024, 1023), (2048, 2048),
+]  # fmt: skip
+HEAD_DIMS = [32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256]
 
 
 def torch_math(q, k, v, causal=False, scale=None, window=None):
@@ -83,18 +86,11 @@ def _check(ops, check_op, args):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dim", HEAD_DIMS_BF16)
+@pytest.mark.parametrize("dim", HEAD_DIMS)
 @pytest.mark.parametrize(("seq_q", "seq_k"), SEQLENS)
-def test_bf16_shape_sweep(ops, check_op, seq_q, seq_k, dim, causal):
-    args = (*_qkv(2, 6, 6, seq_q, seq_k, dim, torch.bfloat16), causal, None, None)
-    _check(ops, check_op, args)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("dim", HEAD_DIMS_FP16)
-@pytest.mark.parametrize(("seq_q", "seq_k"), SEQLENS)
-def test_fp16_shape_sweep(ops, check_op, seq_q, seq_k, dim, causal):
-    args = (*_qkv(2, 6, 6, seq_q, seq_k, dim, torch.float16), causal, None, None)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_shape_sweep(ops, check_op, dtype, seq_q, seq_k, dim, causal):
+    args = (*_qkv(2, 6, 6, seq_q, seq_k, dim, dtype), causal, None, None)
     _check(ops, check_op, args)
 
 
