@@ -1,12 +1,18 @@
 """attention_varlen: the Triton kernels on packed sequences (CPU interpreter, fp32) against the fp64
-reference under FlashAttention's rule, against the dense op per sequence, and bad offsets."""
+reference under FlashAttention's rule, against the dense op per sequence, a property test over
+lengths, heads, head dims, causal, scale and packed layouts, and bad offsets."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
+from hypothesis import HealthCheck, Phase, assume, example, given, settings
+from hypothesis import strategies as st
 
-from torchhal.hal_core import InvalidArgumentError
+import torchhal.ops
+from torchhal.hal_core import InvalidArgumentError, RejectionReason
 from torchhal.kernels import attention, attention_varlen, plugin
 from torchhal.kernels.autograd import DifferentiableOp
 
@@ -157,3 +163,123 @@ def test_packed_tensors_must_have_three_dimensions(plain_ops):
     q = torch.randn(1, 10, 2, 8)
     with pytest.raises(InvalidArgumentError, match="q must have 3 dimensions"):
         plain_ops.varlen(q, q[0], q[0], _offsets([10]), _offsets([10]), 10, 10, False, None)
+
+
+# --- property test: sequence lengths, heads, head dims, causal, scale and packed layouts ---------
+
+
+def _packed_view(layout, tokens, heads, dim):
+    """A random (tokens, heads, dim) tensor laid out as packed code hands it over."""
+    if layout == "fused-qkv":  # one of three parts of a fused projection: token stride 3 * heads * dim
+        return torch.randn(tokens, 3, heads, dim)[:, 1]
+    if layout == "heads-first":  # (heads, tokens, dim) memory, transposed
+        return torch.randn(heads, tokens, dim).transpose(0, 1)
+    if layout == "token-strided":  # every other token of a longer buffer, at an offset
+        return torch.randn(2 * tokens + 1, heads, dim)[1::2]
+    if layout == "dim-strided":  # every other element along the head dim (slow, never wrong)
+        return torch.randn(tokens, heads, 2 * dim)[..., ::2]
+    return torch.randn(tokens, heads, dim)
+
+
+def _cu_seqlens(lengths, dtype, strided):
+    cu = _offsets(lengths, dtype)
+    if strided:  # every other entry of a longer table: the kernels must not read it as contiguous
+        cu = torch.stack([cu, torch.full_like(cu, 10**6)], dim=1).flatten()[::2]
+        assert not cu.is_contiguous()
+    return cu
+
+
+LAYOUTS = ["contiguous", "fused-qkv", "heads-first", "token-strided", "dim-strided"]
+
+
+@settings(
+    max_examples=4,  # and the two explicit examples
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    phases=[Phase.explicit, Phase.generate],
+)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=3),
+    spare=st.tuples(st.sampled_from([0, 2]), st.sampled_from([0, 2])),
+    heads=st.sampled_from([(2, 2), (4, 2), (2, 1)]),  # MHA, GQA, MQA (and 3 / 1 below)
+    dim=st.sampled_from([8, 16, 24, 40]),
+    causal=st.booleans(),
+    scale=st.sampled_from([None, 0.3, -0.5]),
+    layouts=st.tuples(*[st.sampled_from(LAYOUTS)] * 4),  # q, k, v, grad_out
+    offsets=st.tuples(st.sampled_from([torch.int32, torch.int64]), st.booleans()),  # dtype, strided
+    max_extra=st.sampled_from([0, 3]),
+)
+@example(  # one sequence, more keys than queries, causal (bottom-right), GQA, a fused projection
+    lengths=[(23, 37)], spare=(2, 0), heads=(4, 2), dim=24, causal=True, scale=None,
+    layouts=("fused-qkv", "heads-first", "token-strided", "dim-strided"), offsets=(torch.int32, True),
+    max_extra=0,
+)  # fmt: skip
+@example(  # empty query and key sequences, more queries than keys (the first see no key), MQA
+    lengths=[(0, 5), (19, 4), (7, 0), (11, 11)], spare=(2, 2), heads=(3, 1), dim=16, causal=True,
+    scale=-0.5, layouts=("heads-first", "contiguous", "fused-qkv", "token-strided"),
+    offsets=(torch.int64, False), max_extra=3,
+)  # fmt: skip
+def test_lengths_heads_and_layouts_property(
+    triton_hal, on_triton, check_op, lengths, spare, heads, dim, causal, scale, layouts, offsets, max_extra
+):
+    """torchhal.ops.attention_varlen on random packed batches: sequences of length 0 on either side,
+    query and key lengths that differ per sequence, tokens after the last sequence, max_seqlen above
+    the longest, (tokens, heads, dim) views of bigger tensors and strided cu_seqlens; forward and the
+    gradients of q, k and v under the rule, zero output and gradient outside every sequence, and on
+    each sequence the dense op's answer. The Triton candidates serve every call but those with nothing
+    to launch (max_seqlen_q 0), which go to the reference, Triton rejected by type (SHAPE); conftest's
+    guard fails a test whose kernel raised and fell back, so the candidate selected is the one that ran."""
+    lens_q, lens_k = [q for q, _ in lengths], [k for _, k in lengths]
+    # every query seeing at most one key (p = 1) makes dq and dk exactly 0 in truth, and the rule's
+    # floor with them, while FlashAttention's p * (dO.v - dO.o) rounds: test_attention's
+    # test_a_single_key bounds that rounding. A one-key sequence beside longer ones stays in.
+    assume(any(q > 0 and k > 1 for q, k in lengths) or not any(q > 0 and k == 1 for q, k in lengths))
+    # at least one token each (the rule's max error needs an element), after every sequence if spare
+    total_q, total_k = max(1, sum(lens_q) + spare[0]), max(1, sum(lens_k) + spare[1])
+    (heads_q, heads_kv), (cu_dtype, strided) = heads, offsets
+    q = _packed_view(layouts[0], total_q, heads_q, dim)
+    k = _packed_view(layouts[1], total_k, heads_kv, dim)
+    v = _packed_view(layouts[2], total_k, heads_kv, dim)
+    grad_out = _packed_view(layouts[3], total_q, heads_q, dim)
+    cu_q, cu_k = _cu_seqlens(lens_q, cu_dtype, strided), _cu_seqlens(lens_k, cu_dtype, strided)
+    fixed = (cu_q, cu_k, max(lens_q) + max_extra, max(lens_k) + max_extra)
+    leaves, outs = [], []
+
+    def varlen(q, k, v):
+        leaves[:] = q, k, v
+        outs.append(torchhal.ops.attention_varlen(q, k, v, *fixed, causal=causal, scale=scale))
+        return outs[-1]
+
+    def reference(q, k, v):
+        return attention_varlen.reference(q, k, v, *fixed, causal, scale)
+
+    on_triton.clear()  # hypothesis runs every example in one call of the test
+    check_op(varlen, reference, (q, k, v), (grad_out,), (0, 1, 2))
+    nothing = fixed[2] == 0  # max_seqlen_q 0: no query to compute
+    assert on_triton == [
+        ("attention_varlen_forward", "reference" if nothing else "triton"),
+        ("attention_varlen_backward", "reference" if nothing else "triton"),
+    ]
+    if nothing:
+        sel = triton_hal.kernels.select("attention_varlen_forward", triton_hal.device("cpu"), q, k, v, *fixed,
+                                        causal, scale)  # fmt: skip
+        assert {r.candidate: r.reason for r in sel.rejected}["torchhal/triton"] is RejectionReason.SHAPE
+
+    out = outs[0].detach()
+    spans = list(zip(_offsets(lens_q).tolist(), _offsets(lens_k).tolist(), strict=True))
+    outside_q = torch.ones(total_q, dtype=torch.bool)
+    outside_k = torch.ones(total_k, dtype=torch.bool)
+    for (q0, k0), (q1, k1) in itertools.pairwise(spans):
+        outside_q[q0:q1], outside_k[k0:k1] = False, False
+    dq, dk, dv = (leaf.grad for leaf in leaves)
+    for what, t, outside in (("out", out, outside_q), ("dq", dq, outside_q), ("dk", dk, outside_k),
+                             ("dv", dv, outside_k)):  # fmt: skip
+        assert torch.count_nonzero(t[outside]) == 0, f"{what} outside every sequence"
+    with torch.no_grad():  # each sequence through the dense op (the Triton kernel unless nothing to do)
+        for (q0, k0), (q1, k1) in itertools.pairwise(spans):
+            if q1 > q0:
+                dense = torchhal.ops.attention(
+                    *(t.transpose(0, 1).unsqueeze(0) for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
+                    causal=causal, scale=scale,
+                )  # fmt: skip
+                torch.testing.assert_close(out[q0:q1], dense[0].transpose(0, 1), rtol=1e-5, atol=1e-6)

@@ -1,15 +1,20 @@
 """linear_cross_entropy: the chunked Triton forward and backward (CPU interpreter, fp32) against the
 fp64 reference under FlashAttention's rule, torch's semantics (ignore_index, label smoothing, all
-ignored), the chunk plan, bad input, and the custom ops under torch.compile."""
+ignored), a property test of torchhal.ops.linear_cross_entropy over shapes, strides and arguments,
+the chunk plan, bad input, and the custom ops under torch.compile."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import strategies as st
 
+import torchhal.ops
 from torchhal.hal_core import DeclaredPeaks, DeviceCapabilities, DType, InvalidArgumentError, UnsupportedError
 from torchhal.kernels import linear_cross_entropy as lce
 from torchhal.kernels.autograd import DifferentiableOp
@@ -495,3 +500,179 @@ def test_without_an_fp32_output_addmm_the_rounded_products_are_logged_and_counte
     triton_cross_entropy._accumulate(acc, a, b)
     torch.testing.assert_close(acc, want, rtol=0, atol=0)
     assert telemetry.counts().get(key, 0) == before + 1
+
+
+# --- property test: shapes, strides, batch dims, ignore_index, smoothing, reduction, bias ---------
+
+
+def _leaf_and_view(layout, shape, scale=1.0):
+    """A random fp32 base tensor (what the test differentiates) and the function that makes a view of
+    `shape` of it in `layout`: the op sees the view, autograd carries its gradient to the base (zero
+    where the view does not reach)."""
+    *lead, rows, cols = shape
+    if layout == "transposed":  # the last two dims swapped in memory: column stride `rows`
+        return scale * torch.randn(*lead, cols, rows), lambda t: t.transpose(-1, -2)
+    if layout == "sliced":  # columns of a wider buffer, at an offset (a slice of a fused projection)
+        return scale * torch.randn(*lead, rows, cols + 5), lambda t: t[..., 2 : 2 + cols]
+    if layout == "row-strided":  # every other row
+        return scale * torch.randn(*lead, 2 * rows, cols), lambda t: t[..., ::2, :]
+    if layout == "seq-first" and lead:  # (tokens, batch, hidden) memory seen as (batch, tokens, hidden)
+        return scale * torch.randn(rows, *lead, cols), lambda t: t.movedim(0, -2)
+    return scale * torch.randn(shape), lambda t: t
+
+
+def _targets(layout, shape, vocab, dtype):
+    if layout == "strided":  # every other element of a longer buffer
+        return torch.randint(0, vocab, (*shape[:-1], 2 * shape[-1]), dtype=dtype)[..., ::2]
+    if layout == "seq-first" and len(shape) > 1:
+        return torch.randint(0, vocab, (shape[-1], *shape[:-1]), dtype=dtype).movedim(0, -1)
+    return torch.randint(0, vocab, shape, dtype=dtype)
+
+
+def _ignore(target, pattern, ignore_index):
+    """Targets to ignore: none, about a third, every token of the first leading row (of all tokens
+    when there are no leading dims), or every token."""
+    mask = torch.zeros(target.shape, dtype=torch.bool)
+    if pattern == "some":
+        mask = torch.rand(target.shape) < 0.35
+    elif pattern == "first-row":
+        mask[(0,) * (target.dim() - 1)] = True
+    elif pattern == "all":
+        mask[...] = True
+    target.masked_fill_(mask, ignore_index)  # in place: a strided view writes into its buffer
+
+
+def _assert_within_or_nan(check_error, what, got, same, truth, factor):
+    """The rule where the truth is a number; NaN exactly where the truth is NaN (the "mean" over no
+    tokens is 0 / 0 = NaN in torch's cross_entropy and in the fp64 truth alike)."""
+    nan = truth.isnan()
+    assert torch.equal(got.isnan(), nan) and torch.equal(same.isnan(), nan), f"{what}: NaN unlike the truth"
+    if not nan.all():
+        got, same, truth = (t.masked_fill(nan, 0) for t in (got, same, truth))
+        check_error(what, got, same, truth, factor)
+
+
+def _small_chunks(min_rows):
+    """ChunkPlan.chunk_rows with `min_rows` rows a chunk instead of the device's (1024 on the CPU, so a
+    test's few tokens would be one chunk): the plan's own rule, so chunks end mid-batch and the last
+    one is short. Patched on the class: the bound candidates hold a plan made at first selection."""
+    rule = lce.ChunkPlan.chunk_rows
+
+    def chunk_rows(self, tokens, hidden, vocab):
+        return rule(dataclasses.replace(self, min_rows=min_rows), tokens, hidden, vocab)
+
+    return chunk_rows
+
+
+@settings(
+    max_examples=8,  # and the three explicit examples
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+    phases=[Phase.explicit, Phase.generate],
+)
+@given(
+    lead=st.sampled_from([(), (2,), (1, 3)]),
+    tokens=st.integers(1, 19),
+    width=st.integers(1, 70),
+    vocab=st.one_of(st.integers(2, 257), st.just(2100)),  # vocab 1: below
+    hidden_layout=st.sampled_from(["contiguous", "transposed", "sliced", "row-strided", "seq-first"]),
+    weight_layout=st.sampled_from(["contiguous", "transposed", "sliced", "row-strided"]),
+    bias_layout=st.sampled_from([None, "contiguous", "strided"]),
+    target_layout=st.sampled_from(["contiguous", "strided", "seq-first"]),
+    target_dtype=st.sampled_from([torch.int64, torch.int32]),
+    ignore_index=st.sampled_from([-100, -1, "a class"]),
+    ignored=st.sampled_from(["none", "some", "first-row", "all"]),
+    label_smoothing=st.sampled_from([0.0, 0.1, 1.0]),
+    reduction=st.sampled_from(["mean", "sum", "none"]),
+    min_rows=st.sampled_from([None, 1, 4]),
+)
+@example(  # two vocabulary blocks of 2048 with the last partial, 3-row chunks across the batch rows
+    lead=(2,), tokens=7, width=23, vocab=2100, hidden_layout="transposed", weight_layout="sliced",
+    bias_layout="strided", target_layout="strided", target_dtype=torch.int64, ignore_index="a class",
+    ignored="first-row", label_smoothing=0.1, reduction="mean", min_rows=4,
+)  # fmt: skip
+@example(  # nothing to average: NaN loss and zero gradients, as torch; per-token "none" gradients
+    lead=(1, 3), tokens=5, width=9, vocab=13, hidden_layout="seq-first", weight_layout="transposed",
+    bias_layout=None, target_layout="seq-first", target_dtype=torch.int32, ignore_index=-1,
+    ignored="all", label_smoothing=0.0, reduction="mean", min_rows=1,
+)  # fmt: skip
+@example(  # a single token, hidden unit and a two-class vocabulary, all smoothed
+    lead=(), tokens=1, width=1, vocab=2, hidden_layout="contiguous", weight_layout="row-strided",
+    bias_layout="contiguous", target_layout="contiguous", target_dtype=torch.int64, ignore_index=-100,
+    ignored="none", label_smoothing=1.0, reduction="none", min_rows=None,
+)  # fmt: skip
+def test_shapes_strides_and_arguments_property(
+    on_triton, check_error, lead, tokens, width, vocab, hidden_layout, weight_layout, bias_layout,
+    target_layout, target_dtype, ignore_index, ignored, label_smoothing, reduction, min_rows,
+):  # fmt: skip
+    """torchhal.ops.linear_cross_entropy on views (hidden transposed, sliced, row-strided or
+    sequence-first; weight transposed, sliced or row-strided; a strided bias; strided or transposed
+    int64/int32 targets), with leading batch dims, odd and single-block or two-block vocabularies,
+    several chunks or one: the loss without gradients, the training loss and the gradients of every
+    base tensor (zero where the views do not reach) against the fp64 reference under the rule, and
+    the Triton candidate selected for every call (conftest's guard fails a test whose kernel raised
+    and fell back, so selected is what ran)."""
+    ignore_index = vocab // 2 if ignore_index == "a class" else ignore_index  # a class that is ignored
+    shape = (*lead, tokens)
+    bases = {
+        "hidden": _leaf_and_view(hidden_layout, (*shape, width)),
+        "weight": _leaf_and_view(weight_layout, (vocab, width), scale=2 / math.sqrt(width)),
+    }
+    if bias_layout is not None:
+        bias = 0.5 * torch.randn(vocab if bias_layout == "contiguous" else 2 * vocab)
+        bases["bias"] = (bias, (lambda t: t) if bias_layout == "contiguous" else (lambda t: t[::2]))
+    target = _targets(target_layout, shape, vocab, target_dtype)
+    _ignore(target, ignored, ignore_index)
+    grad_loss = torch.randn(shape if reduction == "none" else ())
+    if reduction == "none" and len(shape) > 1:
+        grad_loss = torch.randn(shape[::-1]).permute(*range(len(shape) - 1, -1, -1))  # a transposed grad
+    kwargs = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+
+    def run(fn, dtype):
+        leaves = {name: base.detach().to(dtype).requires_grad_(True) for name, (base, _) in bases.items()}
+        views = {name: view(leaves[name]) for name, (_, view) in bases.items()}
+        loss = fn(views["hidden"], views["weight"], target, views.get("bias"), **kwargs)
+        grads = torch.autograd.grad(loss, list(leaves.values()), grad_loss.to(loss.dtype))
+        return loss.detach(), dict(zip(leaves, grads, strict=True))
+
+    def reference(hidden, weight, target, bias, **kw):
+        return lce.reference(hidden, weight, target, bias, kw["ignore_index"], kw["label_smoothing"],
+                             kw["reduction"])  # fmt: skip
+
+    with pytest.MonkeyPatch.context() as patch:
+        if min_rows is not None:
+            patch.setattr(lce.ChunkPlan, "chunk_rows", _small_chunks(min_rows))
+        on_triton.clear()  # hypothesis runs every example in one call of the test
+        with torch.no_grad():
+            views = {name: view(base) for name, (base, view) in bases.items()}
+            loss_only = torchhal.ops.linear_cross_entropy(
+                views["hidden"], views["weight"], target, views.get("bias"), **kwargs
+            )
+        assert on_triton == [(lce.OP, "triton")]
+        got = run(torchhal.ops.linear_cross_entropy, torch.float32)
+    assert on_triton[1:] == [(lce.FORWARD, "triton"), (lce.BACKWARD, "triton")]
+    same, truth = run(reference, torch.float32), run(reference, torch.float64)
+    _assert_within_or_nan(check_error, "loss without gradients", loss_only, same[0], truth[0], 2.0)
+    _assert_within_or_nan(check_error, "loss", got[0], same[0], truth[0], 2.0)
+    for name in bases:
+        _assert_within_or_nan(
+            check_error, f"gradient of {name}", got[1][name], same[1][name], truth[1][name], 3.0
+        )
+
+
+def test_a_single_class_is_a_zero_loss_up_to_rounding_at_the_logits_scale(on_triton):
+    """vocab 1 (left out of the property test): the exact loss and every gradient are 0, so the rule's
+    floor, scaled by the truth, is 0 too; the kernel's lse - (1 - eps) x - eps x and softmax - 1 round
+    at the logit's scale and 1's instead. Bounded by a few ulps of those."""
+    hidden, weight, target, bias = _inputs(tokens=6, vocab=1)
+    target = torch.zeros(6, dtype=torch.int64)
+    leaves = [t.clone().requires_grad_(True) for t in (hidden, weight, bias)]
+    loss = torchhal.ops.linear_cross_entropy(
+        *leaves[:2], target, leaves[2], label_smoothing=0.1, reduction="none"
+    )
+    loss.backward(torch.ones(6))
+    assert {c for _, c in on_triton} == {"triton"}
+    eps, logits = torch.finfo(torch.float32).eps, F.linear(hidden, weight, bias).abs().max()
+    assert loss.abs().max() <= 4 * eps * logits
+    for leaf, scale in zip(leaves, (weight.abs().max(), hidden.abs().sum(0).max(), 6), strict=True):
+        assert leaf.grad.abs().max() <= 4 * eps * scale

@@ -105,12 +105,15 @@ def _packed(
     causal: bool = False,
     scale: float | None = None,
 ) -> Problem:
-    """attention_varlen's problem from q, k and its arguments after v."""
+    """attention_varlen's problem from q, k and its arguments after v. The kernels read sequence
+    b's offsets at `CU + b`, so strided offsets (a column of a table, `cu[::2]`) are copied
+    contiguous: batch + 1 integers, no sync."""
     from torchhal.kernels.triton_attention_kernels import make_problem
 
     return make_problem(
         q, k, seq_q=max_seqlen_q, seq_k=max_seqlen_k, batch=cu_seqlens_q.shape[0] - 1, causal=causal,
-        scale=scale, window=None, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        scale=scale, window=None, cu_seqlens_q=cu_seqlens_q.contiguous(),
+        cu_seqlens_k=cu_seqlens_k.contiguous(),
     )  # fmt: skip
 
 
