@@ -42,11 +42,11 @@ used as given, the positions `logits_to_keep` selects, an fp32 loss) through
 `ops.linear_cross_entropy` on the final hidden states and lm_head's weight (and bias): the
 (tokens, vocab) logits are never made, so **the output's `logits` is None**; the caller who needs
 them with the loss passes `return_logits=True` (transformers' own forward and loss then run). The
-op computes the logits in fp32 (transformers rounds them to the model's dtype first, then upcasts);
-its loss comes in the model's dtype and is returned as fp32. Under autocast, hidden states and
-weights are cast to the autocast dtype first, as lm_head's matmul would be. transformers applies no
-label smoothing in this loss (Trainer's label smoother and `compute_loss_func` pop the labels and
-take the logits), so neither does the op. Without labels (inference, generate) transformers' forward runs
+op computes the logits in fp32 (transformers rounds them to the model's dtype first, then upcasts)
+and returns the loss in fp32. Under autocast, hidden states and weights are cast to the autocast
+dtype first, as lm_head's matmul would be. transformers applies no label smoothing in this loss
+(Trainer's label smoother and `compute_loss_func` pop the labels and take the logits), so neither
+does the op. Without labels (inference, generate) transformers' forward runs
 unchanged. What the op cannot compute exactly falls back to transformers' forward, logged once
 and counted like attention's fallbacks: a loss function other than ForCausalLMLoss (a custom
 `loss_type` or `model.loss_function`), a config with `final_logit_softcapping` (these families'
@@ -659,9 +659,9 @@ def causal_lm_loss(
 
     Labels are shifted left (the last position gets ignore_index) unless `shift_labels` is given;
     the loss is the mean over tokens not ignored, or their sum divided by `num_items_in_batch`
-    when given; fp32, as transformers' (the op computes the logits in fp32 and returns the loss in
-    hidden's dtype). Under autocast, floating inputs other than fp64 are cast to the autocast dtype
-    first, as the lm_head matmul would cast them.
+    when given; fp32, as transformers' (the op computes the logits and the loss in fp32; fp64 for
+    fp64 inputs, cast to fp32 here as transformers' loss is). Under autocast, floating inputs other
+    than fp64 are cast to the autocast dtype first, as the lm_head matmul would cast them.
     """
     if shift_labels is None:
         labels = nn.functional.pad(labels, (0, 1), value=ignore_index)

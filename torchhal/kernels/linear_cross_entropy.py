@@ -5,6 +5,9 @@ hidden (..., H), weight (V, H), bias (V,) or None, target (...) of int64 (or int
 `torch.nn.functional.cross_entropy`: with smoothing eps a token's loss is
 lse - (1 - eps) * logit[target] - eps / V * sum(logits); ignored tokens add 0, and "mean" divides
 the sum by the number of tokens not ignored (so it is NaN when every token is ignored, as torch's).
+The loss is fp32 (fp64 for fp64 inputs), the precision it is computed in, as Liger's fused loss and
+transformers' causal-LM loss give it: rounding it to bf16 would keep three significant digits of a
+figure training logs compare across steps. The gradients come in their inputs' dtypes.
 
 Three registry ops:
 - `linear_cross_entropy(...) -> loss`: no gradient needed;
@@ -268,7 +271,7 @@ def backward_signature(
         require_same(
             op, "grad_loss and target shapes", grad_loss=tuple(grad_loss.shape), target=tuple(target.shape)
         )
-        require_same(op, "dtypes", grad_loss=grad_loss.dtype, hidden=hidden.dtype)
+        require_same(op, "dtypes", grad_loss=grad_loss.dtype, loss=compute_dtype(hidden.dtype))
         require_same(op, "devices", grad_loss=grad_loss.device, hidden=hidden.device)
         return sig
     if grad_loss.dim() != 0:
@@ -276,8 +279,8 @@ def backward_signature(
             f"{op}: grad_loss of a {reduction!r} loss must be a scalar, got shape {tuple(grad_loss.shape)}"
         )
     require_floating(op, "grad_hidden", grad_hidden)
+    require_same(op, "dtypes", grad_loss=grad_loss.dtype, loss=compute_dtype(grad_hidden.dtype))
     dtypes = {
-        "grad_loss": grad_loss.dtype,
         "grad_hidden": grad_hidden.dtype,
         "grad_weight": grad_weight.dtype,
     }
@@ -353,7 +356,7 @@ def reference(
     label_smoothing: float = 0.0,
     reduction: str = "mean",
 ) -> torch.Tensor:
-    """torch's cross_entropy on the full logits, in fp32 (fp64 for fp64); hidden's dtype."""
+    """torch's cross_entropy on the full logits, in fp32 (fp64 for fp64), the loss's dtype."""
     check_targets(OP, target, weight.shape[0], ignore_index)
     ct = compute_dtype(hidden.dtype)
     b = bias.to(ct) if has_bias(bias) else None  # type: ignore[union-attr]
@@ -362,7 +365,7 @@ def reference(
         logits, target.reshape(-1).long(), ignore_index=ignore_index,
         label_smoothing=float(label_smoothing), reduction=reduction,
     )  # fmt: skip
-    return (loss.reshape(target.shape) if reduction == "none" else loss).to(hidden.dtype)
+    return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 def _empty_grads(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -455,7 +458,8 @@ def _bind(name: str) -> Callable[[DeviceCapabilities], Callable[..., Any]]:
 
 
 def _loss_fake(hidden: torch.Tensor, target: torch.Tensor, reduction: str) -> torch.Tensor:
-    return hidden.new_empty(tuple(target.shape) if reduction == "none" else ())
+    shape = tuple(target.shape) if reduction == "none" else ()
+    return hidden.new_empty(shape, dtype=compute_dtype(hidden.dtype))
 
 
 def _forward_fake(

@@ -37,6 +37,7 @@ import triton.language as tl
 from torchhal.hal_core import telemetry
 from torchhal.kernels import triton_attention_interpreter
 from torchhal.kernels.linear_cross_entropy import ChunkPlan, has_bias, scale_gradients
+from torchhal.kernels.triton_rows import compute_dtype
 
 log = telemetry.get_logger("torchhal.kernels.cross_entropy")
 
@@ -274,7 +275,7 @@ def linear_cross_entropy(
     h, t, b = _flat(hidden, target, bias)
     losses, _ = _chunked(plan, h, weight, t, b, ignore_index, label_smoothing, None)
     n_valid = _n_valid(t, ignore_index) if reduction == "mean" else None
-    return _reduce(losses, target, n_valid, reduction, hidden.dtype)
+    return _reduce(losses, target, n_valid, reduction, compute_dtype(hidden.dtype))
 
 
 def _rounded(
@@ -312,7 +313,7 @@ def linear_cross_entropy_forward(
     scale = (1.0 / n_valid).reshape(1) if n_valid is not None else torch.ones(1, device=hidden.device)
     losses, grads = _chunked(plan, h, weight, t, b, ignore_index, label_smoothing, scale)
     assert grads is not None
-    loss = _reduce(losses, target, n_valid, reduction, hidden.dtype)
+    loss = _reduce(losses, target, n_valid, reduction, compute_dtype(hidden.dtype))
     return (loss, *_rounded(grads, hidden, b))
 
 

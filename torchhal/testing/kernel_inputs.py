@@ -259,13 +259,16 @@ def _linear_cross_entropy_backward(g: torch.Generator) -> list[Case]:
 
 def _saved_linear_cross_entropy_forward(case: Case, dtype: torch.dtype, registry: KernelRegistry) -> Case:
     """(grad_loss, hidden, weight, target[, bias]) cast, then the backward's arguments as autograd
-    passes them: the forward reference's gradients, and the inputs only for "none" (else None)."""
+    passes them: grad_loss in the loss's dtype, the forward reference's gradients, and the inputs
+    only for "none" (else None)."""
     grad_loss, hidden, weight, target, *rest = cast(case, dtype).args
     bias = rest[0] if rest else None
     kwargs = dict(case.kwargs)
-    _, *grads = registry.op("linear_cross_entropy_forward").reference(hidden, weight, target, bias, **kwargs)
+    forward = registry.op("linear_cross_entropy_forward").reference
+    loss, *grads = forward(hidden, weight, target, bias, **kwargs)
     saved = (hidden, weight, target, bias) if kwargs.get("reduction") == "none" else (None,) * 4
-    return Case(case.label, (grad_loss, *grads, *saved), kwargs)
+    # in the loss's dtype (fp32 for half inputs), as autograd passes it
+    return Case(case.label, (grad_loss.to(loss.dtype), *grads, *saved), kwargs)
 
 
 CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases per op
