@@ -10,4 +10,4 @@ from torchhal.hal_core import telemetry
 @pytest.fixture(autouse=True)
 def _unconfigured_telemetry():
     yield
-    telemetry.configure(exporter="none", log_level="warning", log_format="console")
+    telemetry.reset()

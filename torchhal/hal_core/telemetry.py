@@ -81,6 +81,16 @@ def configure(
             _install_exporter(exporter)
 
 
+def reset() -> None:
+    """Back to the unconfigured state: no exporter, warning-level console logs to sys.stderr as it
+    is when a line is written. For tests: `configure` never unsets a log stream, so one test's
+    would otherwise take the next tests' lines."""
+    configure(exporter="none", log_level="warning", log_format="console")
+    with _state.lock:
+        _state.log_stream = None
+        _Logger.reset_all()
+
+
 def _install_exporter(exporter: str) -> None:
     _state.span_exporter = _state.metric_reader = None
     _state.instruments.clear()
