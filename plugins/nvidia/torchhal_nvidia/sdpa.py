@@ -150,10 +150,10 @@ def sdpa_flash_backward(
     window: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from FlashAttention-2's backward, GQA gradients summed over each group by it."""
-    seed, offset = _no_dropout_rng(q.device)
+    rng = _unread_rng(q.device)
     grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
         grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous(),
-        None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale,
+        None, None, q.shape[2], k.shape[2], 0.0, causal, rng, rng, scale=scale,
     )  # fmt: skip
     return _contiguous(grads)
 
@@ -185,18 +185,18 @@ def sdpa_cudnn_backward(
     window: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from cuDNN's backward (grad_out laid out as out: see the module docstring)."""
-    seed, offset = _no_dropout_rng(q.device)
+    rng = _unread_rng(q.device)
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous().unsqueeze(-1),
-        seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
     )  # fmt: skip
     return _contiguous(grads)
 
 
-def _no_dropout_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backwards' dropout seed and offset: with dropout 0 they are not read, but must be tensors."""
-    seed = torch.zeros((), dtype=torch.int64, device=device)
-    return seed, seed
+def _unread_rng(device: torch.device) -> torch.Tensor:
+    """The backwards' dropout seed and offset: with dropout 0 neither is read, but each must be a
+    tensor. Empty, not zeros: a fill would launch a kernel on every backward."""
+    return torch.empty((), dtype=torch.int64, device=device)
 
 
 def _contiguous(grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
