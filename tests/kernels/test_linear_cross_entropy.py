@@ -5,7 +5,6 @@ the chunk plan, bad input, and the custom ops under torch.compile."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import pytest
@@ -559,7 +558,7 @@ def _small_chunks(min_rows):
     rule = lce.ChunkPlan.chunk_rows
 
     def chunk_rows(self, tokens, hidden, vocab):
-        return rule(dataclasses.replace(self, min_rows=min_rows), tokens, hidden, vocab)
+        return rule(self._replace(min_rows=min_rows), tokens, hidden, vocab)
 
     return chunk_rows
 

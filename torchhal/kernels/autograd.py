@@ -29,8 +29,7 @@ import functools
 import inspect
 import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -48,8 +47,7 @@ Dispatch = Callable[..., Any]
 """`dispatch(op, *args)`: run registry op `op` on the device of its first tensor."""
 
 
-@dataclass(frozen=True)
-class AutogradSpec:
+class AutogradSpec(NamedTuple):
     """How one op differentiates: which registry ops run forward and backward, and what is saved."""
 
     op: str  # registry op for calls that need no gradient

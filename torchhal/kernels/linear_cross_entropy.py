@@ -44,7 +44,6 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -102,8 +101,7 @@ def min_chunk_rows(caps: DeviceCapabilities) -> int:
     return min(high, max(low, rows))
 
 
-@dataclass(frozen=True)
-class ChunkPlan:
+class ChunkPlan(NamedTuple):
     """How the Triton candidates split the tokens, and how their row kernel launches."""
 
     launch: RowLaunch

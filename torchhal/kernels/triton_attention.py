@@ -1,8 +1,9 @@
 """The Triton FlashAttention candidates: what they accept, and their callables bound to a device.
 
-Kernels live in `triton_attention_kernels` (imported on first bind, as it imports triton);
-tile sizes come from `triton_attention_config.launch_configs(caps, ...)`, computed once per
-(device, head dim, dtype). The candidates take any strides and return contiguous tensors.
+Kernels live in `triton_attention_kernels` (it imports triton); tile sizes come from
+`triton_attention_config.launch_configs(caps, ...)`, computed once per (device, head dim,
+dtype). Both are imported on first bind, so discovery never pays for them. The candidates take
+any strides and return contiguous tensors.
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ import torch
 
 from torchhal.hal_core import DeviceCapabilities, KernelRegistry, RejectionReason, Unsupported
 from torchhal.kernels._checks import PROVIDER
-from torchhal.kernels.triton_attention_config import LaunchConfigs, launch_configs
 from torchhal.kernels.triton_rows import triton_unsupported, unbound
 
 if TYPE_CHECKING:
+    from torchhal.kernels.triton_attention_config import LaunchConfigs
     from torchhal.kernels.triton_attention_kernels import Problem
 
 MAX_HEAD_DIM = 256  # padded q/k/v tiles beyond this leave no registers for the scores
@@ -70,6 +71,7 @@ class _Configs:
         self._made: dict[tuple[int, int], LaunchConfigs] = {}
 
     def of(self, q: torch.Tensor) -> LaunchConfigs:
+        from torchhal.kernels.triton_attention_config import launch_configs
         from torchhal.kernels.triton_attention_kernels import padded_head_dim
 
         key = (padded_head_dim(q.shape[-1]), q.element_size())

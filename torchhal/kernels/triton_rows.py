@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -131,8 +131,7 @@ def layout_unsupported(rows: bool) -> Unsupported | None:
     return None
 
 
-@dataclass(frozen=True)
-class RowLaunch:
+class RowLaunch(NamedTuple):
     """Launch configuration of the row kernels, from SIMD width and compute units (never per vendor)."""
 
     simd_width: int

@@ -9,13 +9,12 @@ A SKU whose figures could not be sourced has no entry: its devices report no dec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from torchhal.hal_core import DeclaredPeaks, DType
 
 
-@dataclass(frozen=True, slots=True)
-class Sku:
+class Sku(NamedTuple):
     names: tuple[str, ...]  # device names as torch.cuda.get_device_properties reports them
     peaks: DeclaredPeaks
     nvlink_gbps: float | None = None

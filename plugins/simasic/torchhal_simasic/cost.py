@@ -41,7 +41,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from torchhal.hal_core import DType, InvalidArgumentError, UnsupportedError
 
@@ -82,8 +82,7 @@ class Reuse(_ValueEnum):
     NONE = "none"  # not even one A and one B panel fit: each tile streams its own panels
 
 
-@dataclass(frozen=True, slots=True)
-class Matmul:
+class Matmul(NamedTuple):
     """`count` independent M×K×N matmuls of one op, run on the array back to back."""
 
     m: int
@@ -92,8 +91,7 @@ class Matmul:
     count: int = 1
 
 
-@dataclass(frozen=True, slots=True)
-class OpCost:
+class OpCost(NamedTuple):
     """Simulated cost of one op. `utilisation` is achieved ÷ peak of the resource that bounds it:
     FLOP/s against the array's peak for the dtype when compute-bound, bytes/s against the
     memory bandwidth when memory-bound; both over the whole op time, overhead included."""

@@ -85,11 +85,12 @@ def register_simasic_kernels(
 def _binder(
     workload: Workload, spec: SimASICSpec, states: Sequence[DeviceState], reference: Reference
 ) -> Callable[[DeviceCapabilities], Kernel]:
-    """The `bind` hook: a kernel charging the selected device (capabilities' index)."""
-    parameters = inspect.signature(reference)
+    """The `bind` hook: a kernel charging the selected device (capabilities' index). The
+    reference's signature is read at bind, not at discovery, which registers every op."""
 
     def bind(caps: DeviceCapabilities) -> Kernel:
         state = states[caps.index]
+        parameters = inspect.signature(reference)
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
             outputs = reference(*args, **kwargs)

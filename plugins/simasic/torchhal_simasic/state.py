@@ -9,8 +9,7 @@ from __future__ import annotations
 import math
 import threading
 import weakref
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from torchhal.hal_core import DeviceOutOfMemoryError, InvalidArgumentError
 
@@ -109,8 +108,7 @@ class SimulatedTimer:
         return (end - start) * 1e3
 
 
-@dataclass(frozen=True)
-class DeviceState:
+class DeviceState(NamedTuple):
     """Everything simulated about one device."""
 
     device: str
