@@ -13,8 +13,11 @@ nothing from an earlier run is recalled) picks candidates on the first call of e
   autograd (the kernels alone), against the fastest forward plus the fastest backward called
   directly (the best pairing), and against `scaled_dot_product_attention` with autograd pinned to
   each SDPA backend (what a PyTorch user gets).
-Timed with triton.testing.do_bench in five interleaved rounds (the order rotating), median of the
-rounds. Target: ops.attention >= 0.97x the fastest candidate on every shape, in both modes.
+Timed with triton.testing.do_bench (median of its repetitions) in `--rounds` interleaved rounds,
+the order rotating. A variant's time is the median of its rounds; a peer's ratio is the median over
+rounds of peer / ops.attention in the same round (paired, so drifts the rounds share cancel). The
+fastest peer is the one with the lowest median time. Target: ops.attention >= 0.97x the fastest
+candidate on every shape, in both modes.
 """
 
 from __future__ import annotations
@@ -35,17 +38,36 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import torchhal
 from torchhal.hal_core.settings import Settings
 
-TOKENS, HIDDEN, ROUNDS = 16 * 1024, 2048, 5
+TOKENS, HIDDEN = 16 * 1024, 2048
 TARGET = 0.97
+BEST_PAIRING = "best pairing (fastest fwd + fastest bwd, alone)"
 
 
-def _median_times(variants: dict[str, Callable[[], object]]) -> dict[str, float]:
+def _round_times(variants: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Each variant's time (ms) in each round."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
-    for i in range(ROUNDS):  # the order rotates, so no variant always runs right after the slowest
+    for i in range(rounds):  # the order rotates, so no variant always runs right after the slowest
         for name in names[i % len(names) :] + names[: i % len(names)]:
-            times[name].append(triton.testing.do_bench(variants[name], warmup=10, rep=60))
-    return {name: statistics.median(t) for name, t in times.items()}
+            times[name].append(
+                triton.testing.do_bench(variants[name], warmup=10, rep=60, return_mode="median")
+            )
+    return times
+
+
+def _verdict(times: dict[str, list[float]], peers: list[str]) -> dict:
+    """Median times, the fastest peer, and each peer's paired ratio to ops.attention."""
+    ms = {name: statistics.median(t) for name, t in times.items()}
+    ops = times["ops.attention"]
+    paired = {p: statistics.median(a / b for a, b in zip(times[p], ops, strict=True)) for p in peers}
+    fastest = min(peers, key=ms.__getitem__)
+    return {
+        "ms": ms,
+        "round_ms": times,
+        "paired_ratio": paired,
+        "fastest": fastest,
+        "ratio_vs_fastest": paired[fastest],
+    }
 
 
 def _bind(fn: Callable[..., object], args: tuple) -> Callable[[], object]:
@@ -66,7 +88,9 @@ def _qkv(seqlen: int, dim: int, grad: bool) -> tuple[torch.Tensor, ...]:
     )
 
 
-def forward_row(hal: torchhal.HardwareAbstractionLayer, seqlen: int, dim: int, causal: bool) -> dict:
+def forward_row(
+    hal: torchhal.HardwareAbstractionLayer, seqlen: int, dim: int, causal: bool, rounds: int
+) -> dict:
     q, k, v = _qkv(seqlen, dim, grad=False)
     args = (q, k, v, causal, None, None)
     device = hal.device_for_tensor(q)
@@ -78,8 +102,7 @@ def forward_row(hal: torchhal.HardwareAbstractionLayer, seqlen: int, dim: int, c
     for cand in contenders:
         fn = hal.kernels.bound(cand, device)
         variants[cand.qualified_name] = _bind(fn, args)
-    ms = _median_times(variants)
-    fastest = min((n for n in ms if n != "ops.attention"), key=ms.__getitem__)
+    verdict = _verdict(_round_times(variants, rounds), [n for n in variants if n != "ops.attention"])
     return {
         "mode": "forward",
         "seqlen": seqlen,
@@ -87,14 +110,14 @@ def forward_row(hal: torchhal.HardwareAbstractionLayer, seqlen: int, dim: int, c
         "causal": causal,
         "selected": selection.candidate.qualified_name,
         "measured_at_selection_ms": dict(selection.timings_ms),
-        "ms": ms,
-        "fastest": fastest,
-        "ratio_vs_fastest": ms[fastest] / ms["ops.attention"],
-        "ratio_vs_selected_direct": ms[selection.candidate.qualified_name] / ms["ops.attention"],
+        **verdict,
+        "ratio_vs_selected_direct": verdict["paired_ratio"][selection.candidate.qualified_name],
     }
 
 
-def training_row(hal: torchhal.HardwareAbstractionLayer, seqlen: int, dim: int, causal: bool) -> dict:
+def training_row(
+    hal: torchhal.HardwareAbstractionLayer, seqlen: int, dim: int, causal: bool, rounds: int
+) -> dict:
     q, k, v = _qkv(seqlen, dim, grad=True)
     dout = torch.randn_like(q)
     args = (q.detach(), k.detach(), v.detach(), causal, None, None)
@@ -125,13 +148,15 @@ def training_row(hal: torchhal.HardwareAbstractionLayer, seqlen: int, dim: int, 
             return torch.autograd.grad(out, (q, k, v), dout)
 
         variants[f"sdpa autograd {backend.name.lower()}"] = sdpa_step
-    ms = _median_times(variants)
-    best_pairing = sum(
-        min(t for name, t in ms.items() if name.startswith(f"alone {kind} ")) for kind in ("fwd", "bwd")
-    )
-    peers = {name: t for name, t in ms.items() if name.startswith(("pair ", "sdpa autograd "))}
-    peers["best pairing (fastest fwd + fastest bwd, alone)"] = best_pairing
-    fastest = min(peers, key=peers.__getitem__)
+    times = _round_times(variants, rounds)
+    alone = {
+        kind: [t for name, t in times.items() if name.startswith(f"alone {kind} ")] for kind in ("fwd", "bwd")
+    }
+    # the best pairing, round by round: that round's fastest forward plus its fastest backward
+    times[BEST_PAIRING] = [
+        min(t[i] for t in alone["fwd"]) + min(t[i] for t in alone["bwd"]) for i in range(rounds)
+    ]
+    peers = [n for n in times if n.startswith(("pair ", "sdpa autograd ")) or n == BEST_PAIRING]
     return {
         "mode": "training",
         "seqlen": seqlen,
@@ -145,9 +170,7 @@ def training_row(hal: torchhal.HardwareAbstractionLayer, seqlen: int, dim: int, 
             "forward": dict(fwd_selection.timings_ms),
             "backward": dict(bwd_selection.timings_ms),
         },
-        "ms": {**ms, "best pairing (fastest fwd + fastest bwd, alone)": best_pairing},
-        "fastest": fastest,
-        "ratio_vs_fastest": peers[fastest] / ms["ops.attention"],
+        **_verdict(times, peers),
     }
 
 
@@ -158,6 +181,7 @@ def main() -> None:
     )
     parser.add_argument("--seqlens", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192, 16384])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--out")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -171,7 +195,7 @@ def main() -> None:
             for dim in args.head_dims:
                 for causal in (False, True):
                     for seqlen in args.seqlens:
-                        r = row_of[mode](hal, seqlen, dim, causal)
+                        r = row_of[mode](hal, seqlen, dim, causal, args.rounds)
                         rows.append(r)
                         print(
                             f"{mode} d{dim} {'causal' if causal else 'full'} s{seqlen} selected "
