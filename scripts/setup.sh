@@ -12,6 +12,12 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 .venv/bin/python -c 'import torch' 2>/dev/null || "${pip[@]}" torch==2.13.0
 extras=""
 [ "${1:-}" = "dev" ] && extras="[dev]"
+# The tests run Triton's interpreter: where torch brought no triton (a CPU build), install the
+# GPU hosts' version. A CUDA torch pins its own (torch 2.13 wants 3.7.1); an exact pin here would
+# make pip swap that torch for an older one.
+if [ -n "$extras" ] && [ "$(uname -s)" = Linux ] && ! .venv/bin/python -c 'import triton' 2>/dev/null; then
+  "${pip[@]}" triton==3.6.0
+fi
 "${pip[@]}" -e ".${extras}"
 # The plugins depend on torchhal, which is not on PyPI: install them once it is installed here.
 "${pip[@]}" plugins/nvidia plugins/amd plugins/intel plugins/simasic
