@@ -16,6 +16,7 @@ from torchhal.kernels import attention as _attention
 from torchhal.kernels import attention_varlen as _attention_varlen
 from torchhal.kernels import layer_norm as _layer_norm
 from torchhal.kernels import linear_cross_entropy as _linear_cross_entropy
+from torchhal.kernels import matmul as _matmul
 from torchhal.kernels import rms_norm as _rms_norm
 from torchhal.kernels import rope as _rope
 from torchhal.kernels import swiglu as _swiglu
@@ -84,16 +85,13 @@ def _bind_default(
     return call
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _dispatch("matmul", a, b)  # type: ignore[no-any-return]
-
-
 def _public(spec: AutogradSpec) -> Callable[..., Any]:
     """The op's DifferentiableOp as its bound `__call__`: calling the instance would go through
     its type's call slot, a tenth of a µs more on every op call."""
     return DifferentiableOp(spec, _dispatch, _dispatch_seen).__call__
 
 
+_MATMUL = _public(_matmul.AUTOGRAD)
 _RMS_NORM = _public(_rms_norm.AUTOGRAD)
 _LAYER_NORM = _public(_layer_norm.AUTOGRAD)
 _SWIGLU = _public(_swiglu.SWIGLU_AUTOGRAD)
@@ -101,6 +99,11 @@ _GEGLU = _public(_swiglu.GEGLU_AUTOGRAD)
 _ROPE = _public(_rope.AUTOGRAD)
 _ATTENTION = _public(_attention.AUTOGRAD)
 _ATTENTION_VARLEN = _public(_attention_varlen.AUTOGRAD)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b, as torch.matmul (broadcast batch dimensions, vector operands)."""
+    return _MATMUL(a, b)  # type: ignore[no-any-return]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torchhal.kernels
 from torchhal.hal_core import DeviceNotFoundError, Feature, hookimpl
 from torchhal.hal_core.hal import HardwareAbstractionLayer
 from torchhal.hal_core.settings import Settings
-from torchhal.kernels import layer_norm, plugin, rms_norm, rope, swiglu
+from torchhal.kernels import layer_norm, matmul, plugin, rms_norm, rope, swiglu
 from torchhal.kernels.autograd import AutogradSpec, DifferentiableOp
 from torchhal.testing import tolerance
 
@@ -192,6 +192,7 @@ class RowOps:
 
     def __init__(self) -> None:
         self.hal: HardwareAbstractionLayer | None = None
+        self.matmul = DifferentiableOp(matmul.AUTOGRAD, self.dispatch, namespace=TEST_NAMESPACE)
         self.rms_norm = DifferentiableOp(rms_norm.AUTOGRAD, self.dispatch, namespace=TEST_NAMESPACE)
         self.layer_norm = DifferentiableOp(layer_norm.AUTOGRAD, self.dispatch, namespace=TEST_NAMESPACE)
         self.swiglu = DifferentiableOp(swiglu.SWIGLU_AUTOGRAD, self.dispatch, namespace=TEST_NAMESPACE)

@@ -22,11 +22,11 @@ def _spy(hal, op, calls):
     hal.kernels.register(op, "spy", spy, provider="test", priority=100)
 
 
-OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "rope")
+OPS = ("matmul", "rms_norm", "layer_norm", "swiglu", "geglu", "rope")
 BACKWARD_OPS = tuple(f"{op}_backward" for op in OPS)
 REGISTRY_OPS = (*OPS, "layer_norm_forward", *BACKWARD_OPS)
 # what runs with gradients, and under torch.compile: each op's training forward and its backward
-TRAINING_OPS = ("rms_norm", "layer_norm_forward", "swiglu", "geglu", "rope", *BACKWARD_OPS)
+TRAINING_OPS = ("matmul", "rms_norm", "layer_norm_forward", "swiglu", "geglu", "rope", *BACKWARD_OPS)
 
 
 @pytest.fixture
@@ -149,6 +149,7 @@ def test_compile_fullgraph_uses_the_custom_ops(fresh_ops, calls):
 
     def block(x, w, b, q, k, cos, sin):
         h = fresh_ops.layer_norm(fresh_ops.rms_norm(x * 2, w, 1e-6), w, b, 1e-5)
+        h = fresh_ops.matmul(h, fresh_ops.matmul(w.unsqueeze(1), w.unsqueeze(0)))  # (9, 32) @ (32, 32)
         gate, up = h.chunk(2, dim=-1)
         q2, k2 = fresh_ops.rope(q, k, cos, sin)
         gated = fresh_ops.swiglu(gate, up) + fresh_ops.geglu(up, gate)
@@ -175,6 +176,8 @@ def test_custom_op_registrations_pass_opcheck(plain_ops, op):
     b, dy = torch.randn(33, requires_grad=True), torch.randn(9, 33)
     q, k, cos, sin = _rope_inputs(grad=True)
     args = {
+        "matmul": (x, torch.randn(33, 7, requires_grad=True)),
+        "matmul_backward": (torch.randn(9, 7), x.detach(), torch.randn(33, 7)),
         "rms_norm": (x, w, 1e-6),
         "rms_norm_backward": (dy, x.detach(), w.detach(), 1e-6),
         "layer_norm_forward": (x, w, b, 1e-5),

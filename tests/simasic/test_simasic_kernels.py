@@ -6,7 +6,8 @@ import gc
 
 import pytest
 import torch
-from torchhal_simasic.cost import elementwise_cost, matmul_cost
+from torchhal_simasic import workloads
+from torchhal_simasic.cost import Matmul, elementwise_cost, matmul_cost, op_cost
 from torchhal_simasic.workloads import attention_cost, matmul_dims
 
 import torchhal
@@ -40,6 +41,46 @@ def test_batched_bf16_matmul(sim_hal, tiny):
         out = torchhal.ops.matmul(a, b)
     assert torch.equal(out, torch.matmul(a, b))
     assert _clock(dev) == matmul_cost(spec, 5, 9, 6, DType.BF16, batch=3).time_s
+
+
+def test_matmul_gradients_are_computed_and_charged(sim_hal, tiny):
+    """The backward's two products (da = g·bᵀ: 13×11×37, db = aᵀ·g: 37×13×11) go through the
+    registry's matmul_backward, so the device's clock and ledger see them."""
+    spec = tiny()
+    hal = sim_hal(spec)
+    a, b = torch.randn(13, 37, requires_grad=True), torch.randn(37, 11, requires_grad=True)
+    grad = torch.randn(13, 11)
+    with hal.use("simasic:0") as dev:
+        out = torchhal.ops.matmul(a, b)
+        forward = _clock(dev)
+        out.backward(grad)
+        assert hal.kernels.select("matmul_backward", dev, grad, a, b).candidate.qualified_name == (
+            "simasic/simasic"
+        )
+    torch.testing.assert_close(a.grad, grad @ b.detach().t())
+    torch.testing.assert_close(b.grad, a.detach().t() @ grad)
+    assert forward == matmul_cost(spec, 13, 37, 11, DType.FP32).time_s
+    backward = op_cost(spec, "matmul_backward", DType.FP32, [Matmul(13, 11, 37), Matmul(37, 13, 11)])
+    assert _clock(dev) == forward + backward.time_s
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "partials"),
+    [
+        ((3, 5, 7), (7, 4), 0),  # a's batch folds into its rows: no partial gradients
+        ((3, 5, 7), (3, 7, 4), 0),  # equal batches
+        ((3, 5, 7), (1, 7, 4), 3 * 7 * 4),  # b broadcast over 3: db summed from 3 partials
+        ((7,), (3, 7, 4), 3 * 7),  # the vector a broadcast over 3
+    ],
+)
+def test_matmul_backward_streams_the_partials_of_broadcast_operands(tiny, a, b, partials):
+    spec = tiny()
+    ta, tb = torch.randn(a), torch.randn(b)
+    grad = torch.randn(torch.matmul(ta, tb).shape)
+    batch, m, k, n = matmul_dims(a, b)
+    cost = workloads.matmul_backward(spec, (), grad_out=grad, a=ta, b=tb)
+    products = [Matmul(m, n, k, batch), Matmul(k, m, n, batch)]
+    assert cost == op_cost(spec, "matmul_backward", DType.FP32, products, 2 * partials * 4)
 
 
 @pytest.mark.parametrize(

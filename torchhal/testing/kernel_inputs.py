@@ -73,6 +73,19 @@ def _matmul(g: torch.Generator) -> list[Case]:
     ]
 
 
+def _matmul_backward(g: torch.Generator) -> list[Case]:
+    """grad_out of the product's shape, then a and b: 2-D, batched over a 2-D b, and b broadcast
+    over a's batch."""
+    return [
+        Case("grad 7x5, 7x13 @ 13x5", (_randn(g, 7, 5), _randn(g, 7, 13), _randn(g, 13, 5))),
+        Case("grad 3x9x6, 3x9x17 @ 17x6", (_randn(g, 3, 9, 6), _randn(g, 3, 9, 17), _randn(g, 17, 6))),
+        Case(
+            "grad 2x3x4x5, 2x3x4x7 @ 1x3x7x5 (b broadcast)",
+            (_randn(g, 2, 3, 4, 5), _randn(g, 2, 3, 4, 7), _randn(g, 1, 3, 7, 5)),
+        ),
+    ]
+
+
 def _rms_norm(g: torch.Generator) -> list[Case]:
     return [
         Case("5x123", (_randn(g, 5, 123), 1 + _randn(g, 123, scale=0.1))),
@@ -273,6 +286,7 @@ def _saved_linear_cross_entropy_forward(case: Case, dtype: torch.dtype, registry
 
 CASES: dict[str, Callable[[torch.Generator], list[Case]]] = {  # fp32 host cases per op
     "matmul": _matmul,
+    "matmul_backward": _matmul_backward,
     "rms_norm": _rms_norm,
     "rms_norm_backward": _rms_norm_backward,
     "layer_norm": _layer_norm,

@@ -7,6 +7,8 @@ s is the element size of the op's dtype; statistics (lse, mean, rstd, the row su
 fp32 by the ops' contract, so 4 bytes each.
 
 - matmul: the product, batch dimensions folded as torch.matmul folds them (`matmul_dims`).
+  matmul_backward: the two gradient products; an operand broadcast over the batch also streams
+  its per-batch partial gradients out and back in for the sum.
 - rms_norm, layer_norm, swiglu, geglu, rope and their training ops (`_forward`,
   `_backward`): no array work; every tensor argument is read once and every result written
   once (the minimum traffic of a fused row or element-wise kernel).
@@ -158,6 +160,22 @@ def matmul(spec: SimASICSpec, results: Results, *, a: torch.Tensor, b: torch.Ten
     return matmul_cost(spec, m, k, n, _dtype(a), batch=batch)
 
 
+def matmul_backward(
+    spec: SimASICSpec, results: Results, *, grad_out: torch.Tensor, a: torch.Tensor, b: torch.Tensor
+) -> OpCost:
+    """da = grad_out @ bᵀ (M×N×K) and db = aᵀ @ grad_out (K×M×N), `batch` of each; where an
+    operand was broadcast over the batch, its per-batch partial gradients are written and read
+    back for the sum (streamed)."""
+    batch, m, k, n = matmul_dims(a.shape, b.shape)
+    partials = (batch * m * k if a.numel() < batch * m * k else 0) + (
+        batch * k * n if b.numel() < batch * k * n else 0
+    )
+    streamed_bytes = 2 * partials * a.element_size()
+    return op_cost(
+        spec, "matmul_backward", _dtype(a), [Matmul(m, n, k, batch), Matmul(k, m, n, batch)], streamed_bytes
+    )
+
+
 def dense_attention(pass_: Pass) -> Workload:
     """attention, attention_forward or attention_backward (all take q, k and v by those names)."""
 
@@ -271,6 +289,7 @@ STREAMED_OPS = (
 )
 ARRAY_WORKLOADS: dict[str, Workload] = {  # ops with matmuls: they need the dtype's MAC rate
     "matmul": matmul,
+    "matmul_backward": matmul_backward,
     **{f"attention{p.value}": dense_attention(p) for p in Pass},
     **{f"attention_varlen{p.value}": packed_attention(p) for p in Pass},
     "linear_cross_entropy": linear_cross_entropy,
