@@ -34,8 +34,10 @@ def _activation(g, ACT: tl.constexpr):
         return g * s, s * (1.0 + g * (1.0 - s))
     else:
         g2 = g * g
-        s = tl.sigmoid(2.0 * _GELU_K * g * (1.0 + _GELU_C * g2))
-        return g * s, s + g * s * (1.0 - s) * (2.0 * _GELU_K) * (1.0 + 3.0 * _GELU_C * g2)
+        # tensors on the left of the constants: Triton 3.7's interpreter turns `constexpr * tensor`
+        # into a constexpr wrapping the tensor, which tl.sigmoid then refuses
+        s = tl.sigmoid(g * (2.0 * _GELU_K) * (1.0 + g2 * _GELU_C))
+        return g * s, s + g * s * (1.0 - s) * (2.0 * _GELU_K) * (1.0 + g2 * (3.0 * _GELU_C))
 
 
 @triton.jit
