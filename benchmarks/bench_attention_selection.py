@@ -43,7 +43,7 @@ TARGET = 0.97
 BEST_PAIRING = "best pairing (fastest fwd + fastest bwd, alone)"
 
 
-def _round_times(variants: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+def round_times(variants: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
     """Each variant's time (ms) in each round."""
     times: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
@@ -55,11 +55,16 @@ def _round_times(variants: dict[str, Callable[[], object]], rounds: int) -> dict
     return times
 
 
+def paired_ratios(times: dict[str, list[float]], names: list[str]) -> dict[str, float]:
+    """Each name's median over rounds of its time / ops.attention's time in the same round."""
+    ops = times["ops.attention"]
+    return {n: statistics.median(a / b for a, b in zip(times[n], ops, strict=True)) for n in names}
+
+
 def _verdict(times: dict[str, list[float]], peers: list[str]) -> dict:
     """Median times, the fastest peer, and each peer's paired ratio to ops.attention."""
     ms = {name: statistics.median(t) for name, t in times.items()}
-    ops = times["ops.attention"]
-    paired = {p: statistics.median(a / b for a, b in zip(times[p], ops, strict=True)) for p in peers}
+    paired = paired_ratios(times, peers)
     fastest = min(peers, key=ms.__getitem__)
     return {
         "ms": ms,
@@ -102,7 +107,7 @@ def forward_row(
     for cand in contenders:
         fn = hal.kernels.bound(cand, device)
         variants[cand.qualified_name] = _bind(fn, args)
-    verdict = _verdict(_round_times(variants, rounds), [n for n in variants if n != "ops.attention"])
+    verdict = _verdict(round_times(variants, rounds), [n for n in variants if n != "ops.attention"])
     return {
         "mode": "forward",
         "seqlen": seqlen,
@@ -148,7 +153,7 @@ def training_row(
             return torch.autograd.grad(out, (q, k, v), dout)
 
         variants[f"sdpa autograd {backend.name.lower()}"] = sdpa_step
-    times = _round_times(variants, rounds)
+    times = round_times(variants, rounds)
     alone = {
         kind: [t for name, t in times.items() if name.startswith(f"alone {kind} ")] for kind in ("fwd", "bwd")
     }

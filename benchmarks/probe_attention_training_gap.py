@@ -5,8 +5,8 @@ Per shape (bf16, batch x seqlen = 16k tokens, hidden 2048, full attention), thre
 cuDNN's forward and backward: `torchhal.ops.attention` under autograd (measured selection on, in a
 fresh cache), the NVIDIA plugin's two candidates called directly (no autograd), and SDPA pinned to
 cuDNN under autograd. For each: the GPU kernels of five steps (torch.profiler, per step), and the
-steps timed in `--rounds` rotating rounds (triton's do_bench, median of its repetitions), each
-peer's ratio the median over rounds of peer / ops (paired).
+steps timed as bench_attention_selection times them (`round_times`: `--rounds` rotating rounds of
+do_bench medians; `paired_ratios`: each peer's median over rounds of peer / ops).
 
     python3 benchmarks/probe_attention_training_gap.py [--shapes 64:2048 128:2048 128:4096]
         [--rounds 21] [--out FILE]
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton.testing
+from bench_attention_selection import paired_ratios, round_times
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 from torchhal_nvidia.sdpa import sdpa_cudnn_backward, sdpa_cudnn_forward
@@ -104,14 +104,7 @@ def main() -> None:
                 ).candidate.qualified_name,
             }
             profiles = {name: kernels(step) for name, step in variants.items()}
-            times: dict[str, list[float]] = {name: [] for name in variants}
-            names = list(variants)
-            for i in range(args.rounds):
-                for name in names[i % len(names) :] + names[: i % len(names)]:
-                    times[name].append(
-                        triton.testing.do_bench(variants[name], warmup=10, rep=60, return_mode="median")
-                    )
-            ops = times["ops.attention"]
+            times = round_times(variants, args.rounds)
             rows.append(
                 {
                     "head_dim": dim,
@@ -121,10 +114,7 @@ def main() -> None:
                     "gpu_us": {name: sum(p.values()) for name, p in profiles.items()},
                     "round_ms": times,
                     "median_ms": {name: statistics.median(t) for name, t in times.items()},
-                    "paired_ratio": {
-                        name: statistics.median(a / b for a, b in zip(t, ops, strict=True))
-                        for name, t in times.items()
-                    },
+                    "paired_ratio": paired_ratios(times, list(times)),
                 }
             )
     if args.out:
