@@ -59,3 +59,15 @@ def test_mismatched_inner_dimensions_are_refused(plain_hal):
         InvalidArgumentError, match=r"matmul: inner dimensions must agree, got a \(5, 6\) and b \(5, 4\)"
     ):
         plain_hal.kernels.call("matmul", plain_hal.device("cpu"), torch.randn(5, 6), torch.randn(5, 4))
+
+
+def test_batch_dimensions_that_do_not_broadcast_are_refused(fresh_ops):
+    """Refused by validation, not by the kernel: a kernel's error would be logged as a failure and
+    counted against it."""
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"matmul: batch dimensions must broadcast, got a \(2, 3, 4\) and b \(5, 4, 6\)",
+    ):
+        fresh_ops.matmul(torch.randn(2, 3, 4), torch.randn(5, 4, 6))
+    a, b = torch.randn(2, 3, 4), torch.randn(1, 4, 6)  # the same signature, valid: still runs
+    torch.testing.assert_close(fresh_ops.matmul(a, b), torch.matmul(a, b))

@@ -147,6 +147,26 @@ def test_the_adapter_registers_sdpa_candidates_that_only_its_devices_accept():
         assert "does not list kernel backend 'cudnn-attention'" in rejected["nvidia/sdpa_cudnn"].detail
 
 
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_training_pair_binds_to_this_torchs_private_aten_schemas(backend, causal):
+    """The training pair calls ATen's private ops behind SDPA by position, and their schemas are
+    not a public API. On meta tensors the calls run through this torch's schema and meta
+    functions, so a release that moves an argument fails here, on the CPU, not on the GPU."""
+    from torchhal_nvidia import sdpa
+
+    forward = getattr(sdpa, f"sdpa_{backend}_forward")
+    backward = getattr(sdpa, f"sdpa_{backend}_backward")
+    seq_k = 16 if causal else 24
+    q = torch.empty(2, 4, 16, 64, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 2, seq_k, 64, dtype=torch.bfloat16, device="meta")  # GQA: two q heads a kv head
+    out, lse = forward(q, k, k, causal=causal, scale=0.1)
+    assert (out.shape, out.dtype, lse.shape, lse.dtype) == (q.shape, q.dtype, (2, 4, 16), torch.float32)
+    dq, dk, dv = backward(torch.empty_like(out), q, k, k, out, lse, causal=causal, scale=0.1)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, k.shape)
+    assert dq.dtype == dk.dtype == dv.dtype == q.dtype
+
+
 def test_h100_declared_peaks_are_the_sxm_datasheet_dense_figures():
     (caps,) = adapter(load("nvidia-h100-sxm")).discover()
     peaks = caps.declared_peaks
