@@ -207,8 +207,37 @@ def test_reference_backward_matches_autograd_through_the_reference():
     out, lse = attention.reference_forward(*leaves, True, 0.7, (9, 2))
     out.backward(grad_out)
     grads = attention.reference_backward(grad_out, q, k, v, out.detach(), lse.detach(), True, 0.7, (9, 2))
-    for got, leaf in zip(grads, leaves, strict=True):  # lse is fp32 by contract: ~1e-7 relative
-        torch.testing.assert_close(got, leaf.grad, rtol=1e-5, atol=1e-6)
+    for got, leaf in zip(grads, leaves, strict=True):  # fp64 throughout, though lse is saved in fp32
+        torch.testing.assert_close(got, leaf.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_reference_pair_keeps_pytorchs_accuracy_at_large_logits(plain_attn, check_error):
+    """Logits in the thousands, fp32, through the reference training pair, against PyTorch's
+    textbook attention (softmax(q kᵀ · scale) v, what SDPA's math backend computes) with autograd.
+    Before: probabilities as exp(scores - lse) from an fp32 lse cost the output ~300x PyTorch's
+    error, and delta as rowsum(dO * O) left rounding in dq where one-hot rows make it ~0."""
+    q, k, v = (30 * t for t in _qkv(1, 2, 2, 33, 33, 16))
+    grad_out = torch.randn(1, 2, 33, 16)
+    assert _selected(plain_attn.hal, "attention_forward", q, k, v, True, None, None) == "reference"
+    visible = attention.allowed_keys(33, 33, True, None, q.device)
+
+    def textbook(q, k, v):
+        scores = (q @ k.transpose(-1, -2) * 0.25).masked_fill(~visible, float("-inf"))
+        return torch.softmax(scores, dim=-1) @ v
+
+    def run(fn, dtype):
+        leaves = [t.to(dtype, copy=True).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        out.backward(grad_out.to(dtype))
+        return [out, *(t.grad for t in leaves)]
+
+    got = run(lambda *t: plain_attn.attention(*t, True, None, None), torch.float32)
+    pytorch = run(textbook, torch.float32)
+    truth = run(lambda *t: attention.reference(*t, True), torch.float64)
+    for name, g, p, t, factor in zip(
+        ("out", "dq", "dk", "dv"), got, pytorch, truth, (2, 3, 3, 3), strict=True
+    ):
+        check_error(name, g, p, t, factor)
 
 
 def test_compile_fullgraph_forward_and_backward(plain_attn):
@@ -264,6 +293,9 @@ def test_bad_shapes_and_dtypes_are_refused(plain_attn, change, message):
         (None, (4, -1), "window must be"),
         (None, (1,), "window"),
         (None, (2.5, 0), r"window must be \(left, right\), two ints >= 0, got \(2.5, 0\)"),
+        (None, 3, r"window must be \(left, right\), two ints >= 0, got 3"),
+        (True, None, "scale must be a finite number, got True"),
+        (10**400, None, "scale must be a finite number"),
     ],
 )
 def test_bad_scale_and_window_are_refused(plain_attn, scale, window, message):
@@ -275,6 +307,42 @@ def test_a_tensor_causal_flag_is_refused(plain_attn):
     """A tensor flag would be memoised by its layout, not its value: refused, naming what was seen."""
     with pytest.raises(InvalidArgumentError, match=r"attention: causal must be a bool, got Tensor"):
         plain_attn.attention(*_qkv(1, 2, 2, 5, 5, 8), torch.tensor(True), None, None)
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_an_integer_causal_flag_is_refused(plain_attn, causal):
+    """SDPA's kernels take only a bool: an int reached them, failed, and demoted them for the
+    shape's valid calls too."""
+    with pytest.raises(InvalidArgumentError, match=rf"attention: causal must be a bool, got int {causal}"):
+        plain_attn.attention(*_qkv(1, 2, 2, 5, 5, 8), causal, None, None)
+
+
+def test_a_window_wider_than_the_sequences_masks_nothing(plain_attn):
+    """The reference clamps the band: i + 2**63 - 1 overflowed int64 and masked every key."""
+    q, k, v = _qkv(1, 2, 2, 5, 7, 8, torch.float64)
+    wide = (2**63 - 1, 2**63 - 1)
+    torch.testing.assert_close(plain_attn.attention(q, k, v, False, None, wide), attention.reference(q, k, v))
+    torch.testing.assert_close(
+        plain_attn.attention(q, k, v, True, None, wide), attention.reference(q, k, v, True), rtol=0, atol=0
+    )
+
+
+def test_zero_head_dim_and_other_layouts_are_refused(plain_attn):
+    q, k, v = _qkv(1, 2, 2, 5, 5, 8)
+    with pytest.raises(
+        InvalidArgumentError, match=r"attention: the head dim must be >= 1, got q shape \(1, 2, 5, 0\)"
+    ):
+        plain_attn.attention(q[..., :0], k[..., :0], v, False, None, None)
+    with pytest.raises(
+        UnsupportedError, match=r"attention: k has layout torch.sparse_coo; the op takes strided"
+    ):
+        plain_attn.attention(q, k.to_sparse(), v, False, None, None)
+
+
+def test_tensors_on_a_device_no_adapter_drives_are_refused_naming_the_op(plain_attn):
+    q = torch.empty(1, 2, 5, 8, device="meta")
+    with pytest.raises(UnsupportedError, match=r"attention: the first argument is on meta, which no adapter"):
+        plain_attn.attention(q, q, q, False, None, None)
 
 
 def test_integer_inputs_are_refused(plain_attn):

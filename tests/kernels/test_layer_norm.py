@@ -80,6 +80,16 @@ def test_layout_the_kernel_cannot_index_goes_to_the_reference(ops):
     torch.testing.assert_close(ops.layer_norm(x, w, b, 1e-5), layer_norm.reference(x.contiguous(), w, b))
 
 
+@pytest.mark.parametrize("hal_ops", ["ops", "plain_ops"])  # the Triton kernels and the references
+def test_empty_rows(request, hal_ops):
+    """Hidden size 0: empty outputs and gradients, as torch gives."""
+    ops = request.getfixturevalue(hal_ops)
+    x = torch.randn(4, 0, requires_grad=True)
+    w, b = (t.requires_grad_(True) for t in _params(0))
+    ops.layer_norm(x, w, b, 1e-5).backward(torch.randn(4, 0))
+    assert x.grad.shape == (4, 0) and w.grad.shape == b.grad.shape == (0,)
+
+
 @pytest.mark.parametrize(
     ("args", "error", "match"),
     [

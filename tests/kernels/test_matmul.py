@@ -18,6 +18,10 @@ SHAPES = [
     ((13,), (3, 13, 5)),  # vector @ batched matrices
     ((3, 7, 13), (13,)),  # batched matrices @ vector
     ((13,), (13,)),  # dot
+    ((4, 0), (0, 5)),  # an empty inner dimension: zeros, and empty gradients
+    ((3, 2, 0), (0, 4)),
+    ((0,), (2, 0, 5)),
+    ((3, 7, 0), (0,)),
 ]
 
 
@@ -52,6 +56,13 @@ def test_a_grad_out_of_the_wrong_shape_is_refused(plain_hal):
         match=r"matmul_backward: grad_out must have the product's shape \(5, 4\), got \(4, 5\)",
     ):
         plain_hal.kernels.call("matmul_backward", plain_hal.device("cpu"), torch.randn(4, 5), a, b)
+
+
+def test_a_scalar_operand_is_refused_by_its_rank(plain_hal):
+    with pytest.raises(
+        InvalidArgumentError, match=r"matmul: a must have at least 1 dimension, got shape \(\)"
+    ):
+        plain_hal.kernels.call("matmul", plain_hal.device("cpu"), torch.tensor(2.0), torch.randn(3))
 
 
 def test_mismatched_inner_dimensions_are_refused(plain_hal):

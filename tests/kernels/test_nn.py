@@ -64,6 +64,16 @@ def test_rms_norm_with_mixed_dtypes_follows_hugging_face():
     assert _fallbacks("rms_norm_mixed_dtypes") == before + 1  # counted, never silent
 
 
+def test_rms_norm_refuses_integer_input_rather_than_truncating_it():
+    """Only a floating x takes Hugging Face's mixed-dtype formula: an int64 one came back truncated."""
+    before = _fallbacks("rms_norm_mixed_dtypes")
+    with pytest.raises(
+        UnsupportedError, match=r"rms_norm: x must be a floating-point tensor, got dtype torch.int64"
+    ):
+        thnn.RMSNorm(4)(torch.tensor([[1, 2, 3, 4]]))
+    assert _fallbacks("rms_norm_mixed_dtypes") == before
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_layer_norm(on_triton, check_op, bias):
     norm = thnn.LayerNorm(HIDDEN, eps=0.1, bias=bias)
@@ -283,6 +293,10 @@ def test_output_attentions_returns_the_causal_weights(on_plain):
 def test_attention_refuses_bad_configuration():
     with pytest.raises(InvalidArgumentError, match="multiple of num_kv_heads"):
         thnn.Attention(64, 4, 3)
+    with pytest.raises(InvalidArgumentError, match="num_heads must be >= 1, got 0"):
+        thnn.Attention(16, 0, 1)
+    with pytest.raises(InvalidArgumentError, match="sliding_window must be >= 1, got 0"):
+        thnn.Attention(64, 4, sliding_window=0)
     with pytest.raises(InvalidArgumentError, match="position_embeddings"):
         thnn.Attention(64, 4, 2)(torch.randn(1, 3, 64))
     assert thnn.Attention(64, 4).scaling == pytest.approx(1 / math.sqrt(16))

@@ -77,6 +77,16 @@ def test_layout_the_kernel_cannot_index_goes_to_the_next_candidate(ops):
     torch.testing.assert_close(ops.rms_norm(x, w), rms_norm.reference(x.contiguous(), w))
 
 
+@pytest.mark.parametrize("hal_ops", ["ops", "plain_ops"])  # the Triton kernels and the references
+def test_empty_rows(request, hal_ops):
+    """Hidden size 0: empty outputs and gradients, as torch gives (the reference's reshape(-1, 0)
+    failed in backward, which the registry logged as a kernel failure)."""
+    ops = request.getfixturevalue(hal_ops)
+    x, w = torch.randn(4, 0, requires_grad=True), _weight(0).requires_grad_(True)
+    ops.rms_norm(x, w, 1e-6).backward(torch.randn(4, 0))
+    assert x.grad.shape == (4, 0) and w.grad.shape == (0,)
+
+
 def test_no_rows(ops):
     x, w = torch.randn(0, 16, requires_grad=True), _weight(16).requires_grad_(True)
     y = ops.rms_norm(x, w, 1e-6)
@@ -96,6 +106,16 @@ def test_no_rows(ops):
         ),
         ((torch.randn(4, 8), torch.randn(8, dtype=torch.float64)), InvalidArgumentError, r"rms_norm: dtypes"),
         ((torch.randn(4, 8), [1.0] * 8), InvalidArgumentError, r"rms_norm: weight must be a torch.Tensor"),
+        (
+            (torch.tensor(1.0), torch.randn(1)),
+            InvalidArgumentError,
+            r"rms_norm: x must have at least 1 dimension",
+        ),
+        (
+            (torch.randn(4, 8), torch.randn(8).to_sparse()),
+            UnsupportedError,
+            r"rms_norm: weight has layout torch.sparse_coo",
+        ),
     ],
 )
 def test_bad_input_is_refused(ops, args, error, match):

@@ -124,6 +124,11 @@ def _qk(q_shape, k_shape=None, dtype=torch.float32):
             UnsupportedError,
             r"rope: q must be a floating",
         ),
+        (
+            (*_qk((2, 4, 5, 8)), *(t.to(torch.float8_e4m3fn) for t in _tables(2, 5, 8))),
+            UnsupportedError,
+            r"rope: cos and sin must be float64, float32, bfloat16 or float16, got dtype torch.float8_e4m3fn",
+        ),
     ],
 )
 def test_bad_input_is_refused(ops, args, error, match):

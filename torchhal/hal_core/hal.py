@@ -19,7 +19,12 @@ from torchhal.hal_core.adapter import HAL_API_VERSION, VendorAdapter
 from torchhal.hal_core.adapters.cpu import CPUAdapter
 from torchhal.hal_core.capabilities import DeviceRequirements, DType, Topology
 from torchhal.hal_core.device import Device
-from torchhal.hal_core.errors import DeviceNotFoundError, InvalidArgumentError, NoDeviceMatchesError
+from torchhal.hal_core.errors import (
+    DeviceNotFoundError,
+    InvalidArgumentError,
+    NoDeviceMatchesError,
+    UnsupportedError,
+)
 from torchhal.hal_core.kernels import KernelRegistry, Locate, guard_implementation
 from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
 from torchhal.hal_core.settings import Settings
@@ -203,6 +208,11 @@ class HardwareAbstractionLayer:
         except AttributeError:
             raise InvalidArgumentError(
                 f"{op}: the first argument must be a torch.Tensor, got {type(first).__name__}"
+            ) from None
+        except DeviceNotFoundError as err:  # its message names neither the op nor the tensor
+            raise UnsupportedError(
+                f"{op}: the first argument is on {err.requested}, which no adapter of this HAL drives; "
+                f"devices found: {', '.join(err.available) or 'none'}"
             ) from None
 
     @contextlib.contextmanager

@@ -16,12 +16,22 @@ def require_tensor(op: str, name: str, value: object) -> torch.Tensor:
         raise InvalidArgumentError(f"{op}: {name} must be a torch.Tensor, got {type(value).__name__}")
     if value.is_nested:  # torch's own error for its missing sizes names neither op nor argument
         raise UnsupportedError(f"{op}: {name} is a nested tensor; the op takes strided tensors only")
+    if value.layout is not torch.strided:  # sparse or mkldnn: no strides for the kernels to read
+        raise UnsupportedError(f"{op}: {name} has layout {value.layout}; the op takes strided tensors only")
     return value
 
 
 def require_rank(op: str, name: str, t: torch.Tensor, rank: int) -> None:
     if t.dim() != rank:
         raise InvalidArgumentError(f"{op}: {name} must have {rank} dimensions, got shape {tuple(t.shape)}")
+
+
+def require_min_rank(op: str, name: str, t: torch.Tensor, rank: int) -> None:
+    if t.dim() < rank:
+        dims = "dimension" if rank == 1 else "dimensions"
+        raise InvalidArgumentError(
+            f"{op}: {name} must have at least {rank} {dims}, got shape {tuple(t.shape)}"
+        )
 
 
 def require_same(op: str, what: str, **values: object) -> None:
@@ -33,12 +43,15 @@ def require_same(op: str, what: str, **values: object) -> None:
 
 def require_eps(op: str, eps: object) -> None:
     """A norm's epsilon: a finite number >= 0 (a tensor here would lose its gradient)."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not _finite_and_not_negative(eps):
+    if not is_finite_number(eps) or eps < 0:  # type: ignore[operator]
         raise InvalidArgumentError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
 
 
-def _finite_and_not_negative(value: float) -> bool:
+def is_finite_number(value: object) -> bool:
+    """An int or float (not a bool: True is no scale) that is finite as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
     try:
-        return math.isfinite(value) and value >= 0
+        return math.isfinite(value)
     except OverflowError:  # an int beyond the float range
         return False

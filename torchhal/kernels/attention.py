@@ -30,7 +30,7 @@ from torchhal.hal_core import (
     Unsupported,
 )
 from torchhal.kernels import triton_attention
-from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
+from torchhal.kernels._checks import PROVIDER, is_finite_number, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import compute_dtype, require_floating, unit_stride
 
@@ -61,7 +61,9 @@ def _check(
     require_same(op, "batch sizes", q=q.shape[0], k=k.shape[0], v=v.shape[0])
     require_same(op, "key and value lengths", k=k.shape[2], v=v.shape[2])
     if window is not None and (
-        len(window) != 2 or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) and w >= 0 for w in window)
     ):
         raise InvalidArgumentError(f"{op}: window must be (left, right), two ints >= 0, got {window!r}")
 
@@ -90,10 +92,12 @@ def check_qkv(
         raise InvalidArgumentError(
             f"{op}: heads_q must be a multiple of heads_kv, got {q.shape[1]} and {k.shape[1]}"
         )
-    if not isinstance(causal, (bool, int)):  # a tensor flag would be keyed by layout, not value
+    if not isinstance(causal, bool):  # SDPA's kernels refuse 0 and 1; a tensor would be keyed by layout
         raise InvalidArgumentError(f"{op}: causal must be a bool, got {type(causal).__name__} {causal!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)):
+    if scale is not None and not is_finite_number(scale):
         raise InvalidArgumentError(f"{op}: scale must be a finite number, got {scale!r}")
+    if q.shape[-1] == 0:  # the default scale is 1/sqrt(head dim)
+        raise InvalidArgumentError(f"{op}: the head dim must be >= 1, got q shape {tuple(q.shape)}")
 
 
 def _summary(
@@ -190,7 +194,8 @@ def allowed_keys(
     if causal:
         mask &= j <= i
     if window is not None:
-        mask &= (j >= i - window[0]) & (j <= i + window[1])
+        limit = seq_q + seq_k  # a wider band masks nothing more; clamped, i + right cannot overflow int64
+        mask &= (j >= i - min(window[0], limit)) & (j <= i + min(window[1], limit))
     return mask
 
 
@@ -223,7 +228,7 @@ def reference_forward(
     """(out, lse) in fp32 (fp64 for fp64 inputs) with explicit masks; out in q's dtype."""
     scores, _ = _scores(q, k, causal, scale, window)
     lse = torch.logsumexp(scores, dim=-1)
-    probs = torch.exp(scores - _finite(lse).unsqueeze(-1))  # rows with no visible key: exp(-inf) = 0
+    probs = _softmax(scores)
     groups = q.shape[1] // k.shape[1]
     out = torch.matmul(probs, v.to(scores.dtype).repeat_interleave(groups, dim=1))
     return out.to(q.dtype).contiguous(), lse.float().contiguous()
@@ -252,23 +257,35 @@ def reference_backward(
     scale: float | None = None,
     window: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashAttention's backward in plain PyTorch: P = exp(S - lse), dS = P * (dP - rowsum(dO * O))."""
+    """Softmax's backward in plain PyTorch, dS = P * (dP - rowsum(P * dP)), with P recomputed in
+    the compute dtype. The saved out and lse are validated, not read: lse is fp32, which would cap
+    an fp64 reference at fp32's precision, and FlashAttention's rowsum(dO * O) sums in another
+    order than dP, so where P is one-hot (large logits) dP - rowsum leaves rounding, ~1e-3 in dq
+    where autograd's is exact."""
     scores, scale = _scores(q, k, causal, scale, window)
     ct = scores.dtype
-    probs = torch.exp(scores - _finite(lse.to(ct)).unsqueeze(-1))
+    probs = _softmax(scores)
     groups = q.shape[1] // k.shape[1]
-    do, o = grad_out.to(ct), out.to(ct)
     v_rep = v.to(ct).repeat_interleave(groups, dim=1)
+    do = grad_out.to(ct)
     dv = torch.matmul(probs.transpose(-1, -2), do)
-    d_scores = probs * (torch.matmul(do, v_rep.transpose(-1, -2)) - (do * o).sum(-1, keepdim=True))
+    d_probs = torch.matmul(do, v_rep.transpose(-1, -2))
+    d_scores = probs * (d_probs - (probs * d_probs).sum(-1, keepdim=True))
     dq = torch.matmul(d_scores, k.to(ct).repeat_interleave(groups, dim=1)) * scale
     dk = torch.matmul(d_scores.transpose(-1, -2), q.to(ct)) * scale
     return dq.to(q.dtype).contiguous(), _sum_groups(dk, k), _sum_groups(dv, v)
 
 
-def _finite(lse: torch.Tensor) -> torch.Tensor:
-    """lse with -inf (a query that sees no key) made +inf, so exp(score - lse) is 0, not NaN."""
-    return lse.masked_fill(lse == float("-inf"), float("inf"))
+def _softmax(scores: torch.Tensor) -> torch.Tensor:
+    """Softmax over the keys, 0 for a query that sees none (torch's gives NaN there). Each row is
+    divided by its own sum, which is >= 1 where a key is seen (its peak adds exp(0)), not
+    multiplied by exp(-lse): an lse rounded at logits in the thousands scales its whole row, about
+    300x PyTorch's error in fp32 at logits ~4000."""
+    if scores.shape[-1] == 0:  # no keys at all: nothing to weigh, and amax refuses an empty dim
+        return scores
+    peak = scores.amax(-1, keepdim=True)
+    weights = torch.exp(scores - peak.masked_fill(peak == float("-inf"), 0.0))
+    return weights / weights.sum(-1, keepdim=True).clamp_min(1.0)
 
 
 def _sum_groups(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -18,10 +18,18 @@ from typing import Any, NamedTuple
 import torch
 
 from torchhal.hal_core import DeviceCapabilities, InvalidArgumentError, KernelRegistry, Unsupported
-from torchhal.kernels._checks import PROVIDER, require_eps, require_rank, require_same, require_tensor
+from torchhal.kernels._checks import (
+    PROVIDER,
+    require_eps,
+    require_min_rank,
+    require_rank,
+    require_same,
+    require_tensor,
+)
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import (
     RowLaunch,
+    as_rows,
     block_unsupported,
     compute_dtype,
     layout_unsupported,
@@ -49,7 +57,8 @@ def _check(op: str, x: torch.Tensor, eps: float | None, **params: torch.Tensor) 
         require_tensor(op, name, p)
         require_rank(op, name, p, 1)
     weight = params["weight"]
-    if x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+    require_min_rank(op, "x", x, 1)
+    if x.shape[-1] != weight.shape[0]:
         raise InvalidArgumentError(
             f"{op}: x's last dimension must equal weight's length {weight.shape[0]}, "
             f"got x shape {tuple(x.shape)}"
@@ -120,9 +129,8 @@ def reference_backward(
     xhat = (x32 - mean.to(ct).unsqueeze(-1)) * rstd
     g = dy32 * weight.to(ct)
     dx = (g - g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd
-    cols = x.shape[-1]
-    dweight = (dy32 * xhat).reshape(-1, cols).sum(0)
-    dbias = dy32.reshape(-1, cols).sum(0)
+    dweight = as_rows(dy32 * xhat).sum(0)
+    dbias = as_rows(dy32).sum(0)
     return dx.to(x.dtype).contiguous(), dweight.to(weight.dtype), dbias.to(weight.dtype)
 
 

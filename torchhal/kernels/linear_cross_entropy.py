@@ -56,7 +56,14 @@ from torchhal.hal_core import (
     Unsupported,
     UnsupportedError,
 )
-from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
+from torchhal.kernels._checks import (
+    PROVIDER,
+    is_finite_number,
+    require_min_rank,
+    require_rank,
+    require_same,
+    require_tensor,
+)
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import (
     RowLaunch,
@@ -164,7 +171,7 @@ def public_arguments(
 def _check_scalars(op: str, ignore_index: Any, label_smoothing: Any, reduction: Any) -> None:
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
         raise InvalidArgumentError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
-    if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing <= 1.0:
+    if not is_finite_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
         raise InvalidArgumentError(
             f"{op}: label_smoothing must be a number in [0, 1], got {label_smoothing!r}"
         )
@@ -185,8 +192,7 @@ def _check(
     require_tensor(op, "hidden", hidden)
     require_tensor(op, "weight", weight)
     require_tensor(op, "target", target)
-    if hidden.dim() < 1:
-        raise InvalidArgumentError(f"{op}: hidden must be (..., hidden), got shape {tuple(hidden.shape)}")
+    require_min_rank(op, "hidden", hidden, 1)
     require_rank(op, "weight", weight, 2)
     require_floating(op, "hidden", hidden)
     if weight.shape[1] != hidden.shape[-1]:
@@ -196,6 +202,8 @@ def _check(
         )
     if weight.shape[0] < 1:
         raise InvalidArgumentError(f"{op}: vocab (weight's first dimension) must be >= 1, got 0")
+    if weight.shape[1] < 1:
+        raise InvalidArgumentError(f"{op}: the hidden size (weight's second dimension) must be >= 1, got 0")
     if target.dtype not in TARGET_DTYPES:
         raise UnsupportedError(
             f"{op}: target must be an int64 (or int32) tensor of class indices, got dtype {target.dtype}"
@@ -218,6 +226,12 @@ def _check(
     require_same(op, "dtypes", **dtypes)
     require_same(op, "devices", **devices)
     _check_scalars(op, ignore_index, label_smoothing, reduction)
+    bounds = torch.iinfo(target.dtype)  # beyond them, torch's comparison with the targets wraps
+    if not bounds.min <= ignore_index <= bounds.max:
+        raise InvalidArgumentError(
+            f"{op}: ignore_index must fit target's dtype {target.dtype} ([{bounds.min}, {bounds.max}]), "
+            f"got {ignore_index}"
+        )
     return LinearCrossEntropySignature(hidden.dtype, has_bias(bias), reduction, label_smoothing > 0)
 
 

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torchhal.hal_core import InvalidArgumentError, KernelRegistry
-from torchhal.kernels._checks import require_same, require_tensor
+from torchhal.kernels._checks import require_min_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
 
 
@@ -45,7 +45,9 @@ def _check(op: str, a: torch.Tensor, b: torch.Tensor) -> MatmulSignature:
     require_tensor(op, "b", b)
     require_same(op, "dtypes", a=a.dtype, b=b.dtype)
     require_same(op, "devices", a=a.device, b=b.device)
-    if a.dim() < 1 or b.dim() < 1 or a.shape[-1] != b.shape[-2 if b.dim() > 1 else 0]:
+    require_min_rank(op, "a", a, 1)
+    require_min_rank(op, "b", b, 1)
+    if a.shape[-1] != b.shape[-2 if b.dim() > 1 else 0]:
         raise InvalidArgumentError(
             f"{op}: inner dimensions must agree, got a {tuple(a.shape)} and b {tuple(b.shape)}"
         )
@@ -82,15 +84,15 @@ def reference_backward(
         da, db = grad_out * b, grad_out * a
     elif b.dim() == 1:  # (..., m, k) @ (k,)
         da = grad_out.unsqueeze(-1) * b
-        db = a.reshape(-1, a.shape[-1]).mT @ grad_out.reshape(-1)
+        db = a.flatten(0, -2).mT @ grad_out.reshape(-1)
     elif a.dim() == 1:  # (k,) @ (..., k, n)
         g = grad_out.unsqueeze(-2)
-        da = (g @ b.mT).reshape(-1, a.shape[0]).sum(0)
+        da = (g @ b.mT).flatten(0, -2).sum(0)
         db = a.unsqueeze(-1) * g
     else:
         da = (grad_out @ b.mT).sum_to_size(a.shape)
         if b.dim() == 2:  # a's batch dims fold into its rows
-            db = a.reshape(-1, a.shape[-1]).mT @ grad_out.reshape(-1, b.shape[-1])
+            db = a.flatten(0, -2).mT @ grad_out.flatten(0, -2)
         else:
             db = (a.mT @ grad_out).sum_to_size(b.shape)
     return da.contiguous(), db.contiguous()

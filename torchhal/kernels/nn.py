@@ -71,7 +71,7 @@ class RMSNorm(nn.Module):
         return self.eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype and x.dtype.is_floating_point:  # ops.rms_norm refuses the rest
             _record_fallback(
                 "rms_norm_mixed_dtypes",
                 f"x is {x.dtype} but weight {self.weight.dtype} (autocast?); ops.rms_norm changes no "
@@ -384,6 +384,8 @@ class Attention(nn.Module):
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if num_heads < 1:
+            raise InvalidArgumentError(f"Attention: num_heads must be >= 1, got {num_heads}")
         if num_kv_heads < 1 or num_heads % num_kv_heads:
             raise InvalidArgumentError(
                 f"Attention: num_heads must be a multiple of num_kv_heads, got {num_heads} and {num_kv_heads}"
@@ -393,6 +395,7 @@ class Attention(nn.Module):
         self.num_key_value_groups = num_heads // num_kv_heads
         self.scaling = self.head_dim**-0.5
         self.attention_dropout = dropout
+        _window(sliding_window)  # refused here, not at the first forward
         self.sliding_window = sliding_window
         self.layer_idx = layer_idx
         self.is_causal = True

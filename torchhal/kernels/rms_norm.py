@@ -24,10 +24,18 @@ from torchhal.hal_core import (
     RejectionReason,
     Unsupported,
 )
-from torchhal.kernels._checks import PROVIDER, require_eps, require_rank, require_same, require_tensor
+from torchhal.kernels._checks import (
+    PROVIDER,
+    require_eps,
+    require_min_rank,
+    require_rank,
+    require_same,
+    require_tensor,
+)
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import (
     RowLaunch,
+    as_rows,
     block_unsupported,
     compute_dtype,
     layout_unsupported,
@@ -50,7 +58,8 @@ def _check(op: str, x: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     require_tensor(op, "x", x)
     require_tensor(op, "weight", weight)
     require_rank(op, "weight", weight, 1)
-    if x.dim() < 1 or x.shape[-1] != weight.shape[0]:
+    require_min_rank(op, "x", x, 1)
+    if x.shape[-1] != weight.shape[0]:
         raise InvalidArgumentError(
             f"{op}: x's last dimension must equal weight's length {weight.shape[0]}, "
             f"got x shape {tuple(x.shape)}"
@@ -98,7 +107,7 @@ def reference_backward(
     xhat = x32 * rstd
     g = dy32 * weight.to(ct)
     dx = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd
-    dweight = (dy32 * xhat).reshape(-1, x.shape[-1]).sum(0)
+    dweight = as_rows(dy32 * xhat).sum(0)
     return dx.to(x.dtype).contiguous(), dweight.to(weight.dtype)
 
 

@@ -25,6 +25,7 @@ from torchhal.hal_core import (
     KernelRegistry,
     RejectionReason,
     Unsupported,
+    UnsupportedError,
 )
 from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
@@ -37,6 +38,8 @@ from torchhal.kernels.triton_rows import (
     triton_unsupported,
     unbound,
 )
+
+TABLE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # of cos and sin
 
 
 class RopeSignature(NamedTuple):
@@ -54,7 +57,10 @@ def _check(
     require_rank(op, qn, q, 4)
     require_rank(op, kn, k, 4)
     require_floating(op, qn, q)
-    require_floating(op, "cos", cos)
+    if cos.dtype not in TABLE_DTYPES:  # float8 has no type promotion with q's dtype
+        raise UnsupportedError(
+            f"{op}: cos and sin must be float64, float32, bfloat16 or float16, got dtype {cos.dtype}"
+        )
     require_same(op, "batch sizes", **{qn: q.shape[0], kn: k.shape[0]})
     require_same(op, "sequence lengths", **{qn: q.shape[2], kn: k.shape[2]})
     require_same(op, "head dims", **{qn: q.shape[3], kn: k.shape[3]})

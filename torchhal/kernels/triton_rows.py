@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 from typing import NamedTuple
 
 import torch
@@ -59,6 +60,12 @@ GATED_FORWARD_TILE = (16384, VECTOR_BYTES)
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """What the references compute in: fp32, or fp64 for fp64 inputs (the tests' ground truth)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """t as a (rows, cols) matrix over its last dimension; unlike `reshape(-1, cols)`, also when
+    cols is 0."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def require_floating(op: str, name: str, t: torch.Tensor) -> None:
