@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import os
@@ -109,18 +108,84 @@ with telemetry.span("loaded") as span:
     subprocess.run([sys.executable, "-c", script], check=True, env=env, timeout=120)
 
 
-def test_bad_exporter_is_refused():
-    with pytest.raises(ConfigurationError, match=r"exporter must be one of .* got 'zipkin'"):
-        telemetry.configure(exporter="zipkin")
+@pytest.fixture
+def no_otlp_extra(monkeypatch):
+    """The otlp extra uninstalled, whether or not it is here: a None in sys.modules fails the import."""
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.http.trace_exporter", None)
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("opentelemetry.exporter") is not None,
-    reason="the otlp extra is installed here, so the missing-extra error cannot occur",
-)
-def test_otlp_without_its_extra_names_the_extra():
+def test_otlp_without_its_extra_names_the_extra(no_otlp_extra):
     with pytest.raises(ConfigurationError, match=r"torchhal\[otlp\]"):
         telemetry.configure(exporter="otlp")
+
+
+def test_a_bad_environment_exporter_fails_every_hal_not_only_the_first(monkeypatch, no_otlp_extra, settings):
+    """The environment is applied on first use; a failed apply must fail again on the next HAL
+    rather than leave that one running with tracing silently off."""
+    monkeypatch.setenv("TORCHHAL_OTEL_EXPORTER", "otlp")
+    monkeypatch.setattr(telemetry._state, "env_applied", False)  # as in a fresh process
+    for _ in range(2):
+        with pytest.raises(ConfigurationError, match=r"torchhal\[otlp\]"):
+            HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1")).devices()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({"exporter": "otlp"}, id="otlp-extra-missing"),
+        pytest.param({"log_stream": "stderr"}, id="stream-without-write"),
+    ],
+)
+def test_a_refused_configure_keeps_the_earlier_setup(no_otlp_extra, bad):
+    stream = io.StringIO()
+    telemetry.configure(exporter="memory", log_level="warning", log_stream=stream)
+    exporter = telemetry.memory_exporter()
+    with pytest.raises(ConfigurationError):
+        telemetry.configure(log_level="debug", log_format="json", **bad)
+    telemetry.get_logger("torchhal.test").debug("still below the level")
+    with telemetry.span("kept"):
+        pass
+    assert stream.getvalue() == ""
+    assert telemetry.memory_exporter() is exporter
+    assert [s.name for s in exporter.get_finished_spans()] == ["kept"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param(
+            {"log_level": 3}, r"log_level must be one of \('debug', .*'critical'\), got 3$", id="level"
+        ),
+        pytest.param(
+            {"log_format": "xml"}, r"log_format must be one of \('console', 'json'\), got 'xml'$", id="format"
+        ),
+        pytest.param(
+            {"exporter": "zipkin"},
+            r"exporter must be one of \('none', .*'memory'\), got 'zipkin'$",
+            id="exporter",
+        ),
+        pytest.param({"log_stream": "stderr"}, r"log_stream must be .*write.*, got 'stderr'$", id="stream"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_argument_choices_and_value(kwargs, message):
+    with pytest.raises(ConfigurationError, match=message):
+        telemetry.configure(**kwargs)
+
+
+def test_names_are_case_insensitive_in_configure_as_in_the_environment(monkeypatch):
+    stream = io.StringIO()
+    telemetry.configure(exporter="Memory", log_format="JSON", log_level="INFO", log_stream=stream)
+    telemetry.get_logger("torchhal.test").info("shown")
+    with telemetry.span("from-configure"):
+        pass
+    assert json.loads(stream.getvalue())["event"] == "shown"
+    assert [s.name for s in telemetry.memory_exporter().get_finished_spans()] == ["from-configure"]
+    telemetry.reset()
+    monkeypatch.setenv("TORCHHAL_OTEL_EXPORTER", "MEMORY")
+    monkeypatch.setattr(telemetry._state, "env_applied", False)
+    with telemetry.span("from-env"):
+        pass
+    assert [s.name for s in telemetry.memory_exporter().get_finished_spans()] == ["from-env"]
 
 
 def test_public_telemetry_module_configures_the_core_and_its_spans_arrive(settings):

@@ -18,7 +18,7 @@ import threading
 from collections import Counter
 from collections.abc import MutableMapping
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 from opentelemetry import metrics, trace
 
@@ -61,24 +61,42 @@ def configure(
     log_level: str | None = None,
     log_stream: Any = None,
 ) -> None:
-    """Set the span/metric exporter and the log format and level. Safe to call again."""
-    if exporter is not None and exporter not in EXPORTERS:
-        raise ConfigurationError(f"telemetry exporter must be one of {EXPORTERS}, got {exporter!r}")
-    if log_format is not None and log_format not in LOG_FORMATS:
-        raise ConfigurationError(f"log format must be one of {LOG_FORMATS}, got {log_format!r}")
-    if log_level is not None and log_level.lower() not in _LEVELS:
-        raise ConfigurationError(f"log level must be one of {tuple(_LEVELS)}, got {log_level!r}")
+    """Set the span/metric exporter and the log format and level. Safe to call again.
+
+    All or nothing: every argument is checked and the exporter built before anything is applied,
+    so a refused call keeps the earlier setup. Names are case-insensitive, as in the environment.
+    """
+    exporter = _choice("exporter", exporter, EXPORTERS)
+    log_format = _choice("log_format", log_format, LOG_FORMATS)
+    log_level = _choice("log_level", log_level, tuple(_LEVELS))
+    if log_stream is not None and not all(callable(getattr(log_stream, m, None)) for m in ("write", "flush")):
+        raise ConfigurationError(
+            f"telemetry log_stream must be a text stream (callable write and flush), got {log_stream!r}"
+        )
+    built = None if exporter is None else _build_exporter(exporter)  # raises before any change
     with _state.lock:
-        _state.env_applied = True
+        if built is not None:
+            _state.tracer, _state.meter, _state.span_exporter, _state.metric_reader = built
+            _state.instruments.clear()
         if log_format is not None:
             _state.log_format = log_format
         if log_level is not None:
-            _state.log_level = _LEVELS[log_level.lower()]
+            _state.log_level = _LEVELS[log_level]
         if log_stream is not None:
             _state.log_stream = log_stream
         _Logger.reset_all()
-        if exporter is not None:
-            _install_exporter(exporter)
+        # Only now: a failed call (say TORCHHAL_OTEL_EXPORTER=otlp without the extra) must fail
+        # again on the next use, not leave tracing silently off.
+        _state.env_applied = True
+
+
+def _choice(name: str, value: object, choices: tuple[str, ...]) -> str | None:
+    """`value` lower-cased if it names one of `choices`; None stays None (unchanged setting)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value.lower() not in choices:
+        raise ConfigurationError(f"telemetry {name} must be one of {choices}, got {value!r}")
+    return value.lower()
 
 
 def reset() -> None:
@@ -91,12 +109,18 @@ def reset() -> None:
         _Logger.reset_all()
 
 
-def _install_exporter(exporter: str) -> None:
-    _state.span_exporter = _state.metric_reader = None
-    _state.instruments.clear()
+class _Built(NamedTuple):
+    tracer: trace.Tracer | None
+    meter: metrics.Meter | None
+    span_exporter: InMemorySpanExporter | None = None
+    metric_reader: InMemoryMetricReader | None = None
+
+
+def _build_exporter(exporter: str) -> _Built:
+    """The tracer and meter for `exporter`, built without touching `_state` so a failure here
+    (the otlp extra missing) leaves the current setup in place."""
     if exporter == "none":
-        _state.tracer = _state.meter = None
-        return
+        return _Built(None, None)
     from opentelemetry.sdk.metrics import MeterProvider
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
@@ -104,20 +128,16 @@ def _install_exporter(exporter: str) -> None:
         BatchSpanProcessor,
         ConsoleSpanExporter,
         SimpleSpanProcessor,
-        SpanExporter,
     )
 
     resource = Resource.create({"service.name": "torchhal"})
     provider = TracerProvider(resource=resource)
-    span_exporter: SpanExporter
-    readers: list[Any] = []
+    span_exporter = metric_reader = None
     if exporter == "memory":
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-        _state.span_exporter = span_exporter = InMemorySpanExporter()
-        _state.metric_reader = InMemoryMetricReader()
-        readers.append(_state.metric_reader)
+        span_exporter, metric_reader = InMemorySpanExporter(), InMemoryMetricReader()
         provider.add_span_processor(SimpleSpanProcessor(span_exporter))
     elif exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
@@ -129,8 +149,9 @@ def _install_exporter(exporter: str) -> None:
                 "telemetry exporter 'otlp' needs the optional extra: pip install 'torchhal[otlp]'"
             ) from exc
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    _state.tracer = provider.get_tracer(_TRACER_NAME)
-    _state.meter = MeterProvider(resource=resource, metric_readers=readers).get_meter(_TRACER_NAME)
+    readers = [] if metric_reader is None else [metric_reader]
+    meter = MeterProvider(resource=resource, metric_readers=readers).get_meter(_TRACER_NAME)
+    return _Built(provider.get_tracer(_TRACER_NAME), meter, span_exporter, metric_reader)
 
 
 def _apply_environment() -> None:
