@@ -74,12 +74,13 @@ def test_env_spec_file(monkeypatch, tmp_path):
     assert _fresh_hal().device("simasic:0").capabilities.arch == "systolic-4x4"
 
 
-def test_bad_env_is_a_recorded_plugin_failure_or_an_error_when_strict(monkeypatch):
-    monkeypatch.setenv("TORCHHAL_SIMASIC_DEVICES", "-2")
+@pytest.mark.parametrize("devices", ["-2", "²", "65"])
+def test_bad_env_is_a_recorded_plugin_failure_or_an_error_when_strict(monkeypatch, devices):
+    monkeypatch.setenv("TORCHHAL_SIMASIC_DEVICES", devices)
     hal = _fresh_hal()
     (diag,) = [d for d in hal.diagnostics if d.name == "simasic"]
     assert (diag.status.value, diag.stage) == ("failed", "probe")
-    assert "TORCHHAL_SIMASIC_DEVICES must be an integer >= 1, got '-2'" in diag.reason
+    assert f"TORCHHAL_SIMASIC_DEVICES must be an integer from 1 to 64, got {devices!r}" in diag.reason
     assert [d.id for d in hal.devices()] == ["cpu"]
     with pytest.raises(PluginError, match="TORCHHAL_SIMASIC_DEVICES"):
         _fresh_hal(TORCHHAL_STRICT_PLUGINS="1").devices()

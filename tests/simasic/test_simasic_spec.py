@@ -51,6 +51,7 @@ def test_h100_like_matches_the_datasheet_peaks():
         ),
         ({"launch_overhead": 1e-6}, "field 'launch_overhead': Extra inputs are not permitted, got 1e-06"),
         ({"sram_bytes": None}, "field 'sram_bytes': Input should be a valid integer, got None"),
+        ({"devices": 65}, "field 'devices': Input should be less than or equal to 64, got 65"),
     ],
 )
 def test_malformed_spec_names_field_constraint_and_value(tiny, changes, expected):
@@ -58,6 +59,46 @@ def test_malformed_spec_names_field_constraint_and_value(tiny, changes, expected
         tiny(**changes)
     assert str(err.value).startswith("simulated ASIC spec test: ")
     assert expected in str(err.value)
+
+
+FLOAT_FIELDS = ("clock_hz", "memory_bandwidth_bytes_per_s", "launch_overhead_s", "host_link_bytes_per_s")
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("value", ["800e6", True])
+def test_float_fields_refuse_strings_and_bools(tiny, field, value):
+    """Read leniently, "800e6" became 8e8 and true 1 Hz; the int fields already refused both."""
+    with pytest.raises(ConfigurationError) as err:
+        tiny(**{field: value})
+    assert f"field {field!r}: Input should be a valid number, got {value!r}" in str(err.value)
+
+
+def _toml(data):
+    """A flat spec as TOML (JSON's scalars and lists are TOML's), its MAC table as a table."""
+    lines = [f"{k} = {json.dumps(v)}" for k, v in data.items() if k != "macs_per_cell_per_cycle"]
+    lines += [
+        "[macs_per_cell_per_cycle]",
+        *(f"{k} = {v}" for k, v in data["macs_per_cell_per_cycle"].items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def test_float_fields_in_a_toml_file_are_strict(tmp_path):
+    path = tmp_path / "tiny.toml"
+    path.write_text(_toml({**TINY, "clock_hz": "800e6", "launch_overhead_s": True}))
+    with pytest.raises(ConfigurationError) as err:
+        load_spec(path)
+    assert "field 'clock_hz': Input should be a valid number, got '800e6'" in str(err.value)
+    assert "field 'launch_overhead_s': Input should be a valid number, got True" in str(err.value)
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_float_fields_take_integers(tiny, field):
+    """TOML and JSON write a whole number without a point; it is the same spec as the float."""
+    spec = tiny(**{field: 3})
+    assert type(getattr(spec, field)) is float
+    assert spec == tiny(**{field: 3.0})
+    assert spec.fingerprint() == tiny(**{field: 3.0}).fingerprint()
 
 
 def test_missing_field_is_named(tmp_path):
@@ -69,10 +110,7 @@ def test_missing_field_is_named(tmp_path):
 
 def test_toml_and_json_files_load_alike(tmp_path):
     toml = tmp_path / "tiny.toml"
-    toml.write_text(
-        "\n".join(f"{k} = {json.dumps(v)}" for k, v in TINY.items() if k != "macs_per_cell_per_cycle")
-        + "\n[macs_per_cell_per_cycle]\nfp32 = 1\nbf16 = 2\n"
-    )
+    toml.write_text(_toml(TINY))
     jsn = tmp_path / "tiny.json"
     jsn.write_text(json.dumps(TINY))
     assert load_spec(toml) == load_spec(jsn)
@@ -101,6 +139,11 @@ def test_env_selects_bundled_spec_by_name_and_overrides_devices():
     assert spec_from_env({}).name == bundled_spec("edge").name
 
 
+@pytest.mark.parametrize(("text", "devices"), [("64", 64), ("007", 7), (" 2 ", 2)])
+def test_env_device_count_up_to_the_maximum(text, devices):
+    assert spec_from_env({"TORCHHAL_SIMASIC_DEVICES": text}).devices == devices
+
+
 def test_env_selects_spec_file_by_path(tmp_path):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(TINY))
@@ -114,10 +157,29 @@ def test_env_selects_spec_file_by_path(tmp_path):
             {"TORCHHAL_SIMASIC_SPEC": "tpu-v9"},
             "TORCHHAL_SIMASIC_SPEC must name a bundled spec .* got 'tpu-v9'",
         ),
-        ({"TORCHHAL_SIMASIC_DEVICES": "two"}, "TORCHHAL_SIMASIC_DEVICES must be an integer >= 1, got 'two'"),
-        ({"TORCHHAL_SIMASIC_DEVICES": "0"}, "TORCHHAL_SIMASIC_DEVICES must be an integer >= 1, got '0'"),
     ],
 )
 def test_bad_env_values_are_configuration_errors(env, expected):
     with pytest.raises(ConfigurationError, match=expected):
         spec_from_env(env)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "two",
+        "0",
+        "000",
+        "-2",
+        "+2",
+        "²",  # str.isdigit() admits it; int() refuses it without naming the variable
+        "٣",  # a non-ASCII digit int() reads as 3
+        "65",
+        "400",  # 79,800 topology links: discovery took a second
+        pytest.param("9" * 5000, id="5000-digits"),  # past int()'s 4300-digit limit
+    ],
+)
+def test_bad_env_device_counts_name_the_variable_the_range_and_the_value(text):
+    with pytest.raises(ConfigurationError) as err:
+        spec_from_env({"TORCHHAL_SIMASIC_DEVICES": text})
+    assert str(err.value) == f"TORCHHAL_SIMASIC_DEVICES must be an integer from 1 to 64, got {text!r}"

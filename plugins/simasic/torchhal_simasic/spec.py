@@ -2,8 +2,9 @@
 
 Specs are TOML files (read with `tomllib`, or its backport `tomli` on Python 3.10)
 or JSON files. Three ship with the plugin; `TORCHHAL_SIMASIC_SPEC` picks one by
-name or points at a file, and `TORCHHAL_SIMASIC_DEVICES` overrides the device count. Every
-malformed value raises `ConfigurationError` naming the field, the constraint and the value.
+name or points at a file, and `TORCHHAL_SIMASIC_DEVICES` overrides the device count (1 to
+MAX_DEVICES). Every malformed value raises `ConfigurationError` naming the field, the
+constraint and the value.
 """
 
 from __future__ import annotations
@@ -29,11 +30,16 @@ DEVICES_ENV = "TORCHHAL_SIMASIC_DEVICES"
 BUNDLED = ("edge", "datacenter", "h100-like")
 DEFAULT_SPEC = "edge"
 BUNDLED_DIR = Path(__file__).with_name("specs")
+# The topology links every pair of devices, n(n - 1)/2 links: 64 is 8 times a large host's
+# accelerator count and keeps discovery near 20 ms (2,016 links); 400 devices took a second.
+MAX_DEVICES = 64
 
+# Strict, so a bool or a string ("800e6") is refused rather than read as a number; a float
+# field takes an integer (`clock_hz = 800000000`), which TOML and JSON write without a point.
 PositiveInt = Annotated[int, Field(ge=1, strict=True)]
 NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
-PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False, strict=True)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False, strict=True)]
 
 
 class SimASICSpec(BaseModel):
@@ -51,7 +57,7 @@ class SimASICSpec(BaseModel):
     memory_bandwidth_bytes_per_s: PositiveFloat
     dtypes: Annotated[frozenset[DType], Field(min_length=1)]
     launch_overhead_s: NonNegativeFloat
-    devices: PositiveInt = 1
+    devices: Annotated[int, Field(ge=1, le=MAX_DEVICES, strict=True)] = 1
     host_link_bytes_per_s: PositiveFloat | None = None  # declared link between devices, via the host
 
     @model_validator(mode="after")
@@ -150,6 +156,14 @@ def spec_from_env(environ: Mapping[str, str] | None = None) -> SimASICSpec:
     devices = env.get(DEVICES_ENV, "").strip()
     if not devices:
         return spec
-    if not devices.isdigit() or int(devices) < 1:
-        raise ConfigurationError(f"{DEVICES_ENV} must be an integer >= 1, got {devices!r}")
-    return spec.model_copy(update={"devices": int(devices)})
+    return spec.model_copy(update={"devices": _device_count(devices)})
+
+
+def _device_count(text: str) -> int:
+    """TORCHHAL_SIMASIC_DEVICES as ASCII digits only: str.isdigit() also admits '²', which int()
+    refuses, and '٣', which int() reads as 3. Leading zeros go first, so that the length check
+    keeps int() off strings past its 4300-digit limit."""
+    digits = text.lstrip("0") if text.isascii() and text.isdigit() else ""
+    if not digits or len(digits) > len(str(MAX_DEVICES)) or int(digits) > MAX_DEVICES:
+        raise ConfigurationError(f"{DEVICES_ENV} must be an integer from 1 to {MAX_DEVICES}, got {text!r}")
+    return int(digits)
