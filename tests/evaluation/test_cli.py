@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from tests.evaluation.helpers import sim_hal
 from torchhal.evaluation.cli import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_REGRESSION, app
 from torchhal.evaluation.demo import demo_section
+from torchhal.evaluation.metrics import METRICS
 from torchhal.evaluation.spec import load_spec
 from torchhal.hal_core import DType
 
@@ -82,8 +83,8 @@ def _spec(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
     return path
 
 
-def _ab(*args: str):
-    result = runner.invoke(app, list(args), env={"COLUMNS": "240"})
+def _ab(*args: str, columns: int = 240):
+    result = runner.invoke(app, list(args), env={"COLUMNS": str(columns)})
     result.text = " ".join(result.output.split())  # rich wraps long lines; compare words
     return result
 
@@ -140,18 +141,42 @@ def test_a_failing_variant_is_not_a_regression(tmp_path):
         (('metrics = ["latency", "quality"]', 'metrics = ["speed"]'), "unknown metric 'speed'"),
         (("repetitions = 8", "repetitions = 8\nrepetitions = 9"), "invalid TOML"),
         (('device = "cpu"', 'device = "tpu:3"'), "no device 'tpu:3'"),
+        (
+            ("repetitions = 8", "repetitions = 8\nseed = -1"),
+            "[experiment]: seed must be an integer >= 0, got -1",
+        ),
+        (
+            ("repetitions = 8", "repetitions = -3"),
+            "[experiment]: repetitions must be an integer >= 1, got -3",
+        ),
+        (("repetitions = 8", 'repetitions = "many"'), "repetitions must be an integer >= 1, got 'many'"),
+        (
+            ('baseline = "reference"', 'baseline = "nope"'),
+            "[experiment]: baseline must be one of the variant names ['aten', 'reference'], got 'nope'",
+        ),
+        (('reference = "reference"', 'reference = "nope"'), "reference must be one of the variant names"),
+        (
+            ('name = "aten"', 'name = "reference"'),
+            "variants[1]: name must be unique, got 'reference', already the name of variants[0]",
+        ),
     ],
 )
 def test_bad_specs_exit_2_naming_the_problem(tmp_path, change, message):
+    """Refused while loading the spec: before --out is made, let alone anything measured."""
     spec = _spec(tmp_path, KERNELS.replace(*change))
     result = _ab(str(spec), "--out", str(tmp_path / "out"), "--no-plots")
     assert result.exit_code == EXIT_BAD_INPUT
     assert message in result.text, result.output
+    assert not (tmp_path / "out").exists()
 
 
 def test_missing_spec_and_unknown_gate_metric_exit_2(tmp_path):
     missing = _ab(str(tmp_path / "nope.toml"), "--out", str(tmp_path / "out"))
     assert missing.exit_code == EXIT_BAD_INPUT and "no such file" in missing.text
+    (tmp_path / "dir.toml").mkdir()
+    directory = _ab(str(tmp_path / "dir.toml"), "--out", str(tmp_path / "out"))
+    assert directory.exit_code == EXIT_BAD_INPUT
+    assert f"spec {tmp_path / 'dir.toml'}: is a directory, not a spec file" in directory.text
     spec = _spec(tmp_path, KERNELS)
     bad_gate = _ab(str(spec), "--gate", "--gate-metric", "speed", "--out", str(tmp_path / "out"))
     assert bad_gate.exit_code == EXIT_BAD_INPUT and "unknown metric(s) ['speed']" in bad_gate.text
@@ -166,6 +191,32 @@ def test_yaml_specs_need_pyyaml(tmp_path):
         assert result.exit_code == EXIT_BAD_INPUT and "YAML specs need PyYAML" in result.text
     else:
         assert result.exit_code == EXIT_BAD_INPUT and "[[variants]] needs at least 2 entries" in result.text
+
+
+def test_malformed_yaml_is_one_error_line_as_malformed_toml(tmp_path):
+    pytest.importorskip("yaml")
+    spec = _spec(tmp_path, KERNELS, "x.yaml")  # TOML is not YAML
+    result = _ab(str(spec), "--out", str(tmp_path / "out"))
+    bad_toml = _ab(str(_spec(tmp_path, "[experiment\n")), "--out", str(tmp_path / "out"))
+    assert result.exit_code == bad_toml.exit_code == EXIT_BAD_INPUT
+    assert result.output.splitlines() == [
+        f"error: spec {spec}: invalid YAML: expected '<document start>', but found '<scalar>' "
+        "(at line 3, column 1)"
+    ]
+
+
+def test_errors_print_on_one_line_at_80_columns(tmp_path):
+    """Soft wrap, as the main CLI: a long error stays one line for logs and grep."""
+    bad = _ab(str(_spec(tmp_path, KERNELS)), "--gate-metric", "speed", columns=80)
+    message = "error: --gate-metric: unknown metric(s) ['speed']; known: " + str(sorted(METRICS))
+    assert len(message) > 80 and bad.output.splitlines() == [message]
+    failing = _spec(tmp_path, CALLABLES.format(baseline="base", slow="broken"), "failing.toml")
+    failed = _ab(str(failing), "--out", str(tmp_path / "out"), "--no-plots", columns=80)
+    assert failed.exit_code == EXIT_FAILED
+    (line,) = [line for line in failed.output.splitlines() if line.startswith("failed:")]
+    assert len(line) > 80 and line.endswith(
+        f"(finished samples are in {tmp_path / 'out' / 'samples.sqlite'})"
+    )
 
 
 SIMULATED_SPECS = """

@@ -271,6 +271,26 @@ def test_bad_experiment_input_is_refused_with_the_value(tmp_path):
         run_experiment([*v, uneven], quality)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "minimum"),
+    [
+        ("seed", -1, 0),
+        ("seed", 1.5, 0),
+        ("repetitions", -3, 1),
+        ("repetitions", "many", 1),
+        ("warmup", -1, 0),
+        ("inner", 0, 1),
+        ("flush_every", True, 1),
+        ("n_resamples", 99, 100),
+    ],
+)
+def test_config_refuses_bad_counts_and_seeds_before_any_run(field, value, minimum):
+    """A negative seed once ran every phase and only then failed inside numpy, naming no field."""
+    with pytest.raises(InvalidArgumentError) as info:
+        ExperimentConfig(baseline="a", **{field: value})
+    assert str(info.value) == f"{field} must be an integer >= {minimum}, got {value!r}"
+
+
 def test_compare_refuses_bad_samples_naming_them():
     latency, thr = METRICS["latency"], Threshold(relative=0.05)
     good = np.random.default_rng().uniform(1.0, 2.0, 10)

@@ -100,7 +100,8 @@ def ab(
         except Exception as exc:  # a variant's own code failed: not a regression, not bad input
             console.print(
                 "[red]failed:[/] "
-                + escape(f"{type(exc).__name__}: {exc} (finished samples are in {store_path})")
+                + escape(f"{type(exc).__name__}: {exc} (finished samples are in {store_path})"),
+                soft_wrap=True,
             )
             raise typer.Exit(EXIT_FAILED) from exc
     written = [write_json(result, out_dir / "result.json"), write_markdown(result, out_dir / "report.md")]
@@ -115,7 +116,7 @@ def ab(
         if regressions:
             for c in regressions:
                 what = f"{escape(c.variant)} regressed on {c.metric}"
-                console.print(f"[red]gate: {what}:[/] {escape(c.reason)}")
+                console.print(f"[red]gate: {what}:[/] {escape(c.reason)}", soft_wrap=True)
             raise typer.Exit(EXIT_REGRESSION)
         console.print("gate: no significant regression beyond the noise thresholds")
 
@@ -165,5 +166,6 @@ def print_result(console: Console, result: ExperimentResult) -> None:
 
 
 def _error(console: Console, message: str) -> None:
-    """An error line; the message is text, not markup (a spec's `[[variants]]` must print as is)."""
-    console.print("[red]error:[/] " + escape(message))
+    """An error line; the message is text, not markup (a spec's `[[variants]]` must print as is).
+    Soft wrap, as the main CLI's errors: one line whatever the width, for logs and grep."""
+    console.print("[red]error:[/] " + escape(message), soft_wrap=True)

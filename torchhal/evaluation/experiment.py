@@ -85,12 +85,18 @@ class ExperimentConfig:
                     "metric 'quality' needs a threshold (e.g. {absolute = 1e-3}): what error change matters "
                     "depends on the op and dtype, so there is no default"
                 )
-        if (
-            isinstance(self.n_resamples, bool)
-            or not isinstance(self.n_resamples, int)
-            or self.n_resamples < 100
+        # checked here, not when measuring: a spec's bad count or seed must stop before anything runs
+        for name, minimum in (
+            ("warmup", 0),
+            ("repetitions", 1),
+            ("inner", 1),
+            ("flush_every", 1),
+            ("seed", 0),
+            ("n_resamples", 100),
         ):
-            raise InvalidArgumentError(f"n_resamples must be an integer >= 100, got {self.n_resamples!r}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
         if self.quality_error not in ERRORS:
             raise InvalidArgumentError(f"quality_error must be one of {ERRORS}, got {self.quality_error!r}")
         if self.prices is not None:

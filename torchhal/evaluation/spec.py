@@ -67,6 +67,8 @@ class LoadedSpec:
 def read_spec(path: str | Path) -> dict[str, Any]:
     """The spec file's content as a dict (TOML, or YAML with PyYAML installed)."""
     path = Path(path)
+    if path.is_dir():
+        raise ConfigurationError(f"spec {path}: is a directory, not a spec file")
     if not path.is_file():
         raise ConfigurationError(f"spec {path}: no such file")
     text = path.read_text()
@@ -77,7 +79,10 @@ def read_spec(path: str | Path) -> dict[str, Any]:
             raise ConfigurationError(
                 f"spec {path}: YAML specs need PyYAML (pip install pyyaml); TOML needs nothing extra"
             ) from exc
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigurationError(f"spec {path}: invalid YAML: {_yaml_problem(exc)}") from exc
     elif path.suffix == ".toml":
         if sys.version_info >= (3, 11):
             import tomllib
@@ -120,7 +125,32 @@ def load_spec(path: str | Path, hal: HardwareAbstractionLayer | None = None) -> 
     hal = hal or HardwareAbstractionLayer()
     builder = _Builder(hal, workload, where)
     variants = [builder.variant(v, f"{where}: variants[{i}]") for i, v in enumerate(raw_variants)]
+    _check_names([v.name for v in variants], config, where)
     return LoadedSpec(path, config, variants)
+
+
+def _check_names(names: list[str], config: ExperimentConfig, where: str) -> None:
+    """run_experiment checks these too, but only after the CLI has made --out and the store."""
+    for i, name in enumerate(names):
+        if name in names[:i]:
+            raise ConfigurationError(
+                f"{where}: variants[{i}]: name must be unique, "
+                f"got {name!r}, already the name of variants[{names.index(name)}]"
+            )
+    for role in ("baseline", "reference"):
+        value = getattr(config, role)
+        if value is not None and value not in names:
+            raise ConfigurationError(
+                f"{where}: [experiment]: {role} must be one of the variant names {names}, got {value!r}"
+            )
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """PyYAML's message spans lines and quotes the source; keep what went wrong and where, as TOML's."""
+    what = ": ".join(filter(None, (getattr(exc, "context", None), getattr(exc, "problem", None))))
+    mark = getattr(exc, "problem_mark", None)
+    at = f" (at line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+    return (what or " ".join(str(exc).split())) + at
 
 
 class _Builder:
