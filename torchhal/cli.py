@@ -98,7 +98,7 @@ def profile(
 ) -> None:
     """Measure matmul TFLOP/s per dtype, copy bandwidth and launch latency (cached on disk)."""
     hal = HardwareAbstractionLayer()
-    dev = hal.device(device) if device else hal.best_device()
+    dev = hal.best_device() if device is None else hal.device(device)  # "" is no device, not the best
     prof = hal.profile(dev, refresh=refresh)
     if as_json:
         typer.echo(prof.model_dump_json(indent=2))

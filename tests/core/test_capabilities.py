@@ -8,7 +8,7 @@ import pydantic
 import pytest
 
 from tests.core.adapters import fake_caps
-from torchhal.hal_core import SCHEMA_VERSION, DeviceCapabilities, MeasuredProfile
+from torchhal.hal_core import SCHEMA_VERSION, DeviceCapabilities, DeviceRequirements, MeasuredProfile
 
 
 def measured(**overrides: object) -> MeasuredProfile:
@@ -51,3 +51,10 @@ def test_another_schema_version_is_refused_naming_field_supported_and_seen(model
     assert model.__name__ in str(err.value)
     with pytest.raises(pydantic.ValidationError, match="schema_version"):
         model.model_validate_json(make().model_copy(update={"schema_version": seen}).model_dump_json())
+
+
+@pytest.mark.parametrize("value", [True, "5", 5.0])
+def test_requirement_counts_are_ints_not_bools_strings_or_floats(value):
+    """min_memory_bytes=True became 1 byte."""
+    with pytest.raises(pydantic.ValidationError, match="min_memory_bytes"):
+        DeviceRequirements(min_memory_bytes=value)

@@ -28,6 +28,12 @@ def test_info_json_lists_devices_and_diagnostics():
     assert {"nvidia", "amd", "intel"} <= skipped
 
 
+def test_profile_of_an_empty_device_id_is_an_error_not_the_best_device():
+    result = runner.invoke(app, ["profile", ""])
+    assert result.exit_code == 2
+    assert "no device ''; devices found: simasic:0, cpu" in result.output
+
+
 def test_info_table_names_each_device():
     result = runner.invoke(app, ["info"])
     assert result.exit_code == 0, result.output

@@ -16,7 +16,9 @@ from torchhal.hal_core import (
     DeviceNotFoundError,
     DType,
     Feature,
+    InvalidArgumentError,
     NoDeviceMatchesError,
+    telemetry,
 )
 
 
@@ -42,6 +44,34 @@ def test_unknown_device_lists_the_ids_that_exist(hal):
     assert str(err.value) == "no device 'cuda:3'; devices found: acme:1, acme:0, acme:2, cpu"
 
 
+@pytest.mark.parametrize("bad", [None, 3])
+def test_a_device_that_is_neither_an_id_nor_a_device_is_refused(hal, bad):
+    with pytest.raises(
+        InvalidArgumentError, match=rf"a device must be a Device or an id such as 'cuda:0', got .*{bad}"
+    ):
+        hal.device(bad)
+    with pytest.raises(InvalidArgumentError, match="a device must be a Device"), hal.use(bad):
+        pass
+
+
+def test_another_hals_device_is_refused_rather_than_charged(hal, settings):
+    """Routed through use(), another HAL's device ran the ops and its ledger and clock took them."""
+    other = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1"))
+    theirs = other.device("cpu")
+    assert hal.device(hal.device("cpu")) is hal.device("cpu")
+    with pytest.raises(InvalidArgumentError, match=r"device cpu belongs to another HardwareAbstractionLayer"):
+        hal.device(theirs)
+    with pytest.raises(InvalidArgumentError, match="belongs to another"), hal.use(theirs):
+        pass
+
+
+def test_requirements_of_the_wrong_type_are_refused(hal):
+    with pytest.raises(
+        InvalidArgumentError, match=r"requirements must be a DeviceRequirements, got str 'cpu'"
+    ):
+        hal.best_device("cpu")
+
+
 def test_best_device_prefers_real_then_priority_then_declared_peak(hal):
     choice = hal.choose_device(DeviceRequirements(dtypes=frozenset({DType.BF16})))
     assert choice.device.id == "acme:0"
@@ -64,18 +94,65 @@ def test_requirements_no_device_meets_name_each_failure(hal):
     assert any("memory" in f and "< 1099511627776 required" in f for f in err.value.failures["acme:0"])
 
 
+def _strict_json(text: str) -> object:
+    """json.loads refusing NaN and +-Infinity, which JSON has not and JSON.parse rejects."""
+
+    def refuse(constant: str) -> object:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
 def test_report_is_json_and_complete(hal):
-    report = json.loads(json.dumps(hal.report()))
+    report = _strict_json(json.dumps(hal.report()))
     assert [d["id"] for d in report["devices"]] == ["acme:1", "acme:0", "acme:2", "cpu"]
     assert report["hal_api_version"] == 1
     assert {"rms_norm", "attention", "matmul"} <= set(report["kernels"])
     assert any(d["name"] == "acme" and d["status"] == "loaded" for d in report["diagnostics"])
+    assert {"name": "reference", "provider": "torchhal", "priority": "-inf"} in report["kernels"]["rms_norm"]
 
 
 def test_malformed_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv("TORCHHAL_STRICT_PLUGINS", "perhaps")
     with pytest.raises(ConfigurationError, match="TORCHHAL_STRICT_PLUGINS='perhaps'"):
         HardwareAbstractionLayer()
+
+
+def test_cache_dir_reads_home_as_a_shell_does(settings, monkeypatch, tmp_path):
+    """'~/x' was a directory named '~' in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert settings(cache_dir="~/th").cache_dir == tmp_path / "th"
+
+
+def test_disabling_a_kernel_no_candidate_has_is_logged(settings, capsys):
+    telemetry.configure(log_format="json")
+    hal = HardwareAbstractionLayer(
+        settings=settings(disable_plugin_autoload="1", disable_kernels="triton,tirton")
+    )
+    hal.devices()
+    lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]
+    (line,) = (x for x in lines if x["event"] == "TORCHHAL_DISABLE_KERNELS names no kernel candidate")
+    assert line["level"] == "warning" and line["names"] == ["tirton"] and "torchhal/triton" in line["known"]
+
+
+def test_an_adapter_whose_topology_raises_leaves_only_its_links_out(settings, capsys):
+    """It took hal.topology(), hal.report() and so `torchhal info` down with it."""
+
+    class NoTopology(FakeAdapter):
+        def topology(self):
+            raise RuntimeError("nvml gone")
+
+    telemetry.configure(log_format="json")
+    hal = HardwareAbstractionLayer(
+        adapters=[NoTopology([fake_caps(0)])], settings=settings(disable_plugin_autoload="1")
+    )
+    report = hal.report()
+    assert [d["id"] for d in report["devices"]] == ["acme:0", "cpu"] and report["topology"]["links"] == []
+    lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]
+    assert any(
+        x["event"] == "adapter topology failed; its links are left out" and "nvml gone" in x["error"]
+        for x in lines
+    )
 
 
 def test_import_does_no_device_work_and_loads_no_plugin():

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import PluginError
+from torchhal.hal_core import ConfigurationError, PluginError
 from torchhal.hal_core.plugins import Status
 
 ADAPTER_PLUGIN = """
@@ -257,3 +257,50 @@ def test_strict_mode_raises_on_a_kernel_hook_that_raises(plugin_dist, settings):
     with pytest.raises(PluginError, match="broke") as err:
         hal.devices()
     assert (err.value.plugin, err.value.stage) == ("bad", "kernels")
+
+
+def test_an_allowlisted_name_no_plugin_has_is_a_recorded_failure(plugin_dist, settings):
+    """A typo in TORCHHAL_PLUGINS left the plugin it meant unloaded without a word."""
+    plugin_dist("wanted", adapter_plugin("wanted"))
+    hal = HardwareAbstractionLayer(settings=settings(plugins="Wanted,wanted"))
+    assert [d.id for d in hal.devices() if d.id.startswith("wanted")] == ["wanted:0"]
+    d = diag(hal, "Wanted")
+    assert (d.status, d.stage) == (Status.FAILED, "allowlist")
+    assert "TORCHHAL_PLUGINS names 'Wanted'; installed plugins:" in d.reason and "wanted" in d.reason
+
+
+@pytest.mark.parametrize("value", [",", " , "])
+def test_an_allowlist_of_no_names_is_refused(settings, value):
+    with pytest.raises(ConfigurationError, match=r"TORCHHAL_PLUGINS=.*names no plugin; to load none, set"):
+        settings(plugins=value)
+
+
+def test_a_blank_allowlist_is_unset_as_an_empty_one_is(settings):
+    assert settings(plugins=" ").plugins is None
+
+
+@pytest.mark.parametrize(
+    ("change", "reason"),
+    [
+        (lambda caps: [caps, caps], "device id acme:0 is given twice"),
+        (
+            lambda caps: [caps.model_copy(update={"vendor": "nvidia"})],
+            "names adapter 'acme' of vendor 'nvidia'",
+        ),
+        (lambda caps: [object()], "returned object, not DeviceCapabilities"),
+    ],
+)
+def test_records_an_adapter_cannot_stand_behind_fail_it(settings, change, reason):
+    """Two devices under one id made hal.device(id) hold one for the other; a record of another
+    vendor was listed under this adapter."""
+    from tests.core.adapters import FakeAdapter, fake_caps
+
+    class Miswritten(FakeAdapter):
+        def discover(self):
+            return change(fake_caps(0))
+
+    hal = HardwareAbstractionLayer(adapters=[Miswritten()], settings=settings(disable_plugin_autoload="1"))
+    d = diag(hal, "acme")
+    assert (d.status, d.stage) == (Status.FAILED, "discover")
+    assert reason in d.reason
+    assert [dev.id for dev in hal.devices()] == ["cpu"]

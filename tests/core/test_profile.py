@@ -64,3 +64,30 @@ def test_an_unusable_cached_profile_is_measured_again_and_logged(hal, measuremen
     (line,) = (json.loads(raw) for raw in capsys.readouterr().err.splitlines())
     assert (line["level"], line["event"]) == ("warning", "cached profile unusable; measuring again")
     assert line["path"] == str(path) and reason in line["reason"]
+
+
+def test_a_cache_dir_that_cannot_be_written_keeps_the_measurement(settings, tmp_path, monkeypatch, capsys):
+    """TORCHHAL_CACHE_DIR a file: the profile measured, then the write raised and it was lost; so
+    was an op's result when measured selection stored its winner. Now both are logged and kept."""
+    from torchhal.hal_core.tuning import Tuner
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    hal = HardwareAbstractionLayer(
+        adapters=[FakeAdapter()], settings=settings(disable_plugin_autoload="1", cache_dir=str(blocked))
+    )
+    done: list[str] = []
+    monkeypatch.setattr(
+        profile_module,
+        "measure",
+        lambda _hal, device: done.append(device.id) or measured(device_id=device.id),
+    )
+    telemetry.configure(log_format="json")
+
+    got = hal.profile("acme:0")
+    Tuner(blocked).remember(hal.device("acme:0"), "rms_norm", ("sig",), "torchhal/triton")
+
+    assert done == ["acme:0"] and got.device_id == "acme:0"
+    lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]
+    written = [x for x in lines if x["event"] == "cache not written; check TORCHHAL_CACHE_DIR"]
+    assert len(written) == 2 and all("NotADirectoryError" in x["error"] for x in written)

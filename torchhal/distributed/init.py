@@ -93,9 +93,7 @@ def init(
     local = local_rank if local_rank is not None else _env_int("LOCAL_RANK", default=0)
     if local < 0:
         raise ConfigurationError(f"local_rank must be >= 0, got {local}")
-    dev = hal.device(device) if isinstance(device, str) else device
-    if dev is None:
-        dev = local_device(hal, local, requirements)
+    dev = local_device(hal, local, requirements) if device is None else hal.device(device)
     if prefix is not None:
         store, init_method = _prefixed_store(prefix, store, init_method, rank, world_size, timeout), None
     with telemetry.span("torchhal.distributed.init", device=dev.id, prefix=prefix):

@@ -282,8 +282,8 @@ class DeviceRequirements(_Frozen):
     adapter: str | None = None
     dtypes: frozenset[DType] = frozenset()
     features: frozenset[Feature] = frozenset()
-    min_memory_bytes: int = Field(default=0, ge=0)
-    min_compute_units: int = Field(default=0, ge=0)
+    min_memory_bytes: int = Field(default=0, ge=0, strict=True)  # strict: True is no byte count
+    min_compute_units: int = Field(default=0, ge=0, strict=True)
     collective_backend: str | None = None
     allow_simulated: bool = True
 

@@ -761,8 +761,6 @@ def _world() -> dist.ProcessGroup:
 
 
 def _resolve_device(hal: HardwareAbstractionLayer, device: Device | str | None) -> Device:
-    if isinstance(device, Device):
-        return device
     if device is not None:
         return hal.device(device)
     best = hal.best_device()

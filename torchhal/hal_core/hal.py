@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import math
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -123,11 +124,26 @@ class HardwareAbstractionLayer:
                 loader.register(plugin, getattr(plugin, "__name__", type(plugin).__name__))
             adapters = loader.load(self._kernels, builtin=(CPUAdapter(), *self._extra_adapters))
             active = loader.activate(adapters, self._kernels)
+            self._warn_unknown_disabled_kernels()
             state = _Discovered(adapters, active, loader)
             span.set_attribute("torchhal.adapters", [a.name for a in adapters])
             span.set_attribute("torchhal.devices", [d.id for d in state.devices])
         log.info("discovery done", devices=[d.id for d in state.devices], adapters=[a.name for a in adapters])
         return state
+
+    def _warn_unknown_disabled_kernels(self) -> None:
+        """A TORCHHAL_DISABLE_KERNELS entry that names no candidate (a typo) disables nothing."""
+        known = {
+            n
+            for op in self._kernels.ops()
+            for c in self._kernels.candidates(op)
+            for n in (c.name, c.qualified_name)
+        }
+        unknown = [name for name in self.settings.disable_kernels if name not in known]
+        if unknown:
+            log.warning(
+                "TORCHHAL_DISABLE_KERNELS names no kernel candidate", names=unknown, known=sorted(known)
+            )
 
     @property
     def kernels(self) -> KernelRegistry:
@@ -148,9 +164,20 @@ class HardwareAbstractionLayer:
     def devices(self) -> tuple[Device, ...]:
         return self._discovered().devices
 
-    def device(self, device_id: str) -> Device:
-        """A device by HAL id (`cuda:0`, `simasic:1`, `cpu`); `cuda` means `cuda:0`."""
+    def device(self, device_id: str | Device) -> Device:
+        """A device by HAL id (`cuda:0`, `simasic:1`, `cpu`); `cuda` means `cuda:0`. A Device is
+        returned as it is if it is this HAL's: another HAL's would run on, and charge, that one."""
         state = self._discovered()
+        if isinstance(device_id, Device):
+            if state.by_id.get(device_id.id) is not device_id:
+                raise InvalidArgumentError(
+                    f"device {device_id.id} belongs to another HardwareAbstractionLayer; "
+                    f"pass this one's, hal.device({device_id.id!r})"
+                )
+            return device_id
+        if not isinstance(device_id, str):
+            seen = f"{type(device_id).__name__} {device_id!r}"
+            raise InvalidArgumentError(f"a device must be a Device or an id such as 'cuda:0', got {seen}")
         key = device_id.strip()
         dev = state.by_id.get(key) or state.by_id.get(key + ":0")
         if dev is None and key == "cpu:0":
@@ -218,7 +245,7 @@ class HardwareAbstractionLayer:
     @contextlib.contextmanager
     def use(self, device: Device | str) -> Iterator[Device]:
         """Route ops on tensors of this device's torch type to `device` (e.g. a simulated ASIC)."""
-        dev = self.device(device) if isinstance(device, str) else device
+        dev = self.device(device)
         token = _active.set((self, dev))
         try:
             yield dev
@@ -227,6 +254,9 @@ class HardwareAbstractionLayer:
 
     def choose_device(self, requirements: DeviceRequirements | None = None) -> DeviceChoice:
         """Rank every device against `requirements`, with the reasons for each verdict."""
+        if requirements is not None and not isinstance(requirements, DeviceRequirements):
+            seen = f"{type(requirements).__name__} {requirements!r}"
+            raise InvalidArgumentError(f"requirements must be a DeviceRequirements, got {seen}")
         req = requirements or DeviceRequirements()
         eligible: list[tuple[tuple[Any, ...], Ranked]] = []
         rejected: list[Ranked] = []
@@ -253,7 +283,15 @@ class HardwareAbstractionLayer:
         state = self._discovered()
         for adapter in state.adapters:
             if any(d.adapter is adapter for d in state.devices):
-                topo = topo.merged(adapter.topology())
+                try:
+                    topo = topo.merged(adapter.topology())
+                except Exception as exc:  # isolated like every adapter hook: `info` still reports
+                    telemetry.count("torchhal.topology.failures", adapter=adapter.name)
+                    log.warning(
+                        "adapter topology failed; its links are left out",
+                        adapter=adapter.name,
+                        error=f"{type(exc).__name__}: {exc}",
+                    )
         return topo
 
     def communicator(self, **kwargs: Any) -> Communicator:
@@ -266,7 +304,7 @@ class HardwareAbstractionLayer:
         """Measured profile of a device, from the on-disk cache unless `refresh`."""
         from torchhal.hal_core.profile import measure_or_load
 
-        dev = self.device(device) if isinstance(device, str) else device
+        dev = self.device(device)
         if refresh or dev.id not in self._profiles:
             self._profiles[dev.id] = measure_or_load(self, dev, refresh=refresh)
         return self._profiles[dev.id]
@@ -296,7 +334,7 @@ class HardwareAbstractionLayer:
             "topology": self.topology().model_dump(mode="json"),
             "kernels": {
                 op: [
-                    {"name": c.name, "provider": c.provider, "priority": c.priority}
+                    {"name": c.name, "provider": c.provider, "priority": _json_number(c.priority)}
                     for c in self.kernels.candidates(op)
                 ]
                 for op in self.kernels.ops()
@@ -305,6 +343,12 @@ class HardwareAbstractionLayer:
             "kernel_guards": guard_implementation(),  # the dispatch memo's: torchhal_speedups or python
             "profiles": {k: p.model_dump(mode="json") for k, p in self._profiles.items()},
         }
+
+
+def _json_number(value: float) -> float | str:
+    """value, or its name where JSON has no number for it (the reference's priority is -inf, and
+    `-Infinity`, which Python's json writes, is refused by JSON.parse and other strict parsers)."""
+    return value if math.isfinite(value) else str(value)
 
 
 def _rank_key(dev: Device) -> tuple[tuple[Any, ...], tuple[str, ...]]:

@@ -84,6 +84,7 @@ class PluginLoader:
 
     def load_entry_points(self) -> None:
         eps = sorted(importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=lambda e: e.name)
+        self._check_allowlist({ep.name for ep in eps})
         for ep in eps:
             dist = ep.dist.name if ep.dist is not None else None
             if dist != CORE_DISTRIBUTION:
@@ -119,6 +120,17 @@ class PluginLoader:
                     )
                     continue
                 self.register(module, ep.name, dist)
+
+    def _check_allowlist(self, installed: set[str]) -> None:
+        """A name in TORCHHAL_PLUGINS that no installed plugin has (a typo, 'SimASIC') would leave
+        the plugin it meant unloaded without a word: each is recorded as a failure."""
+        allow = self.settings.plugins
+        if allow is None or self.settings.disable_plugin_autoload:
+            return
+        for name in allow:
+            if name not in installed:
+                reason = f"TORCHHAL_PLUGINS names {name!r}; installed plugins: {', '.join(sorted(installed))}"
+                self.record(Diagnostic(name, Status.FAILED, "allowlist", reason))
 
     def register(self, plugin: object, name: str, distribution: str | None = None) -> None:
         """Register a plugin object (module or instance) that implements torchhal hooks."""
@@ -185,6 +197,7 @@ class PluginLoader:
     def activate(self, adapters: Sequence[VendorAdapter], registry: KernelRegistry) -> list[ActiveAdapter]:
         """Probe each adapter, discover its devices and let it register kernels, in isolation."""
         active = []
+        taken_ids: set[str] = set()
         for adapter in adapters:
             with telemetry.span(
                 "torchhal.adapter.discover", adapter=adapter.name, vendor=adapter.vendor
@@ -207,6 +220,10 @@ class PluginLoader:
                     )
                     continue
                 span.set_attribute("torchhal.devices", len(devices))
+                wrong = _wrong_records(adapter, devices, taken_ids)
+                if wrong is not None:
+                    self.record(Diagnostic(adapter.name, Status.FAILED, "discover", wrong))
+                    continue
                 if not devices:
                     self.record(
                         Diagnostic(adapter.name, Status.ABSENT, "discover", f"{probe.reason}; no devices")
@@ -224,7 +241,28 @@ class PluginLoader:
                     )
                 )
                 active.append(ActiveAdapter(adapter, devices))
+                taken_ids.update(adapter.device_id(c.index, c.device_type) for c in devices)
         return active
+
+
+def _wrong_records(adapter: VendorAdapter, devices: Sequence[object], taken_ids: set[str]) -> str | None:
+    """Why an adapter's discovered records cannot stand (None if they can): each must be
+    DeviceCapabilities naming this adapter and its vendor, under a device id no other device
+    has, or `hal.device(id)` and the ranking would hold one device for another."""
+    ids = set(taken_ids)
+    for caps in devices:
+        if not isinstance(caps, DeviceCapabilities):
+            return f"discover() returned {type(caps).__name__}, not DeviceCapabilities"
+        if (caps.adapter, caps.vendor) != (adapter.name, adapter.vendor):
+            return (
+                f"a record names adapter {caps.adapter!r} of vendor {caps.vendor!r}; "
+                f"this adapter is {adapter.name!r} of {adapter.vendor!r}"
+            )
+        device_id = adapter.device_id(caps.index, caps.device_type)
+        if device_id in ids:
+            return f"device id {device_id} is given twice"
+        ids.add(device_id)
+    return None
 
 
 def _describe(exc: Exception) -> str:

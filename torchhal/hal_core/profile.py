@@ -65,12 +65,29 @@ def measure_or_load(
     reason = "refresh" if refresh else "no usable profile cached"
     log.info("measuring device profile", device=device.id, reason=reason)
     profile = measure(hal, device)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(profile.model_dump_json(indent=2))
-    tmp.replace(path)  # atomic: a crash never leaves half a profile
-    log.info("device profile cached", device=device.id, path=str(path))
+    if write_cached(path, profile.model_dump_json(indent=2)):
+        log.info("device profile cached", device=device.id, path=str(path))
     return profile
+
+
+def write_cached(path: Path, text: str) -> bool:
+    """Write a cache file atomically (a crash never leaves half of one). One that cannot be
+    written (TORCHHAL_CACHE_DIR is a file, or read-only) is logged and counted, not raised: the
+    measurement it holds is still returned, and is measured again by the next process."""
+    tmp = path.with_suffix(".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(path)
+    except OSError as exc:
+        telemetry.count("torchhal.cache.write_failures")
+        log.warning(
+            "cache not written; check TORCHHAL_CACHE_DIR",
+            path=str(path),
+            error=f"{type(exc).__name__}: {exc}",
+        )
+        return False
+    return True
 
 
 def _load_cached(device: Device, path: Path) -> MeasuredProfile | None:

@@ -45,6 +45,20 @@ class Settings(BaseModel):
             return tuple(part.strip() for part in value.split(",") if part.strip())
         return value
 
+    @field_validator("plugins")
+    @classmethod
+    def _names_some(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        """An allowlist of no names (',') would load no plugin, which has a switch of its own."""
+        if value == ():
+            raise ValueError("names no plugin; to load none, set TORCHHAL_DISABLE_PLUGIN_AUTOLOAD=1")
+        return value
+
+    @field_validator("cache_dir", mode="before")
+    @classmethod
+    def _home(cls, value: object) -> object:
+        """'~/cache' as a shell would read it, not a directory named '~' in the working directory."""
+        return Path(value).expanduser() if isinstance(value, (str, Path)) else value
+
     @field_validator("log_level", "log_format", "otel_exporter", "autotune", mode="before")
     @classmethod
     def _lower(cls, value: object) -> object:
@@ -56,7 +70,7 @@ class Settings(BaseModel):
         values = {
             name: env[PREFIX + name.upper()]
             for name in cls.model_fields
-            if env.get(PREFIX + name.upper(), "") != ""
+            if env.get(PREFIX + name.upper(), "").strip() != ""  # blank is unset, as "" is
         }
         try:
             return cls.model_validate(values)

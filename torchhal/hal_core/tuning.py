@@ -42,17 +42,15 @@ class Tuner:
         return self._table(device).get(_key(op, sig))
 
     def remember(self, device: Device, op: str, sig: Hashable, winner: str) -> None:
-        from torchhal.hal_core.profile import fingerprint
+        from torchhal.hal_core.profile import fingerprint, write_cached
 
         with self._lock:
             table = self._table(device)
             table[_key(op, sig)] = winner
             if self._dir is not None:
-                self._dir.mkdir(parents=True, exist_ok=True)
-                path = self._dir / f"{fingerprint(device)}.json"
-                tmp = path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-                tmp.replace(path)
+                write_cached(
+                    self._dir / f"{fingerprint(device)}.json", json.dumps(table, indent=1, sort_keys=True)
+                )
 
     def measure(
         self,

@@ -48,7 +48,7 @@ def require_eps(op: str, eps: object) -> None:
 
 
 def is_finite_number(value: object) -> bool:
-    """An int or float (not a bool: True is no scale) that is finite as a float."""
+    """An int or float that is finite as a float; not a bool (True is no eps, scale or smoothing)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return False
     try:
