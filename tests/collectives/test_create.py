@@ -7,6 +7,7 @@ ownership; every such test destroys the group it made.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,27 @@ def test_store_needs_rank_and_world_size(
         Communicator.create(hal, store=store)
     with pytest.raises(ConfigurationError, match=r"init_method and store: give one, not both"):
         Communicator.create(hal, store=store, init_method=(tmp_path / "f").as_uri(), rank=0, world_size=1)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"world_size": "2", "rank": 0}, r"world_size must be an int, got str '2'"),
+        ({"world_size": 1, "rank": True}, r"rank must be an int, got bool True"),
+        ({"world_size": 1, "rank": 0, "timeout": 5}, r"timeout must be a positive datetime.timedelta, got 5"),
+        (
+            {"world_size": 1, "rank": 0, "timeout": timedelta(0)},
+            r"timeout must be a positive .* got datetime",
+        ),
+        ({"world_size": 1, "rank": 0, "timeout": timedelta(seconds=-1)}, r"timeout must be a positive"),
+    ],
+)
+def test_argument_types_and_timeout_are_checked_before_any_group(
+    no_group: None, hal: HardwareAbstractionLayer, tmp_path: Path, arguments: dict, message: str
+) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        Communicator.create(hal, init_method=(tmp_path / "rendezvous").as_uri(), **arguments)
+    assert not dist.is_initialized()
 
 
 def test_bad_rank_values_are_refused(

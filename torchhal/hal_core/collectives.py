@@ -186,6 +186,7 @@ class Communicator:
         LOCAL_RANK among that adapter's devices when LOCAL_RANK is set). `fused=False`
         composes all_gather, reduce_scatter, all_to_all and avg from simpler collectives.
         """
+        _check_create_arguments(rank, world_size, timeout)
         dev = _resolve_device(hal, device)
         backend = backend_for([dev])
         if group is None and not dist.is_initialized():
@@ -786,6 +787,16 @@ def _env_int(name: str) -> int | None:
         return int(raw)
     except ValueError:
         raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
+
+
+def _check_create_arguments(rank: object, world_size: object, timeout: object) -> None:
+    """Types and a positive timeout, before any group is made: world_size='2' was a TypeError
+    from a comparison, and timedelta(seconds=-1) a gloo enforce failure inside CollectiveError."""
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigurationError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ConfigurationError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
 
 
 def _init_default_group(
