@@ -182,6 +182,13 @@ def test_missing_spec_and_unknown_gate_metric_exit_2(tmp_path):
     assert bad_gate.exit_code == EXIT_BAD_INPUT and "unknown metric(s) ['speed']" in bad_gate.text
 
 
+def test_a_spec_that_is_not_utf8_is_named(tmp_path):
+    spec = tmp_path / "latin1.toml"
+    spec.write_bytes(KERNELS.encode() + "# caf\xe9\n".encode("latin-1"))
+    result = _ab(str(spec), "--out", str(tmp_path / "out"))
+    assert result.exit_code == EXIT_BAD_INPUT and f"spec {spec}: not UTF-8 text" in result.text
+
+
 def test_yaml_specs_need_pyyaml(tmp_path):
     spec = _spec(tmp_path, "experiment: {baseline: a}\n", "spec.yaml")
     result = _ab(str(spec), "--out", str(tmp_path / "out"))

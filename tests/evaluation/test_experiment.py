@@ -291,6 +291,21 @@ def test_config_refuses_bad_counts_and_seeds_before_any_run(field, value, minimu
     assert str(info.value) == f"{field} must be an integer >= {minimum}, got {value!r}"
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("metrics", "latency", "metrics must be a list of metric names, got the string 'latency'"),
+        ("alpha", "0.05", "alpha must lie strictly between 0 and 0.5, got '0.05'"),
+        ("alpha", True, "alpha must lie strictly between 0 and 0.5, got True"),
+    ],
+)
+def test_config_refuses_a_string_where_a_list_or_number_belongs(field, value, message):
+    """metrics='latency' became seven one-letter metrics; alpha='0.05' a TypeError from '<'."""
+    with pytest.raises(InvalidArgumentError) as info:
+        ExperimentConfig(baseline="a", **{field: value})
+    assert str(info.value) == message
+
+
 def test_compare_refuses_bad_samples_naming_them():
     latency, thr = METRICS["latency"], Threshold(relative=0.05)
     good = np.random.default_rng().uniform(1.0, 2.0, 10)

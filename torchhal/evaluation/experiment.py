@@ -54,6 +54,10 @@ class ExperimentConfig:
     name: str = "experiment"
 
     def __post_init__(self) -> None:
+        if isinstance(self.metrics, str):  # tuple("latency") would be seven one-letter metrics
+            raise InvalidArgumentError(
+                f"metrics must be a list of metric names, got the string {self.metrics!r}"
+            )
         object.__setattr__(self, "metrics", tuple(self.metrics))
         if not self.metrics:
             raise InvalidArgumentError("an experiment needs at least one metric, got none")
@@ -69,7 +73,11 @@ class ExperimentConfig:
         object.__setattr__(
             self, "thresholds", {k: Threshold.parse(v, f"metric {k!r}") for k, v in self.thresholds.items()}
         )
-        if not 0 < self.alpha < 0.5:
+        if (
+            isinstance(self.alpha, bool)
+            or not isinstance(self.alpha, (int, float))
+            or not 0 < self.alpha < 0.5
+        ):
             raise InvalidArgumentError(f"alpha must lie strictly between 0 and 0.5, got {self.alpha!r}")
         if self.correction not in CORRECTIONS:
             raise InvalidArgumentError(f"correction must be one of {CORRECTIONS}, got {self.correction!r}")

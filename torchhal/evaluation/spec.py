@@ -71,7 +71,10 @@ def read_spec(path: str | Path) -> dict[str, Any]:
         raise ConfigurationError(f"spec {path}: is a directory, not a spec file")
     if not path.is_file():
         raise ConfigurationError(f"spec {path}: no such file")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigurationError(f"spec {path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     if path.suffix in (".yaml", ".yml"):
         try:
             import yaml
