@@ -114,8 +114,14 @@ def test_report_is_json_and_complete(hal):
 
 def test_malformed_setting_names_the_variable(monkeypatch):
     monkeypatch.setenv("TORCHHAL_STRICT_PLUGINS", "perhaps")
-    with pytest.raises(ConfigurationError, match="TORCHHAL_STRICT_PLUGINS='perhaps'"):
+    with pytest.raises(
+        ConfigurationError, match=r"TORCHHAL_STRICT_PLUGINS='perhaps'.* \(on: 1, true, yes, on; off"
+    ):
         HardwareAbstractionLayer()
+
+
+def test_setting_values_are_read_without_surrounding_blanks(settings):
+    assert settings(strict_plugins=" 1 ", autotune=" off").strict_plugins is True
 
 
 def test_cache_dir_reads_home_as_a_shell_does(settings, monkeypatch, tmp_path):

@@ -19,6 +19,9 @@ from torchhal.hal_core.errors import ConfigurationError
 PREFIX = "TORCHHAL_"
 
 
+_BOOL_WORDS = " (on: 1, true, yes, on; off: 0, false, no, off)"  # what pydantic reads as a bool
+
+
 def _default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchhal"
 
@@ -68,7 +71,7 @@ class Settings(BaseModel):
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
         values = {
-            name: env[PREFIX + name.upper()]
+            name: env[PREFIX + name.upper()].strip()  # " 1 " as "1", as the allowlist strips its names
             for name in cls.model_fields
             if env.get(PREFIX + name.upper(), "").strip() != ""  # blank is unset, as "" is
         }
@@ -77,6 +80,7 @@ class Settings(BaseModel):
         except ValidationError as exc:
             problems = "; ".join(
                 f"{PREFIX}{str(err['loc'][0]).upper()}={values.get(str(err['loc'][0]))!r}: {err['msg']}"
+                + (_BOOL_WORDS if err["type"] == "bool_parsing" else "")
                 for err in exc.errors()
             )
             raise ConfigurationError(f"invalid torchhal setting: {problems}") from None
