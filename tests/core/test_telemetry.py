@@ -213,3 +213,32 @@ def test_import_torchhal_does_not_load_telemetry():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_an_explicit_configure_wins_over_the_environment_being_applied_meanwhile(monkeypatch):
+    """The environment, applied on another thread's first use while an explicit configure ran,
+    overwrote it after it returned (found by review): building the exporter now holds the lock."""
+    import threading
+
+    monkeypatch.setattr(telemetry._state, "env_applied", False)  # as in a fresh process
+    monkeypatch.setenv("TORCHHAL_OTEL_EXPORTER", "console")
+    monkeypatch.setenv("TORCHHAL_LOG_LEVEL", "warning")
+    started, release = threading.Event(), threading.Event()
+    build = telemetry._build_exporter
+
+    def slow_build(exporter):
+        started.set()
+        release.wait(10)
+        return build(exporter)
+
+    monkeypatch.setattr(telemetry, "_build_exporter", slow_build)
+    first_use = threading.Thread(target=telemetry._apply_environment)
+    first_use.start()
+    assert started.wait(10)
+    explicit = threading.Thread(target=lambda: telemetry.configure(log_level="debug"))
+    explicit.start()
+    explicit.join(0.2)  # with the bug it returns here, before the environment is applied
+    release.set()
+    first_use.join(10)
+    explicit.join(10)
+    assert telemetry._state.log_level == telemetry._LEVELS["debug"]

@@ -282,10 +282,18 @@ class DeviceRequirements(_Frozen):
     adapter: str | None = None
     dtypes: frozenset[DType] = frozenset()
     features: frozenset[Feature] = frozenset()
-    min_memory_bytes: int = Field(default=0, ge=0, strict=True)  # strict: True is no byte count
-    min_compute_units: int = Field(default=0, ge=0, strict=True)
+    min_memory_bytes: int = Field(default=0, ge=0)
+    min_compute_units: int = Field(default=0, ge=0)
     collective_backend: str | None = None
     allow_simulated: bool = True
+
+    @field_validator("min_memory_bytes", "min_compute_units", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: object) -> object:
+        """True was 1 byte; 16e9 stays 16 GB (an integral float is a count)."""
+        if isinstance(value, bool):
+            raise ValueError(f"must be a count, not a bool; got {value}")
+        return value
 
     def failures(self, caps: DeviceCapabilities) -> list[str]:
         out = []

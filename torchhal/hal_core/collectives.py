@@ -794,9 +794,13 @@ def _check_create_arguments(rank: object, world_size: object, timeout: object) -
     from a comparison, and timedelta(seconds=-1) a gloo enforce failure inside CollectiveError."""
     for name, value in (("rank", rank), ("world_size", world_size)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigurationError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+            raise ConfigurationError(
+                f"Communicator.create: {name} must be an int, got {type(value).__name__} {value!r}"
+            )
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
-        raise ConfigurationError(f"timeout must be a positive datetime.timedelta, got {timeout!r}")
+        raise ConfigurationError(
+            f"Communicator.create: timeout must be a positive datetime.timedelta, got {timeout!r}"
+        )
 
 
 def _init_default_group(

@@ -124,25 +124,34 @@ class HardwareAbstractionLayer:
                 loader.register(plugin, getattr(plugin, "__name__", type(plugin).__name__))
             adapters = loader.load(self._kernels, builtin=(CPUAdapter(), *self._extra_adapters))
             active = loader.activate(adapters, self._kernels)
-            self._warn_unknown_disabled_kernels()
+            self._warn_unknown_disabled_kernels(
+                absent={a.name for a in adapters} - {x.adapter.name for x in active}
+            )
             state = _Discovered(adapters, active, loader)
             span.set_attribute("torchhal.adapters", [a.name for a in adapters])
             span.set_attribute("torchhal.devices", [d.id for d in state.devices])
         log.info("discovery done", devices=[d.id for d in state.devices], adapters=[a.name for a in adapters])
         return state
 
-    def _warn_unknown_disabled_kernels(self) -> None:
-        """A TORCHHAL_DISABLE_KERNELS entry that names no candidate (a typo) disables nothing."""
+    def _warn_unknown_disabled_kernels(self, absent: set[str]) -> None:
+        """A TORCHHAL_DISABLE_KERNELS entry that names no candidate (a typo) disables nothing.
+        `provider/name` entries of adapters absent here are not judged: their kernels are
+        registered only where their hardware is, and one setting may serve a whole fleet."""
+        registry = self._kernels
         known = {
-            n
-            for op in self._kernels.ops()
-            for c in self._kernels.candidates(op)
-            for n in (c.name, c.qualified_name)
+            n for op in registry.ops() for c in registry.candidates(op) for n in (c.name, c.qualified_name)
         }
-        unknown = [name for name in self.settings.disable_kernels if name not in known]
+        unknown = [
+            name
+            for name in self.settings.disable_kernels
+            if name not in known and name.partition("/")[0] not in absent
+        ]
         if unknown:
             log.warning(
-                "TORCHHAL_DISABLE_KERNELS names no kernel candidate", names=unknown, known=sorted(known)
+                "TORCHHAL_DISABLE_KERNELS names no kernel candidate",
+                names=unknown,
+                known=sorted(known),
+                hint="write provider/name for a kernel of an adapter whose hardware is absent here",
             )
 
     @property

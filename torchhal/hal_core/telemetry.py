@@ -66,6 +66,19 @@ def configure(
     All or nothing: every argument is checked and the exporter built before anything is applied,
     so a refused call keeps the earlier setup. Names are case-insensitive, as in the environment.
     """
+    _configure(exporter, log_format, log_level, log_stream, from_environment=False)
+
+
+def _configure(
+    exporter: str | None,
+    log_format: str | None,
+    log_level: str | None,
+    log_stream: Any,
+    *,
+    from_environment: bool,
+) -> None:
+    """`configure`; `from_environment`: the TORCHHAL_* settings on first use, which give way to an
+    explicit configure that got the lock first (checked under it, so the explicit call wins)."""
     exporter = _choice("exporter", exporter, EXPORTERS)
     log_format = _choice("log_format", log_format, LOG_FORMATS)
     log_level = _choice("log_level", log_level, tuple(_LEVELS))
@@ -73,8 +86,10 @@ def configure(
         raise ConfigurationError(
             f"telemetry log_stream must be a text stream (callable write and flush), got {log_stream!r}"
         )
-    built = None if exporter is None else _build_exporter(exporter)  # raises before any change
-    with _state.lock:
+    with _state.lock:  # held while building too: a configure racing this one waits, then wins
+        if from_environment and _state.env_applied:
+            return
+        built = None if exporter is None else _build_exporter(exporter)  # raises before any change
         if built is not None:
             _state.tracer, _state.meter, _state.span_exporter, _state.metric_reader = built
             _state.instruments.clear()
@@ -162,7 +177,7 @@ def _apply_environment() -> None:
 
     settings = Settings.from_env()
     _state.provider_in_env = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
-    configure(exporter=settings.otel_exporter, log_format=settings.log_format, log_level=settings.log_level)
+    _configure(settings.otel_exporter, settings.log_format, settings.log_level, None, from_environment=True)
 
 
 def memory_exporter() -> InMemorySpanExporter:
