@@ -51,13 +51,12 @@ def _check(op: str, a: torch.Tensor, b: torch.Tensor) -> MatmulSignature:
         raise InvalidArgumentError(
             f"{op}: inner dimensions must agree, got a {tuple(a.shape)} and b {tuple(b.shape)}"
         )
-    if a.dim() > 2 and b.dim() > 2:
-        try:
-            torch.broadcast_shapes(a.shape[:-2], b.shape[:-2])
-        except RuntimeError:
-            raise InvalidArgumentError(
-                f"{op}: batch dimensions must broadcast, got a {tuple(a.shape)} and b {tuple(b.shape)}"
-            ) from None
+    try:
+        output_shape(a.shape, b.shape)
+    except RuntimeError:
+        raise InvalidArgumentError(
+            f"{op}: batch dimensions must broadcast, got a {tuple(a.shape)} and b {tuple(b.shape)}"
+        ) from None
     return MatmulSignature(a.dtype, a.dim(), b.dim())
 
 
