@@ -195,36 +195,84 @@ def test_ops_dispatch_through_default_hal_and_use(settings):
         torchhal.ops.set_default_hal(None)
 
 
+def _slow(x, weight, eps=1e-6):
+    time.sleep(0.002)
+    return rms_norm.reference(x, weight, eps)
+
+
+def _tuned_hal(settings, cache_dir):
+    """A HAL that measures its selections, with a preferred candidate that is slower than the rest."""
+    hal = HardwareAbstractionLayer(
+        settings=settings(disable_plugin_autoload="1", autotune="on", cache_dir=str(cache_dir))
+    )
+    hal.kernels.register("rms_norm", "slow-but-preferred", _slow, provider="test", priority=1000)
+    return hal
+
+
+def _select_rms_norm(hal, x, w):
+    return hal.kernels.select("rms_norm", hal.device("cpu"), x, w)
+
+
 def test_measured_selection_picks_the_fastest_and_persists(settings, tmp_path, capsys):
-    import time
-
-    def slow(x, weight, eps=1e-6):
-        time.sleep(0.002)
-        return rms_norm.reference(x, weight, eps)
-
-    def make_hal():
-        hal = HardwareAbstractionLayer(
-            settings=settings(disable_plugin_autoload="1", autotune="on", cache_dir=str(tmp_path))
-        )
-        hal.kernels.register("rms_norm", "slow-but-preferred", slow, provider="test", priority=1000)
-        return hal
-
-    hal = make_hal()
     x, w = torch.randn(8, 256), torch.randn(256)
-    sel = hal.kernels.select("rms_norm", hal.device("cpu"), x, w)
+    sel = _select_rms_norm(_tuned_hal(settings, tmp_path), x, w)
     assert sel.candidate.name != "slow-but-preferred"
     times = dict(sel.timings_ms)
     assert times["test/slow-but-preferred"] >= 2.0 > times[sel.candidate.qualified_name]
     assert sel.fallbacks  # the slower valid candidates stay as fallbacks
-    again = make_hal().kernels.select("rms_norm", make_hal().device("cpu"), x, w)
+    again = _select_rms_norm(_tuned_hal(settings, tmp_path), x, w)
     assert again.candidate.qualified_name == sel.candidate.qualified_name and again.timings_ms == ()
     (saved,) = (tmp_path / "selections").glob("*.json")
     saved.write_text(saved.read_text()[:-7])  # a torn write: measured again, logged, rewritten
     telemetry.configure(log_level="warning")
     capsys.readouterr()
-    remeasured = make_hal().kernels.select("rms_norm", make_hal().device("cpu"), x, w)
+    remeasured = _select_rms_norm(_tuned_hal(settings, tmp_path), x, w)
     assert remeasured.timings_ms and "cached kernel selections unusable" in capsys.readouterr().err
     assert json.loads(saved.read_text())
+
+
+def test_persisted_selections_are_measured_again_after_an_upgrade(settings, tmp_path, monkeypatch, capsys):
+    """A winner is only as good as the code that won. The file keyed winners by device, driver and
+    torch only, so one measured before an upgrade of torchhal, a vendor plugin or Triton (a faster
+    kernel, a candidate changed) was kept for good."""
+    import importlib.metadata
+
+    from torchhal.hal_core import hal as hal_module
+    from torchhal.hal_core import tuning
+
+    x, w = torch.randn(8, 256), torch.randn(256)
+    assert _select_rms_norm(_tuned_hal(settings, tmp_path), x, w).timings_ms
+    (saved,) = (tmp_path / "selections").glob("*.json")
+    code = json.loads(saved.read_text())["code"]
+    assert code["torchhal"] == importlib.metadata.version("torchhal")  # the core's kernels competed
+    assert _select_rms_norm(_tuned_hal(settings, tmp_path), x, w).timings_ms == ()  # same code: kept
+
+    upgraded = {**code, "torchhal": code["torchhal"] + ".post1"}
+    monkeypatch.setattr(hal_module, "code_versions", lambda distributions: upgraded)
+    telemetry.configure(log_level="info", log_format="json")
+    capsys.readouterr()
+    assert _select_rms_norm(_tuned_hal(settings, tmp_path), x, w).timings_ms  # measured again
+    lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]
+    (changed,) = [x for x in lines if x["event"].startswith("cached kernel selections were measured with other")]
+    assert changed["measured_with"] == code and changed["now"] == upgraded
+    assert json.loads(saved.read_text())["code"] == upgraded  # rewritten with the code that won now
+
+    saved.write_text(json.dumps(json.loads(saved.read_text())["winners"]))  # the earlier flat format
+    capsys.readouterr()
+    assert _select_rms_norm(_tuned_hal(settings, tmp_path), x, w).timings_ms
+    assert "cached kernel selections unusable" in capsys.readouterr().err
+
+
+def test_code_versions_reads_metadata_and_names_what_has_none():
+    import importlib.metadata
+
+    from torchhal.hal_core.tuning import code_versions
+
+    versions = code_versions(["torchhal", "no-such-distribution-here"])
+    assert versions["torchhal"] == torchhal.__version__ and versions["no-such-distribution-here"] == "unknown"
+    # the dev install has Triton (its interpreter runs the kernel tests), as the "triton" wheel
+    assert versions["triton"] == importlib.metadata.version("triton")
+    assert len(versions) == 3
 
 
 def test_auto_tuning_leaves_the_cpu_to_priority(hal):

@@ -29,7 +29,7 @@ from torchhal.hal_core.errors import (
 from torchhal.hal_core.kernels import KernelRegistry, Locate, guard_implementation
 from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
 from torchhal.hal_core.settings import Settings
-from torchhal.hal_core.tuning import Tuner
+from torchhal.hal_core.tuning import Tuner, code_versions
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +74,7 @@ class _Discovered:
     ) -> None:
         self.adapters = tuple(adapters)
         self.diagnostics = tuple(loader.diagnostics)
+        self.distributions = tuple(sorted(loader.distributions()))
         self.devices = tuple(Device(a.adapter, caps) for a in active for caps in a.devices)
         self.by_id = {d.id: d for d in self.devices}
         self.by_torch: dict[torch.device, Device] = {}
@@ -98,7 +99,7 @@ class HardwareAbstractionLayer:
         self.settings = settings if settings is not None else Settings.from_env()
         self._kernels = KernelRegistry(
             disabled=frozenset(self.settings.disable_kernels),
-            tuner=Tuner(self.settings.cache_dir, self.settings.autotune),
+            tuner=Tuner(self.settings.cache_dir, self.settings.autotune, code=self._kernel_code),
         )
         self._extra_plugins = tuple(plugins)
         self._extra_adapters = tuple(adapters)
@@ -106,6 +107,11 @@ class HardwareAbstractionLayer:
         self._lock = threading.Lock()
         self._profiles: dict[str, MeasuredProfile] = {}
         self._locator: Locate = self._locate  # bound once: `dispatch` hands it on with every call
+
+    def _kernel_code(self) -> dict[str, str]:
+        """Versions of the code behind the kernel candidates, which measured selections persist
+        beside their winners (candidates that `plugins=` objects register have none)."""
+        return code_versions(self._discovered().distributions)
 
     def _discovered(self) -> _Discovered:
         state = self._state

@@ -2,15 +2,18 @@
 
 Used where timing is real and cheap to get right (devices with timing events that are not
 simulated, unless told otherwise). Winners persist on disk per device fingerprint, beside the
-measured profiles, so a new process does not measure again.
+measured profiles, so a new process does not measure again. A winner is only as good as the code
+that won: each file records the versions of the distributions whose kernels competed (torchhal,
+the vendor plugins, Triton), and winners measured with other versions are measured again.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import threading
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -23,12 +26,23 @@ if TYPE_CHECKING:
 log = telemetry.get_logger("torchhal.tuning")
 TuneMode = Literal["off", "on", "auto"]
 BATCHES, CALLS_PER_BATCH = 3, 5
+# Triton's distribution goes by several names (PyTorch's CUDA, ROCm and XPU wheels pin their own)
+TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
 
 
 class Tuner:
-    def __init__(self, cache_dir: Path | None, mode: TuneMode = "auto") -> None:
+    def __init__(
+        self,
+        cache_dir: Path | None,
+        mode: TuneMode = "auto",
+        code: Callable[[], dict[str, str]] = dict,
+    ) -> None:
+        """`code()`: the versions of the code behind the candidates (`code_versions`), asked once,
+        when winners are first read or written."""
         self.mode = mode
         self._dir = None if cache_dir is None else cache_dir / "selections"
+        self._code = code
+        self._versions: dict[str, str] | None = None
         self._winners: dict[str, dict[str, str]] = {}  # fingerprint -> key -> qualified name
         self._lock = threading.Lock()
 
@@ -48,9 +62,8 @@ class Tuner:
             table = self._table(device)
             table[_key(op, sig)] = winner
             if self._dir is not None:
-                write_cached(
-                    self._dir / f"{fingerprint(device)}.json", json.dumps(table, indent=1, sort_keys=True)
-                )
+                saved = {"code": self._code_versions(), "winners": table}
+                write_cached(self._dir / f"{fingerprint(device)}.json", json.dumps(saved, indent=1, sort_keys=True))
 
     def measure(
         self,
@@ -75,21 +88,55 @@ class Tuner:
         fp = fingerprint(device)
         if fp not in self._winners:
             path = None if self._dir is None else self._dir / f"{fp}.json"
-            self._winners[fp] = _read_winners(path) if path is not None and path.exists() else {}
+            table: dict[str, str] = {}
+            if path is not None and path.exists():
+                table = _read_winners(path, self._code_versions())
+            self._winners[fp] = table
         return self._winners[fp]
 
+    def _code_versions(self) -> dict[str, str]:
+        if self._versions is None:
+            self._versions = self._code()
+        return self._versions
 
-def _read_winners(path: Path) -> dict[str, str]:
-    """The persisted winners, or none where the file is unusable (torn, hand-edited): then every
-    selection is measured again and the file rewritten, which is logged, never a crash."""
+
+def code_versions(distributions: Iterable[str]) -> dict[str, str]:
+    """Versions of the distributions whose kernels compete, and of Triton where installed, read
+    from package metadata (nothing is imported). A distribution without metadata is "unknown"."""
+    versions = {}
+    for name in sorted(set(distributions)):
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "unknown"
+    for name in TRITON_DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        break
+    return versions
+
+
+def _read_winners(path: Path, code: dict[str, str]) -> dict[str, str]:
+    """The persisted winners, or none where the file is unusable (torn, hand-edited, an older
+    format) or was measured with other code: then every selection is measured again and the file
+    rewritten, which is logged, never a crash."""
     try:
-        table = json.loads(path.read_text())
+        saved = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
     else:
+        table = saved.get("winners") if isinstance(saved, dict) else None
         if isinstance(table, dict) and all(isinstance(v, str) for v in table.values()):
-            return table
-        reason = "not an object of op|signature -> candidate names"
+            if saved.get("code") == code:
+                return table
+            log.info(
+                "cached kernel selections were measured with other code; measuring again",
+                path=str(path), measured_with=saved.get("code"), now=code,
+            )  # fmt: skip
+            return {}
+        reason = 'not an object with "code" and "winners" (op|signature -> candidate name)'
     log.warning("cached kernel selections unusable; measuring again", path=str(path), reason=reason)
     return {}
 
