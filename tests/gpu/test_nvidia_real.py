@@ -87,3 +87,23 @@ def test_event_timer_measures_device_work(hal):
         a @ a
     ms = timer.elapsed_ms(start, timer.mark())
     assert 0.05 < ms < 1000
+
+
+def test_measured_selection_records_the_code_that_competed(tmp_path):
+    """On the GPU several attention candidates are valid, so the first call measures them; the
+    winner is saved with the versions of the distributions whose kernels competed."""
+    import importlib.metadata
+    import json
+
+    from torchhal.hal_core.settings import Settings
+
+    settings = Settings.from_env({"TORCHHAL_CACHE_DIR": str(tmp_path), "TORCHHAL_AUTOTUNE": "on"})
+    hal = HardwareAbstractionLayer(settings=settings)
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda:0", dtype=torch.bfloat16) for _ in range(3))
+    selection = hal.kernels.select("attention", hal.device("cuda:0"), q, k, v, False, None, None)
+    assert len(selection.timings_ms) > 1
+    (saved,) = (tmp_path / "selections").glob("*.json")
+    content = json.loads(saved.read_text())
+    expected = {name: importlib.metadata.version(name) for name in ("torchhal", "torchhal-nvidia", "triton")}
+    assert {name: content["code"].get(name) for name in expected} == expected
+    assert content["winners"] and selection.candidate.qualified_name in content["winners"].values()
