@@ -309,27 +309,23 @@ def test_opting_out_and_falling_back_run_the_transformers_loss(on_plain, monkeyp
     ]
 
 
-def test_the_fused_loss_under_autocast_casts_as_lm_head_would(on_plain, monkeypatch):
-    """transformers' lm_head runs in the autocast dtype, so the op gets bf16 hidden states and weight;
-    the loss is within 2x transformers' error of the exact loss on those rounded inputs, plus one bf16
-    rounding (the op returns the loss in its inputs' dtype; it is fp32 afterwards, as transformers')."""
+def test_the_fused_loss_under_autocast_casts_as_lm_head_would(on_plain):
+    """transformers' lm_head runs in the autocast dtype, so the op computes on bf16 hidden states and
+    weight (it casts them under autocast, as lm_head's matmul would); the loss is within 2x
+    transformers' error of the exact loss on those rounded inputs, plus one bf16 rounding (the op
+    returns the loss in its inputs' dtype; it is fp32 afterwards, as transformers')."""
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     lm_head = torch.nn.Linear(64, 128)
     hidden, labels = torch.randn(BATCH, SEQ, 64), with_ignored(torch.randint(0, 128, (BATCH, SEQ)))
-    dtypes = []
-    fused = torchhal.ops.linear_cross_entropy
-    monkeypatch.setattr(
-        torchhal.ops,
-        "linear_cross_entropy",
-        lambda h, w, *a, **k: dtypes.append((h.dtype, w.dtype)) or fused(h, w, *a, **k),
-    )
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = ForCausalLMLoss(lm_head(hidden), labels, 128)
         got = patch_module.causal_lm_loss(hidden, lm_head.weight, labels, lm_head.bias)
-    assert dtypes == [(torch.bfloat16, torch.bfloat16)] and got.dtype == expected.dtype == torch.float32
-    rounded = [t.detach().to(torch.bfloat16).double() for t in (hidden, lm_head.weight, lm_head.bias)]
-    truth = exact_causal_lm_loss(F.linear(*rounded), labels, 128)
+    rounded = [t.detach().to(torch.bfloat16) for t in (hidden, lm_head.weight, lm_head.bias)]
+    cast_by_hand = patch_module.causal_lm_loss(rounded[0], rounded[1], labels, rounded[2])
+    torch.testing.assert_close(got, cast_by_hand, rtol=0, atol=0)
+    assert got.dtype == expected.dtype == torch.float32
+    truth = exact_causal_lm_loss(F.linear(*(t.double() for t in rounded)), labels, 128)
     error, base = (got.double() - truth).abs().item(), (expected.double() - truth).abs().item()
     assert error <= 2 * base + torch.finfo(torch.bfloat16).eps * truth.abs().item(), (error, base)
 

@@ -274,6 +274,7 @@ AUTOGRAD = AutogradSpec(
     forward_fake=_forward_fake,
     backward_fake=_backward_fake,
     differentiable=(0, 1, 2),
+    autocast=(0, 1, 2),  # autocast casts them, as it does SDPA's inputs
     context=_context,
 )
 

@@ -21,6 +21,13 @@ per input listed in `differentiable`. Every output is a fresh tensor (custom ops
 their inputs) with the strides its fake implementation gives: contiguous, or for rope its
 input's layout.
 Double backward is not supported: the backward ops are not themselves differentiable.
+
+Autocast, one rule for every path and candidate: inputs listed in `spec.autocast` (the ops whose
+torch counterparts autocast runs in lower precision: SDPA, matmul, lm_head's linear) are cast to
+the autocast dtype, as autocast casts them (floating, not fp64); then the candidates run with
+autocast off, so each computes in the dtypes it was given whichever candidate is chosen. Before,
+the reference and SDPA candidates met autocast inside (their matmuls cast fp32 back down) while
+the Triton kernels and the compiled path did not, so the answer depended on the candidate.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ _SAVED = object()  # marks a context slot whose tensor went through ctx.save_for
 _is_compiling = torch.compiler.is_compiling
 _is_grad_enabled = torch.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
+_any_autocast = torch._C._is_any_autocast_enabled
+_autocast_off = torch._C._DisableAutocast
 
 Dispatch = Callable[..., Any]
 """`dispatch(op, *args)`: run registry op `op` on the device of its first tensor."""
@@ -58,6 +67,7 @@ class AutogradSpec(NamedTuple):
     differentiable: tuple[int, ...]  # positions of the inputs that get gradients, in backward's order
     context: Callable[[Sequence[Any], Sequence[torch.Tensor]], tuple[Any, ...]]  # (inputs, results)
     outputs: int = 1  # leading results of `forward` that are the op's outputs
+    autocast: tuple[int, ...] = ()  # positions of the inputs autocast casts to its dtype
 
 
 class DifferentiableOp:
@@ -94,8 +104,13 @@ class DifferentiableOp:
 
     def __call__(self, *args: Any) -> Any:
         if _is_compiling():
+            args = self._autocast_inputs(args)
             self._check_differentiable(args)
             return self._visible(_as_tuple(self._traced_forward(*args)))
+        if _any_autocast():
+            args = self._autocast_inputs(args)
+            with _autocast_off():
+                return self.__call__(*args)
         if _is_grad_enabled():
             result = self._plain_seen(args)  # a layout guarded before as needing no gradient
             if result is not NOT_SEEN:
@@ -118,11 +133,24 @@ class DifferentiableOp:
                 return self._visible(self._function.apply(*args))
         return self._plain(*args)
 
+    def _autocast_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """`args` with the `spec.autocast` inputs cast as autocast would cast them, where it is on
+        for the first input's device type."""
+        if not self.spec.autocast or not isinstance(args[0], torch.Tensor):
+            return args
+        device_type = args[0].device.type
+        if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+            return args
+        dtype = torch.get_autocast_dtype(device_type)
+        return tuple(
+            a.to(dtype) if i in self.spec.autocast and _autocast_eligible(a) else a for i, a in enumerate(args)
+        )
+
     def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:
         schema = torch.library.infer_schema(fake, mutates_args=())
 
         def impl(*args: Any) -> Any:
-            return self._dispatch(op, *args)
+            return _without_autocast(self._dispatch, op, *args)
 
         custom = torch.library.custom_op(f"{namespace}::{op}", impl, mutates_args=(), schema=schema)
         custom.register_fake(fake)
@@ -199,7 +227,7 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
             torch.zeros(shape, dtype=dtype, device=device) if g is None else g
             for g, (shape, dtype, device) in zip(grads, ctx.torchhal_outputs, strict=False)
         ]
-        return op._input_grads(ctx, op._dispatch(spec.backward, *outputs, *context))
+        return op._input_grads(ctx, _without_autocast(op._dispatch, spec.backward, *outputs, *context))
 
     # made with type() so autograd names the backward node after the op (e.g. rms_norm_functionBackward)
     methods = {
@@ -208,6 +236,20 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
         "__doc__": _function_class.__doc__,
     }
     return type(f"{spec.op}_function", (torch.autograd.Function,), methods)
+
+
+def _autocast_eligible(value: Any) -> bool:
+    """What autocast casts: floating tensors other than fp64."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+
+
+def _without_autocast(dispatch: Dispatch, op: str, *args: Any) -> Any:
+    """dispatch(op, *args) with autocast off, for calls reached with it on (a backward run inside
+    an autocast block, a compiled graph's custom op)."""
+    if _any_autocast():
+        with _autocast_off():
+            return dispatch(op, *args)
+    return dispatch(op, *args)
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...]:

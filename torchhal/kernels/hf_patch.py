@@ -660,8 +660,8 @@ def causal_lm_loss(
     Labels are shifted left (the last position gets ignore_index) unless `shift_labels` is given;
     the loss is the mean over tokens not ignored, or their sum divided by `num_items_in_batch`
     when given; fp32, as transformers' (the op computes the logits and the loss in fp32; fp64 for
-    fp64 inputs, cast to fp32 here as transformers' loss is). Under autocast, floating inputs other
-    than fp64 are cast to the autocast dtype first, as the lm_head matmul would cast them.
+    fp64 inputs, cast to fp32 here as transformers' loss is). Under autocast the op casts hidden,
+    weight and bias to the autocast dtype, as the lm_head matmul would cast them.
     """
     if shift_labels is None:
         labels = nn.functional.pad(labels, (0, 1), value=ignore_index)
@@ -669,22 +669,7 @@ def causal_lm_loss(
     target = shift_labels.reshape(-1).to(weight.device)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    device_type = hidden.device.type
-    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
-
-        def cast(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t.to(dtype) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-
-        with torch.autocast(device_type, enabled=False):
-            loss = ops.linear_cross_entropy(
-                cast(hidden), cast(weight), target, cast(bias),  # type: ignore[arg-type]
-                ignore_index=ignore_index, reduction=reduction,
-            )  # fmt: skip
-    else:
-        loss = ops.linear_cross_entropy(
-            hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction
-        )
+    loss = ops.linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction)
     loss = loss.float()
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):

@@ -529,6 +529,7 @@ AUTOGRAD = AutogradSpec(
     forward_fake=_forward_fake,
     backward_fake=_backward_fake,
     differentiable=(0, 1, 3),
+    autocast=(0, 1, 3),  # autocast casts them, as it does lm_head's linear inputs
     context=_context,
 )
 

@@ -119,6 +119,7 @@ AUTOGRAD = AutogradSpec(
     forward_fake=_fake,
     backward_fake=_backward_fake,
     differentiable=(0, 1),
+    autocast=(0, 1),  # autocast casts them, as it does torch.matmul's inputs
     context=_context,
 )
 
