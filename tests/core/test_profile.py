@@ -85,7 +85,7 @@ def test_a_cache_dir_that_cannot_be_written_keeps_the_measurement(settings, tmp_
     telemetry.configure(log_format="json")
 
     got = hal.profile("acme:0")
-    Tuner(blocked).remember(hal.device("acme:0"), "rms_norm", ("sig",), "torchhal/triton")
+    Tuner(blocked).remember(hal.device("acme:0"), "rms_norm", ("sig",), "torchhal/triton", ["torchhal/triton"])
 
     assert done == ["acme:0"] and got.device_id == "acme:0"
     lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]

@@ -263,6 +263,47 @@ def test_persisted_selections_are_measured_again_after_an_upgrade(settings, tmp_
     assert "cached kernel selections unusable" in capsys.readouterr().err
 
 
+def test_a_remembered_winner_stands_only_against_the_contenders_it_beat(settings, tmp_path):
+    """A winner measured while a candidate was disabled, or while one raised, was reused once that
+    candidate was back in the running, without measuring it (the key was op and signature only)."""
+    x, w = torch.randn(8, 256), torch.randn(256)
+    raised = []
+
+    def flaky(x, weight, eps=1e-6):
+        if not raised:
+            raised.append(True)
+            raise RuntimeError("a transient failure while measured")
+        return rms_norm.reference(x, weight, eps)
+
+    def make_hal(**env):
+        hal = HardwareAbstractionLayer(
+            settings=settings(disable_plugin_autoload="1", autotune="on", cache_dir=str(tmp_path), **env)
+        )
+        hal.kernels.register("rms_norm", "slow-but-preferred", _slow, provider="test", priority=1000)
+        hal.kernels.register("rms_norm", "flaky", flaky, provider="test", priority=5)
+        return hal
+
+    first = _select_rms_norm(make_hal(disable_kernels="slow-but-preferred"), x, w)
+    assert dict(first.timings_ms)["test/flaky"] == float("inf")
+    again = _select_rms_norm(make_hal(), x, w)  # slow-but-preferred enabled again, flaky recovered
+    assert {name for name, _ in again.timings_ms} == {"test/slow-but-preferred", "test/flaky", "torchhal/aten"}
+    assert all(ms < float("inf") for _, ms in again.timings_ms)
+    assert _select_rms_norm(make_hal(), x, w).timings_ms == ()  # the same contenders: remembered
+
+
+def test_hals_sharing_a_cache_keep_each_others_winners(settings, tmp_path):
+    """Each HAL rewrote the file from its own table, read when it first needed it: a winner another
+    HAL saved after that was lost."""
+    shapes = {"a": (8, 128), "b": (8, 256), "c": (8, 512)}
+    inputs = {k: (torch.randn(*shape), torch.randn(shape[1])) for k, shape in shapes.items()}
+    early, late = _tuned_hal(settings, tmp_path), _tuned_hal(settings, tmp_path)
+    assert _select_rms_norm(early, *inputs["c"]).timings_ms  # early reads the (empty) file now
+    assert _select_rms_norm(late, *inputs["a"]).timings_ms
+    assert _select_rms_norm(early, *inputs["b"]).timings_ms  # saved with late's "a"
+    fresh = _tuned_hal(settings, tmp_path)
+    assert all(_select_rms_norm(fresh, *inputs[k]).timings_ms == () for k in shapes)
+
+
 def test_code_versions_reads_metadata_and_names_what_has_none():
     import importlib.metadata
 

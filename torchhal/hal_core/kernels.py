@@ -386,17 +386,18 @@ class KernelRegistry:
         if len(contenders) < 2:
             return valid, ()
         by_name = {c.qualified_name: c for c in contenders}
-        remembered = self.tuner.recall(device, op, sig)
+        remembered = self.tuner.recall(device, op, sig, by_name)
         if remembered in by_name:
             return [by_name[remembered]] + [c for c in valid if c.qualified_name != remembered], ()
         caps = device.capabilities
         timings = self.tuner.measure(
             device, [(c.qualified_name, _bound(c, caps)) for c in contenders], args, kwargs
         )
-        order = [by_name[name] for name, ms in timings if math.isfinite(ms)]
-        order += [c for c in valid if c not in order]
-        self.tuner.remember(device, op, sig, order[0].qualified_name)
-        return order, tuple(timings)
+        measured = [name for name, ms in timings if math.isfinite(ms)]
+        if measured:  # one that raised is not beaten for good: the next process measures again
+            self.tuner.remember(device, op, sig, measured[0], measured)
+        order = [by_name[name] for name in measured]
+        return order + [c for c in valid if c not in order], tuple(timings)
 
     def _judge(self, cand: Candidate, caps: DeviceCapabilities, sig: Hashable) -> Unsupported | None:
         if cand.name in self.disabled or cand.qualified_name in self.disabled:

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 log = telemetry.get_logger("torchhal.tuning")
 TuneMode = Literal["off", "on", "auto"]
+Winner = dict[str, Any]  # {"winner": qualified name, "contenders": the sorted names measured}
 BATCHES, CALLS_PER_BATCH = 3, 5
 # Triton's distribution goes by several names (PyTorch's CUDA, ROCm and XPU wheels pin their own)
 TRITON_DISTRIBUTIONS = ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu")
@@ -43,7 +44,7 @@ class Tuner:
         self._dir = None if cache_dir is None else cache_dir / "selections"
         self._code = code
         self._versions: dict[str, str] | None = None
-        self._winners: dict[str, dict[str, str]] = {}  # fingerprint -> key -> qualified name
+        self._winners: dict[str, dict[str, Winner]] = {}  # fingerprint -> op|signature -> winner
         self._lock = threading.Lock()
 
     def wants(self, device: Device) -> bool:
@@ -52,18 +53,30 @@ class Tuner:
             return Feature.DEVICE_EVENTS in caps.features and not caps.simulated
         return self.mode == "on"
 
-    def recall(self, device: Device, op: str, sig: Hashable) -> str | None:
-        return self._table(device).get(_key(op, sig))
+    def recall(self, device: Device, op: str, sig: Hashable, contenders: Iterable[str]) -> str | None:
+        """The winner measured among exactly these contenders: a candidate added, enabled again
+        or failing no longer since then may be faster, so another set is measured again."""
+        entry = self._table(device).get(_key(op, sig))
+        if entry is None or entry["contenders"] != sorted(contenders):
+            return None
+        return entry["winner"]
 
-    def remember(self, device: Device, op: str, sig: Hashable, winner: str) -> None:
+    def remember(self, device: Device, op: str, sig: Hashable, winner: str, contenders: Iterable[str]) -> None:
+        """Keep `winner` of `contenders` (those that measured), and save the table merged with the
+        file's winners, so HALs and processes sharing a cache keep each other's."""
         from torchhal.hal_core.profile import fingerprint, write_cached
 
         with self._lock:
             table = self._table(device)
-            table[_key(op, sig)] = winner
-            if self._dir is not None:
-                saved = {"code": self._code_versions(), "winners": table}
-                write_cached(self._dir / f"{fingerprint(device)}.json", json.dumps(saved, indent=1, sort_keys=True))
+            table[_key(op, sig)] = {"winner": winner, "contenders": sorted(contenders)}
+            if self._dir is None:
+                return
+            path = self._dir / f"{fingerprint(device)}.json"
+            code = self._code_versions()
+            on_disk = _parse(_read_json(path), code) if path.exists() else None
+            if isinstance(on_disk, dict):
+                table.update({k: v for k, v in on_disk.items() if k not in table})
+            write_cached(path, json.dumps({"code": code, "winners": table}, indent=1, sort_keys=True))
 
     def measure(
         self,
@@ -82,13 +95,13 @@ class Tuner:
                 timings.append((name, math.inf))
         return sorted(timings, key=lambda t: t[1])
 
-    def _table(self, device: Device) -> dict[str, str]:
+    def _table(self, device: Device) -> dict[str, Winner]:
         from torchhal.hal_core.profile import fingerprint
 
         fp = fingerprint(device)
         if fp not in self._winners:
             path = None if self._dir is None else self._dir / f"{fp}.json"
-            table: dict[str, str] = {}
+            table: dict[str, Winner] = {}
             if path is not None and path.exists():
                 table = _read_winners(path, self._code_versions())
             self._winners[fp] = table
@@ -118,27 +131,50 @@ def code_versions(distributions: Iterable[str]) -> dict[str, str]:
     return versions
 
 
-def _read_winners(path: Path, code: dict[str, str]) -> dict[str, str]:
+def _read_winners(path: Path, code: dict[str, str]) -> dict[str, Winner]:
     """The persisted winners, or none where the file is unusable (torn, hand-edited, an older
     format) or was measured with other code: then every selection is measured again and the file
     rewritten, which is logged, never a crash."""
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        reason = f"{type(exc).__name__}: {exc}"
+    saved = _read_json(path)
+    parsed = _parse(saved, code)
+    if isinstance(parsed, dict):
+        return parsed
+    if parsed is None:
+        log.info(
+            "cached kernel selections were measured with other code; measuring again",
+            path=str(path), measured_with=saved.get("code"), now=code,  # type: ignore[union-attr]
+        )  # fmt: skip
     else:
-        table = saved.get("winners") if isinstance(saved, dict) else None
-        if isinstance(table, dict) and all(isinstance(v, str) for v in table.values()):
-            if saved.get("code") == code:
-                return table
-            log.info(
-                "cached kernel selections were measured with other code; measuring again",
-                path=str(path), measured_with=saved.get("code"), now=code,
-            )  # fmt: skip
-            return {}
-        reason = 'not an object with "code" and "winners" (op|signature -> candidate name)'
-    log.warning("cached kernel selections unusable; measuring again", path=str(path), reason=reason)
+        log.warning("cached kernel selections unusable; measuring again", path=str(path), reason=parsed)
     return {}
+
+
+def _read_json(path: Path) -> Any:
+    """The file's JSON, or the exception that kept it from being read."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return exc
+
+
+def _parse(saved: Any, code: dict[str, str]) -> dict[str, Winner] | str | None:
+    """The winners of a saved file measured with `code`; None where other code measured them; else
+    why the file is unusable."""
+    if isinstance(saved, Exception):
+        return f"{type(saved).__name__}: {saved}"
+    table = saved.get("winners") if isinstance(saved, dict) else None
+    if not isinstance(table, dict) or not all(map(_is_winner, table.values())):
+        return 'not an object with "code" and "winners" (op|signature -> winner and contenders)'
+    return table if saved.get("code") == code else None
+
+
+def _is_winner(entry: Any) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("winner"), str)
+        and isinstance(entry.get("contenders"), list)
+        and all(isinstance(name, str) for name in entry["contenders"])
+    )
 
 
 def _key(op: str, sig: Hashable) -> str:
