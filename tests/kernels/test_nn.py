@@ -91,6 +91,28 @@ def test_layer_norm(on_triton, check_op, bias):
     assert list(torch.nn.LayerNorm(HIDDEN, bias=bias).state_dict()) == list(norm.state_dict())
 
 
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm_with_mixed_dtypes_is_torchs(autocast, bias):
+    """bf16 x, fp32 parameters (after an autocast Linear): torch.nn.LayerNorm computes in fp32 and
+    returns x's dtype; the op takes no mix, so the module runs torch's layer_norm, counted. The
+    reverse mix, which torch refuses too, is refused by the op by name."""
+    ours, torchs = thnn.LayerNorm(HIDDEN, bias=bias), torch.nn.LayerNorm(HIDDEN, bias=bias)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.add_(0.3 * torch.randn(HIDDEN))
+    torchs.load_state_dict(ours.state_dict())
+    x = (2 + torch.randn(5, HIDDEN)).bfloat16()
+    before = _fallbacks("layer_norm_mixed_dtypes")
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got, expected = ours(x), torchs(x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert _fallbacks("layer_norm_mixed_dtypes") == before + 1
+    with pytest.raises(InvalidArgumentError, match=r"layer_norm: dtypes must agree, got x=torch.float32"):
+        ours.bfloat16()(x.float())
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_swiglu_mlp(on_triton, check_op, bias):
     mlp = thnn.SwiGLUMLP(HIDDEN, 77, bias=bias)

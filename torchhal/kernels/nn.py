@@ -72,11 +72,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.weight.dtype and x.dtype.is_floating_point:  # ops.rms_norm refuses the rest
-            _record_fallback(
-                "rms_norm_mixed_dtypes",
-                f"x is {x.dtype} but weight {self.weight.dtype} (autocast?); ops.rms_norm changes no "
-                "dtype, so Hugging Face's formula runs",
-            )
+            _record_mixed_dtypes("rms_norm", x, self.weight, "Hugging Face's formula")
             x32 = x.float()
             normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
             return self.weight * normed.to(x.dtype)
@@ -90,7 +86,10 @@ class LayerNorm(nn.Module):
     """torch.nn.LayerNorm over the last dimension (parameters `weight`, `bias`), through ops.layer_norm.
 
     `bias=False` keeps no bias parameter (as torch.nn.LayerNorm(bias=False)); the op, which takes
-    one, gets zeros that are not part of the state_dict.
+    one, gets zeros that are not part of the state_dict. A bf16/fp16 x with fp32 parameters (autocast
+    with fp32 weights), the one mix of dtypes torch's layer_norm computes, runs torch's layer_norm
+    (fp32 math, output in x's dtype, or as autocast decides), counted and logged once: the op
+    changes no dtype.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
@@ -100,6 +99,9 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == torch.float32:
+            _record_mixed_dtypes("layer_norm", x, self.weight, "torch's layer_norm")
+            return nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
         bias = self.bias if self.bias is not None else torch.zeros_like(self.weight)
         return ops.layer_norm(x, self.weight, bias, self.eps)
 
@@ -202,6 +204,15 @@ def _record_fallback(reason: str, why: str) -> None:
             reason=reason,
             counter=FALLBACK_COUNTER,
         )
+
+
+def _record_mixed_dtypes(op: str, x: torch.Tensor, weight: torch.Tensor, instead: str) -> None:
+    """Count a norm whose x and weight dtypes differ (autocast with fp32 weights): ops.<op> changes no
+    dtype, so `instead` computes it in plain PyTorch."""
+    _record_fallback(
+        f"{op}_mixed_dtypes",
+        f"x is {x.dtype} but weight {weight.dtype} (autocast?); ops.{op} changes no dtype, so {instead} runs",
+    )
 
 
 def _window(sliding_window: int | None) -> tuple[int, int] | None:
