@@ -46,8 +46,20 @@ def test_a_cached_profile_is_read_not_measured(hal, measurements):
         (lambda doc: json.dumps({**doc, "schema_version": 0}), "reads schema_version 1, got 0"),
         (lambda doc: json.dumps(doc)[:40], "Invalid JSON"),  # a truncated file
         (lambda doc: json.dumps({**doc, "copy_bytes": "lots"}), "copy_bytes: "),
+        # what no measurement writes: numbers as strings, NaN, infinite, zero and negative figures
+        (lambda doc: json.dumps({**doc, "copy_bytes": "1048576"}), "copy_bytes: Input should be a valid integer"),
+        (lambda doc: json.dumps({**doc, "matmul_tflops": {"fp32": float("nan")}}), "matmul_tflops.fp32: "),
+        (lambda doc: json.dumps({**doc, "launch_latency_us": float("inf")}), "launch_latency_us: "),
+        (lambda doc: json.dumps({**doc, "copy_bandwidth_gbps": -2.0}), "copy_bandwidth_gbps: "),
+        (lambda doc: json.dumps({**doc, "matmul_sizes": {"fp32": 0}}), "matmul_sizes.fp32: "),
+        (lambda doc: json.dumps({k: v for k, v in doc.items() if k != "schema_version"}), "no schema_version"),
+        (lambda doc: json.dumps({**doc, "device_id": "acme:7"}), "a record of another device"),
+        (lambda doc: json.dumps({**doc, "fingerprint": "fedcba9876543210"}), "a record of another device"),
     ],
-    ids=["old-schema-version", "torn", "invalid-field"],
+    ids=[
+        "old-schema-version", "torn", "invalid-field", "number-as-string", "nan", "infinite", "negative",
+        "zero-size", "no-schema-version", "other-device-id", "other-fingerprint",
+    ],
 )
 def test_an_unusable_cached_profile_is_measured_again_and_logged(hal, measurements, capsys, stale, reason):
     device = hal.device("acme:0")
@@ -91,3 +103,32 @@ def test_a_cache_dir_that_cannot_be_written_keeps_the_measurement(settings, tmp_
     lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]
     written = [x for x in lines if x["event"] == "cache not written; check TORCHHAL_CACHE_DIR"]
     assert len(written) == 2 and all("NotADirectoryError" in x["error"] for x in written)
+
+
+def test_concurrent_writers_never_leave_a_reader_half_a_file(tmp_path):
+    """Every writer used `<name>.tmp`: two processes writing one cache file truncated each other's
+    temporary file, so the rename could publish half of one. Each writer now has its own."""
+    import subprocess
+    import sys
+    import textwrap
+
+    path = tmp_path / "selections" / "shared.json"
+    writer = textwrap.dedent(f"""
+        import json, sys
+        from pathlib import Path
+        from torchhal.hal_core.profile import write_cached
+        text = json.dumps({{"writer": sys.argv[1], "padding": "x" * 200_000}})
+        for _ in range(150):
+            assert write_cached(Path({str(path)!r}), text)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", writer, name]) for name in ("a", "b")]
+    torn = 0
+    while any(p.poll() is None for p in procs):
+        if path.exists():
+            try:
+                json.loads(path.read_text())
+            except ValueError:
+                torn += 1
+    assert [p.wait() for p in procs] == [0, 0]
+    assert torn == 0 and json.loads(path.read_text())["writer"] in {"a", "b"}
+    assert list(path.parent.iterdir()) == [path]  # no temporary file left behind

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 
@@ -81,6 +81,12 @@ class LinkType(str, enum.Enum):
     XE_LINK = "xe_link"
     PCIE = "pcie"
     HOST = "host"  # through host memory (CPU, or a device without a direct path)
+
+
+# What a measurement gives: a rate or a time is finite and positive, a size is positive. A cache
+# file holding anything else was not written by a measurement (hand-edited, or another tool).
+MeasuredFigure = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+MeasuredSize = Annotated[int, Field(gt=0)]
 
 
 class _Frozen(BaseModel):
@@ -159,9 +165,9 @@ class DeviceCapabilities(_Versioned):
 class CollectiveBandwidth(_Frozen):
     backend: str
     collective: str
-    world_size: int
-    message_bytes: int
-    bus_bandwidth_gbps: float
+    world_size: MeasuredSize
+    message_bytes: MeasuredSize
+    bus_bandwidth_gbps: MeasuredFigure
 
 
 class MeasuredProfile(_Versioned):
@@ -176,13 +182,13 @@ class MeasuredProfile(_Versioned):
     device_id: str
     device_name: str
     simulated: bool
-    matmul_tflops: dict[DType, float]
-    matmul_sizes: dict[DType, int]  # n of the n×n×n products, grown until a call takes ~10 ms
-    copy_bandwidth_gbps: float
-    copy_bytes: int
-    launch_latency_us: float
-    direct_matmul_tflops: dict[DType, float] | None = None
-    direct_copy_bandwidth_gbps: float | None = None
+    matmul_tflops: dict[DType, MeasuredFigure]
+    matmul_sizes: dict[DType, MeasuredSize]  # n of the n×n×n products, grown until a call takes ~10 ms
+    copy_bandwidth_gbps: MeasuredFigure
+    copy_bytes: MeasuredSize
+    launch_latency_us: MeasuredFigure
+    direct_matmul_tflops: dict[DType, MeasuredFigure] | None = None
+    direct_copy_bandwidth_gbps: MeasuredFigure | None = None
     collective_bandwidth: tuple[CollectiveBandwidth, ...] = ()
     measured_at: datetime
     torch_version: str

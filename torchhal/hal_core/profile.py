@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import statistics
+import tempfile
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from functools import partial
@@ -74,11 +76,18 @@ def write_cached(path: Path, text: str) -> bool:
     """Write a cache file atomically (a crash never leaves half of one). One that cannot be
     written (TORCHHAL_CACHE_DIR is a file, or read-only) is logged and counted, not raised: the
     measurement it holds is still returned, and is measured again by the next process."""
-    tmp = path.with_suffix(".tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        tmp.replace(path)
+        # a temporary file of this writer's own: two processes writing one cache file at once
+        # shared `<name>.tmp` and truncated each other's, so a reader could meet half a file
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
     except OSError as exc:
         telemetry.count("torchhal.cache.write_failures")
         log.warning(
@@ -91,12 +100,14 @@ def write_cached(path: Path, text: str) -> bool:
 
 
 def _load_cached(device: Device, path: Path) -> MeasuredProfile | None:
-    """The cached profile, or None: missing, or unusable (another schema version, a torn or
-    hand-edited file), which is a cache miss that is logged and measured again, never a crash."""
+    """The cached profile, or None: missing, or unusable, which is a cache miss that is logged and
+    measured again, never a crash. Unusable: another or no schema version, a torn or hand-edited
+    file (numbers as strings, figures no measurement gives: NaN, infinite, zero or negative), or a
+    record of another device (a file copied between hosts)."""
     if not path.exists():
         return None
     try:
-        return MeasuredProfile.model_validate_json(path.read_bytes())
+        profile = MeasuredProfile.model_validate_json(path.read_bytes(), strict=True)
     except ValidationError as exc:
         reason = "; ".join(
             ".".join(map(str, e["loc"])) + ": " + e["msg"] if e["loc"] else e["msg"]
@@ -104,7 +115,22 @@ def _load_cached(device: Device, path: Path) -> MeasuredProfile | None:
         )
     except OSError as exc:
         reason = f"{type(exc).__name__}: {exc}"
+    else:
+        reason = _foreign(profile, device)
+        if reason is None:
+            return profile
     log.warning("cached profile unusable; measuring again", device=device.id, path=str(path), reason=reason)
+    return None
+
+
+def _foreign(profile: MeasuredProfile, device: Device) -> str | None:
+    """Why a cached profile is not this device's, or None."""
+    if "schema_version" not in profile.model_fields_set:
+        return "no schema_version"
+    mine = {"fingerprint": fingerprint(device), "device_id": device.id, "simulated": device.simulated}
+    theirs = {key: getattr(profile, key) for key in mine}
+    if theirs != mine:
+        return f"a record of another device: {theirs}, this device {mine}"
     return None
 
 
