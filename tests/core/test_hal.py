@@ -130,6 +130,41 @@ def test_cache_dir_reads_home_as_a_shell_does(settings, monkeypatch, tmp_path):
     assert settings(cache_dir="~/th").cache_dir == tmp_path / "th"
 
 
+def test_a_relative_cache_dir_is_taken_from_the_working_directory_once(settings, monkeypatch, tmp_path):
+    """It stayed relative, so a process that changed directory wrote its cache somewhere new."""
+    monkeypatch.chdir(tmp_path)
+    chosen = settings(cache_dir="cache").cache_dir
+    monkeypatch.chdir("/")
+    assert chosen == tmp_path / "cache" and chosen.is_absolute()
+
+
+def test_a_relative_xdg_cache_home_is_ignored(settings, monkeypatch, tmp_path):
+    """The XDG specification: a relative path there is invalid and ignored."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    assert settings().cache_dir == tmp_path / ".cache" / "torchhal"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert settings().cache_dir == tmp_path / "xdg" / "torchhal"
+
+
+def test_a_misspelt_setting_is_logged_once_and_a_plugins_own_variable_is_not(capsys):
+    """TORCHHAL_AUTOTUNES was ignored without a word; TORCHHAL_SIMASIC_SPEC is the simulated
+    ASIC's own variable, which the core does not know."""
+    from torchhal.hal_core.settings import Settings
+
+    telemetry.configure(log_format="json")
+    capsys.readouterr()
+    env = {"TORCHHAL_AUTOTUNES": "off", "TORCHHAL_SIMASIC_SPEC": "edge", "TORCHHAL_CACHEDIR": "/tmp/x"}
+    for _ in range(2):
+        assert Settings.from_env(env).autotune == "auto"
+    lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]
+    assert sorted((x["variable"], x["did_you_mean"]) for x in lines) == [
+        ("TORCHHAL_AUTOTUNES", "TORCHHAL_AUTOTUNE"),
+        ("TORCHHAL_CACHEDIR", "TORCHHAL_CACHE_DIR"),
+    ]
+    assert all(x["event"] == "not a torchhal setting; ignored" for x in lines)
+
+
 def test_disabling_a_kernel_no_candidate_has_is_logged(settings, capsys):
     """Not for provider/name of an adapter absent here (acme): its kernels exist where it does."""
     telemetry.configure(log_format="json")

@@ -14,16 +14,25 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from torchhal.hal_core import telemetry
 from torchhal.hal_core.errors import ConfigurationError
 
 PREFIX = "TORCHHAL_"
+# read by name elsewhere, not settings of a HAL (torchhal.hal_core.kernels: per process)
+OTHER_CORE_VARIABLES = ("TORCHHAL_PURE_PYTHON_GUARDS",)
+
+log = telemetry.get_logger("torchhal.settings")
+_warned_typos: set[str] = set()
 
 
 _BOOL_WORDS = " (on: 1, true, yes, on; off: 0, false, no, off)"  # what pydantic reads as a bool
 
 
 def _default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "torchhal"
+    """$XDG_CACHE_HOME/torchhal, or ~/.cache/torchhal where it is unset or relative (the XDG
+    specification: a relative path there is invalid and ignored)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "torchhal"
 
 
 class Settings(BaseModel):
@@ -59,8 +68,10 @@ class Settings(BaseModel):
     @field_validator("cache_dir", mode="before")
     @classmethod
     def _home(cls, value: object) -> object:
-        """'~/cache' as a shell would read it, not a directory named '~' in the working directory."""
-        return Path(value).expanduser() if isinstance(value, (str, Path)) else value
+        """'~/cache' as a shell would read it, not a directory named '~' in the working directory;
+        a relative path taken from the working directory now, not at each use (a process that
+        changes directory kept writing its cache somewhere new)."""
+        return Path(value).expanduser().absolute() if isinstance(value, (str, Path)) else value
 
     @field_validator("log_level", "log_format", "otel_exporter", "autotune", mode="before")
     @classmethod
@@ -70,6 +81,7 @@ class Settings(BaseModel):
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
         env = os.environ if environ is None else environ
+        _warn_misspelt(env)
         values = {
             name: env[PREFIX + name.upper()].strip()  # " 1 " as "1", as the allowlist strips its names
             for name in cls.model_fields
@@ -84,3 +96,18 @@ class Settings(BaseModel):
                 for err in exc.errors()
             )
             raise ConfigurationError(f"invalid torchhal setting: {problems}") from None
+
+
+def _warn_misspelt(env: Mapping[str, str]) -> None:
+    """A TORCHHAL_ variable one typo away from a setting (TORCHHAL_AUTOTUNES) is logged once: it
+    would be ignored without a word. Others are left alone: plugins read variables of their own."""
+    known = [PREFIX + name.upper() for name in Settings.model_fields] + list(OTHER_CORE_VARIABLES)
+    for name in env:
+        if not name.startswith(PREFIX) or name in known or name in _warned_typos:
+            continue
+        import difflib  # only where an unknown TORCHHAL_ variable is set: discovery's budget
+
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+        if close:
+            _warned_typos.add(name)
+            log.warning("not a torchhal setting; ignored", variable=name, did_you_mean=close[0])
