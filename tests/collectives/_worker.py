@@ -376,6 +376,63 @@ def check_hierarchical_unequal_islands_bridge_their_leaders(ctx: Ctx) -> None:
 
 
 @check
+def check_tensors_requiring_grad(ctx: Ctx) -> None:
+    """Collectives are not differentiable: on tensors that require grad, every collective, fused
+    and composed, gives the values it gives on plain ones, writes leaves in place (they stay
+    leaves, with no grad), and returns tensors that do not require grad."""
+    w, last = ctx.world, ctx.world - 1
+    leaves: list[torch.Tensor] = []
+
+    def leaf(tag: str, shape: tuple[int, ...]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        xs = ctx.inputs(f"grad_{tag}", shape)
+        leaves.append(xs[ctx.rank].clone().requires_grad_())
+        return xs, leaves[-1]
+
+    for comm in (ctx.comm, ctx.composed):
+        form = "fused" if comm.fused else "composed"
+        for op in ("sum", "avg"):
+            xs, t = leaf(f"all_reduce_{op}_{form}", (5, 3))
+            assert comm.all_reduce(t, op=op) is t
+            torch.testing.assert_close(t.detach(), _reduced(xs, op).float(), msg=f"{form} all_reduce {op}")
+            xs, t = leaf(f"reduce_{op}_{form}", (4,))
+            comm.reduce(t, dst=last, op=op)
+            if ctx.rank == last:
+                torch.testing.assert_close(t.detach(), _reduced(xs, op).float(), msg=f"{form} reduce {op}")
+        xs, t = leaf(f"all_gather_{form}", (3, 2))
+        out = comm.all_gather(t)
+        assert not out.requires_grad, f"{form} all_gather output requires grad"
+        torch.testing.assert_close(out, torch.cat(xs), rtol=0, atol=0)
+        xs, t = leaf(f"reduce_scatter_{form}", (2 * w, 3))
+        out = comm.reduce_scatter(t, op="avg")
+        assert not out.requires_grad, f"{form} reduce_scatter output requires grad"
+        torch.testing.assert_close(out, _reduced(xs, "avg").float().chunk(w)[ctx.rank])
+        xs, t = leaf(f"all_to_all_{form}", (2 * w, 3))
+        out = comm.all_to_all(t)
+        assert not out.requires_grad, f"{form} all_to_all output requires grad"
+        torch.testing.assert_close(out, torch.cat([x.chunk(w)[ctx.rank] for x in xs]), rtol=0, atol=0)
+    xs, t = leaf("broadcast", (4, 3))
+    ctx.comm.broadcast(t, src=last)
+    torch.testing.assert_close(t.detach(), xs[last], rtol=0, atol=0)
+    xs, got = leaf("recv", (5,))
+    right, left = (ctx.rank + 1) % w, (ctx.rank - 1) % w
+    _, sent = leaf("send", (5,))
+    if ctx.rank % 2 == 0:
+        ctx.comm.send(sent, right)
+        ctx.comm.recv(got, left)
+    else:
+        ctx.comm.recv(got, left)
+        ctx.comm.send(sent, right)
+    torch.testing.assert_close(got.detach(), ctx.inputs("grad_send", (5,))[left], rtol=0, atol=0)
+    islands = ctx.comm.islands(vendor="acme" if ctx.rank >= w // 2 else None)
+    for op in ("sum", "avg"):
+        xs, t = leaf(f"hierarchical_{op}", (5, 7))
+        islands.hierarchical_all_reduce(t, op=op)
+        torch.testing.assert_close(t.detach(), _reduced(xs, op).float(), msg=f"hierarchical {op}")
+    for t in leaves:
+        assert t.is_leaf and t.requires_grad and t.grad is None, t
+
+
+@check
 def check_sub_communicator(ctx: Ctx) -> None:
     odd = [r for r in range(ctx.world) if r % 2]
     sub = ctx.comm.new_group(odd)

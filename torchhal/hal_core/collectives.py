@@ -17,13 +17,14 @@ job that runs one torch build, so all ranks take the same path.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,26 @@ def _served_by(config: str, device_type: str) -> str | None:
     return backends.get(device_type, backends.get("*"))
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _not_differentiable(collective: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run `collective` under torch.no_grad() when its tensor requires grad (the rule is in the
+    Communicator docstring). Other tensors skip it: entering no_grad costs microseconds a call,
+    and autograd records nothing for them anyway."""
+
+    @functools.wraps(collective)
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        tensor = args[1] if len(args) > 1 else kwargs.get("tensor")  # args[0] is self
+        if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
+            with torch.no_grad():
+                return collective(*args, **kwargs)
+        return collective(*args, **kwargs)
+
+    return run
+
+
 @dataclass(frozen=True)
 class Island:
     """Ranks (global numbering) whose devices share one vendor and backend; the first one leads."""
@@ -131,6 +152,12 @@ class Communicator:
 
     Make one with `Communicator.create(hal, ...)` (or `hal.communicator(...)`). Ranks passed to
     methods (`src`, `dst`, `new_group(ranks)`) are ranks of this communicator's group.
+
+    Collectives are not differentiable, as torch.distributed's own c10d calls are not: they run
+    under torch.no_grad(), so a tensor that requires grad (a parameter, a leaf) is reduced,
+    broadcast or received into in place like any other, and tensors they return do not require
+    grad. This is how DeepSpeed and FSDP use them (on gradients and `.data`); differentiable
+    collectives are torch.distributed.nn's.
     """
 
     def __init__(
@@ -223,6 +250,7 @@ class Communicator:
 
     # -- collectives -------------------------------------------------------------------------
 
+    @_not_differentiable
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `tensor` across ranks in place; returns it."""
         self._check_tensor("all_reduce", tensor, in_place=True)
@@ -234,6 +262,7 @@ class Communicator:
             self._all_reduce(tensor, op)
         return tensor
 
+    @_not_differentiable
     def reduce(self, tensor: torch.Tensor, dst: int, op: str = "sum") -> torch.Tensor:
         """Reduce `tensor` into rank `dst`'s copy (in place there; others' copies are unspecified)."""
         self._check_tensor("reduce", tensor, in_place=True)
@@ -256,6 +285,7 @@ class Communicator:
                     tensor.div_(self.world_size)
         return tensor
 
+    @_not_differentiable
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor`, concatenated along dim 0 in rank order."""
         self._check_tensor("all_gather", tensor)
@@ -276,6 +306,7 @@ class Communicator:
             self._wait("all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
         return out
 
+    @_not_differentiable
     def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `tensor` across ranks and return this rank's equal dim-0 slice of the result."""
         self._check_tensor("reduce_scatter", tensor)
@@ -299,6 +330,7 @@ class Communicator:
             out.copy_(full.narrow(0, self.rank * out.shape[0], out.shape[0]))
         return out
 
+    @_not_differentiable
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite `tensor` on every rank with rank `src`'s; returns it."""
         self._check_tensor("broadcast", tensor, in_place=True)
@@ -309,6 +341,7 @@ class Communicator:
             )
         return tensor
 
+    @_not_differentiable
     def all_to_all(self, tensor: torch.Tensor) -> torch.Tensor:
         """Send dim-0 chunk j of `tensor` to rank j; returns the chunks received, in rank order."""
         self._check_tensor("all_to_all", tensor)
@@ -337,6 +370,7 @@ class Communicator:
                 self._wait("all_to_all", work)
         return out
 
+    @_not_differentiable
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send `tensor` to rank `dst`; returns once it has been handed to the backend and sent."""
         self._check_tensor("send", tensor)
@@ -344,6 +378,7 @@ class Communicator:
         with self._span("send", tensor, dst=dst):
             self._wait("send", dist.isend(tensor.contiguous(), self._global(dst), group=self.group))
 
+    @_not_differentiable
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into `tensor` from rank `src`; returns it."""
         self._check_tensor("recv", tensor, in_place=True)
@@ -642,6 +677,7 @@ class Islands:
     def is_leader(self) -> bool:
         return self.mine.leader == dist.get_rank()
 
+    @_not_differentiable
     def hierarchical_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """All-reduce in place across islands; equals `parent.all_reduce(tensor, op)` up to the
         order of floating-point operations.
