@@ -65,6 +65,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
+    def reset_parameters(self) -> None:
+        """weight = 1, as torch.nn.RMSNorm's (meta-device init calls it after to_empty())."""
+        nn.init.ones_(self.weight)
+
     @property
     def variance_epsilon(self) -> float:
         """Hugging Face's name for eps, for code that reads it from the module."""
@@ -98,6 +102,12 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
         self.eps = eps
 
+    def reset_parameters(self) -> None:
+        """weight = 1, bias = 0, as torch.nn.LayerNorm's (meta-device init calls it after to_empty())."""
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == torch.float32:
             _record_mixed_dtypes("layer_norm", x, self.weight, "torch's layer_norm")
@@ -107,6 +117,13 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
+
+
+def _reset_linears(module: nn.Module) -> None:
+    """Each child Linear's reset_parameters, in construction order, so meta-device init (to_empty(),
+    then reset_parameters()) draws what construction under the same seed would."""
+    for linear in module.children():
+        linear.reset_parameters()  # type: ignore[operator]
 
 
 class SwiGLUMLP(nn.Module):
@@ -130,6 +147,9 @@ class SwiGLUMLP(nn.Module):
         mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
         return mlp
 
+    def reset_parameters(self) -> None:
+        _reset_linears(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
@@ -149,9 +169,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         if head_dim % 2:
             raise InvalidArgumentError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.attention_scaling = attention_scaling
+        self.head_dim, self.theta, self.attention_scaling = head_dim, theta, attention_scaling
+        self.register_buffer("inv_freq", self._inv_freq(device=None), persistent=False)
+
+    def _inv_freq(self, device: torch.device | None) -> torch.Tensor:
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.float, device=device) / self.head_dim
+        return 1.0 / self.theta**exponents
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Recompute inv_freq, which no state_dict holds (non-persistent, as Hugging Face's): after
+        meta-device construction and to_empty() it is uninitialised memory."""
+        self.inv_freq.copy_(self._inv_freq(self.inv_freq.device))
 
     @torch.no_grad()  # position tables: ops.rope gives them no gradient
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +189,9 @@ class RotaryEmbedding(nn.Module):
         cos = emb.cos() * self.attention_scaling
         sin = emb.sin() * self.attention_scaling
         return cos.to(x.dtype), sin.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, attention_scaling={self.attention_scaling}"
 
 
 def apply_rotary(
@@ -415,6 +447,9 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
+
+    def reset_parameters(self) -> None:
+        _reset_linears(self)
 
     def forward(
         self,
