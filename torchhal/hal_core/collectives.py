@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -213,7 +214,7 @@ class Communicator:
         LOCAL_RANK among that adapter's devices when LOCAL_RANK is set). `fused=False`
         composes all_gather, reduce_scatter, all_to_all and avg from simpler collectives.
         """
-        _check_create_arguments(rank, world_size, timeout)
+        rank, world_size = _check_create_arguments(rank, world_size, timeout)
         dev = _resolve_device(hal, device)
         backend = backend_for([dev])
         if group is None and not dist.is_initialized():
@@ -267,7 +268,7 @@ class Communicator:
         """Reduce `tensor` into rank `dst`'s copy (in place there; others' copies are unspecified)."""
         self._check_tensor("reduce", tensor, in_place=True)
         _check_op("reduce", op, tensor)
-        self._check_rank("reduce", "dst", dst)
+        dst = self._check_rank("reduce", "dst", dst)
         with self._span("reduce", tensor, op=op):
             root = self._global(dst)
             work = self._issue(
@@ -334,7 +335,7 @@ class Communicator:
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite `tensor` on every rank with rank `src`'s; returns it."""
         self._check_tensor("broadcast", tensor, in_place=True)
-        self._check_rank("broadcast", "src", src)
+        src = self._check_rank("broadcast", "src", src)
         with self._span("broadcast", tensor, src=src):
             self._wait(
                 "broadcast", dist.broadcast(tensor, self._global(src), group=self.group, async_op=True)
@@ -374,7 +375,7 @@ class Communicator:
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         """Send `tensor` to rank `dst`; returns once it has been handed to the backend and sent."""
         self._check_tensor("send", tensor)
-        self._check_rank("send", "dst", dst, peer=True)
+        dst = self._check_rank("send", "dst", dst, peer=True)
         with self._span("send", tensor, dst=dst):
             self._wait("send", dist.isend(tensor.contiguous(), self._global(dst), group=self.group))
 
@@ -382,7 +383,7 @@ class Communicator:
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Receive into `tensor` from rank `src`; returns it."""
         self._check_tensor("recv", tensor, in_place=True)
-        self._check_rank("recv", "src", src, peer=True)
+        src = self._check_rank("recv", "src", src, peer=True)
         with self._span("recv", tensor, src=src):
             self._wait("recv", dist.irecv(tensor, self._global(src), group=self.group))
         return tensor
@@ -397,18 +398,21 @@ class Communicator:
 
     # -- groups ------------------------------------------------------------------------------
 
-    def new_group(self, ranks: Sequence[int]) -> Communicator | None:
+    def new_group(self, ranks: Iterable[int]) -> Communicator | None:
         """A communicator over `ranks` (ranks of this group), or None on ranks outside it.
 
         Collective: every rank of this communicator calls it, with the same ranks, in the same
         order as its other group creations (torch.distributed's rule for new_group).
         """
         self._check_live("new_group")
-        members = sorted(set(ranks))
-        if not members or len(members) != len(ranks):
-            raise InvalidArgumentError(f"new_group: ranks must be distinct and non-empty, got {list(ranks)}")
-        for r in members:
-            self._check_rank("new_group", "ranks", r)
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            raise InvalidArgumentError(
+                f"new_group: ranks must be an iterable of integer ranks, got {type(ranks).__name__} {ranks!r}"
+            )
+        given = [self._check_rank("new_group", "every entry of ranks", r) for r in ranks]
+        members = sorted(set(given))
+        if not members or len(members) != len(given):
+            raise InvalidArgumentError(f"new_group: ranks must be distinct and non-empty, got {given}")
         return self._subgroup([self._global(r) for r in members], self.backend, self.device)
 
     def islands(self, *, vendor: str | None = None) -> Islands:
@@ -638,13 +642,20 @@ class Communicator:
                 f"got shape {tuple(tensor.shape)}"
             )
 
-    def _check_rank(self, name: str, what: str, rank: int, *, peer: bool = False) -> None:
-        if not isinstance(rank, int) or not 0 <= rank < self.world_size:
+    def _check_rank(self, name: str, what: str, rank: object, *, peer: bool = False) -> int:
+        """`rank` as an int of this group (see `_integer` for the types taken)."""
+        value = _integer(rank)
+        if value is None:
             raise InvalidArgumentError(
-                f"{name}: {what} must be a rank in [0, {self.world_size}), got {rank!r}"
+                f"{name}: {what} must be an integer rank, got {type(rank).__name__} {rank!r}"
             )
-        if peer and rank == self.rank:
-            raise InvalidArgumentError(f"{name}: {what} must be another rank, got this rank ({rank})")
+        if not 0 <= value < self.world_size:
+            raise InvalidArgumentError(
+                f"{name}: {what} must be a rank in [0, {self.world_size}), got {value}"
+            )
+        if peer and value == self.rank:
+            raise InvalidArgumentError(f"{name}: {what} must be another rank, got this rank ({value})")
+        return value
 
 
 class Islands:
@@ -736,6 +747,18 @@ class Islands:
             tensor.copy_(staged)
 
 
+def _integer(value: object) -> int | None:
+    """`value` as an int where it is an integer (numpy's and one-element tensors too, through
+    operator.index), else None. Bools are refused: they pass as 0 and 1 but are never meant as
+    ranks or sizes."""
+    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]  # any object: TypeError is the answer
+    except TypeError:
+        return None
+
+
 def _check_op(name: str, op: str, tensor: torch.Tensor) -> None:
     if op not in _REDUCE_OPS:
         raise InvalidArgumentError(f"{name}: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
@@ -825,18 +848,27 @@ def _env_int(name: str) -> int | None:
         raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def _check_create_arguments(rank: object, world_size: object, timeout: object) -> None:
+def _check_create_arguments(
+    rank: object, world_size: object, timeout: object
+) -> tuple[int | None, int | None]:
     """Types and a positive timeout, before any group is made: world_size='2' was a TypeError
-    from a comparison, and timedelta(seconds=-1) a gloo enforce failure inside CollectiveError."""
-    for name, value in (("rank", rank), ("world_size", world_size)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-            raise ConfigurationError(
-                f"Communicator.create: {name} must be an int, got {type(value).__name__} {value!r}"
-            )
+    from a comparison, and timedelta(seconds=-1) a gloo enforce failure inside CollectiveError.
+    Returns rank and world_size as ints: integers of any type are taken, as ranks are elsewhere."""
+    ints = _create_int("rank", rank), _create_int("world_size", world_size)
     if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
         raise ConfigurationError(
             f"Communicator.create: timeout must be a positive datetime.timedelta, got {timeout!r}"
         )
+    return ints
+
+
+def _create_int(name: str, value: object) -> int | None:
+    number = None if value is None else _integer(value)
+    if value is not None and number is None:
+        raise ConfigurationError(
+            f"Communicator.create: {name} must be an int, got {type(value).__name__} {value!r}"
+        )
+    return number
 
 
 def _init_default_group(
