@@ -250,6 +250,17 @@ def test_kv_cache_steps_match_the_full_sequence(on_plain, window):
     assert "attention" in {op for op, _ in on_plain}
 
 
+def test_a_kv_cache_without_layer_idx_is_refused_by_name(on_plain):
+    """The cache keeps each layer's keys and values under its layer_idx: with None a Hugging Face
+    cache raised a TypeError from inside transformers, a stand-in like _Cache mixed layers silently."""
+    attn, x, cos, sin = _attention_case()
+    attn.layer_idx, cache = None, _Cache()
+    with torch.no_grad(), pytest.raises(InvalidArgumentError, match=r"Attention: .*got layer_idx=None"):
+        attn(x, (cos, sin), past_key_values=cache)
+    assert cache.kv == {}
+    attn(x, (cos, sin))  # no cache, no index needed
+
+
 def test_a_hugging_face_cache_under_a_name_it_does_not_know_is_refused(on_plain):
     """Under an unknown keyword a Cache would not be updated and attention would see only the new
     keys, a wrong answer: refused, naming the keyword, the cache untouched. Under `cache` (the name

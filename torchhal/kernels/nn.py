@@ -384,6 +384,11 @@ def rotary_attention(
     cos, sin = position_embeddings
     query, key = apply_rotary(query, key, cos, sin)
     if past_key_values is not None:
+        if module.layer_idx is None:  # the cache keys each layer's keys and values by it
+            raise InvalidArgumentError(
+                f"{type(module).__name__}: a KV cache needs the layer's index, got layer_idx=None; "
+                "build it with layer_idx=<its index among the model's attention layers>"
+            )
         cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
         key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
     out, weights = attention_fn(
