@@ -246,6 +246,23 @@ def test_shift_labels_logits_to_keep_and_ignore_index_as_transformers(on_plain):
         torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=2e-5, msg=why)
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_return_dict_false_keeps_transformers_tuple_positions(on_plain, use_cache):
+    """to_tuple() drops None fields, so without logits the cache moved into the logits slot and
+    `loss, logits = out[:2]` bound it; the slot stays, holding None."""
+    model = make_model("llama")
+    patched = copy.deepcopy(model)
+    torchhal.kernels.patch(patched)
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    labels = with_ignored(torch.randint(0, 128, (BATCH, SEQ)))
+    with torch.no_grad():
+        expected = model(ids, labels=labels, return_dict=False, use_cache=use_cache)
+        got = patched(ids, labels=labels, return_dict=False, use_cache=use_cache)
+    assert len(got) == len(expected) and got[1] is None
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=2e-5)
+    assert [type(x) for x in got[2:]] == [type(x) for x in expected[2:]]
+
+
 def test_opting_out_and_falling_back_run_the_transformers_loss(on_plain, monkeypatch):
     """patch(loss=False), return_logits=True per call, and what the fused op cannot express (counted)
     all run transformers' forward: logits and its loss."""

@@ -177,7 +177,10 @@ def patch(
     """Swap the modules of a Hugging Face Llama, Qwen2 or Mistral model for torchhal's, in place.
 
     Parameters are shared, not copied: optimizers, state_dicts and tied weights are unaffected.
-    Call it before torch.compile or wrapping the model (FSDP, DDP). Raises UnsupportedError for
+    Call it before torch.compile or wrapping the model (FSDP, DDP), and on the model you call: the
+    patched model gets its own copy of the config, so patching `model.model` of a *ForCausalLM
+    leaves the outer model on the old config object (later edits to `model.config`, such as
+    `use_cache`, would no longer reach the decoder). Raises UnsupportedError for
     other model types. Patching twice changes nothing the second time (reported as left).
     Each keyword set to False leaves that kind as transformers has it. `loss` (causal-LM models
     only): with labels, the forward returns transformers' loss computed by the fused
@@ -631,7 +634,11 @@ def _fused_forward(model: Any, named: dict[str, Any]) -> Any:
         attentions=outputs.attentions,
         **{cache: getattr(outputs, cache)},
     )
-    return output if return_dict else output.to_tuple()
+    if return_dict:
+        return output
+    # to_tuple() drops None fields: without the logits slot, `loss, logits = out[:2]` would bind the cache
+    loss_first, *rest = output.to_tuple()
+    return (loss_first, None, *rest)
 
 
 def _slice_logits_to_keep(hidden: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
