@@ -229,3 +229,48 @@ def test_context_values_that_are_none_survive_to_the_backward(fresh_ops):
     x = torch.randn(5, requires_grad=True)
     toy(x, None).backward(torch.ones(5))
     torch.testing.assert_close(x.grad, torch.full((5,), 2.0))
+
+
+def _grad(*tensors):
+    return tuple(t.requires_grad_() if t.is_floating_point() else t for t in tensors)
+
+
+COMPILED_BAD_INPUT = {
+    "swiglu": (lambda: _grad(torch.randn(2, 16), torch.randn(2, 8)), torchhal.ops.swiglu, "swiglu: shapes must agree"),
+    "layer_norm": (
+        lambda: _grad(torch.randn(2, 16), torch.randn(16), torch.randn(8)),
+        torchhal.ops.layer_norm,
+        "layer_norm: weight and bias lengths must agree",
+    ),
+    "matmul": (
+        lambda: _grad(torch.randn(2, 3, 4), torch.randn(3, 4, 6)),
+        torchhal.ops.matmul,
+        "matmul: batch dimensions must broadcast",
+    ),
+    "rms_norm": (lambda: _grad(torch.randn(2, 16), torch.randn(8)), torchhal.ops.rms_norm, "rms_norm: "),
+    "rope": (
+        lambda: (*_grad(torch.randn(1, 2, 5, 7), torch.randn(1, 2, 5, 7)), torch.randn(5, 7), torch.randn(5, 7)),
+        torchhal.ops.rope,
+        "rope: head dim must be even",
+    ),
+    "attention": (
+        lambda: _grad(torch.randn(2, 2, 5, 8), torch.randn(3, 2, 5, 8), torch.randn(3, 2, 5, 8)),
+        torchhal.ops.attention,
+        "attention: batch sizes must agree",
+    ),
+    "linear_cross_entropy": (
+        lambda: _grad(torch.randn(6, 8), torch.randn(10, 8)) + (torch.randint(0, 10, (5,)),),
+        torchhal.ops.linear_cross_entropy,
+        "linear_cross_entropy: target's shape must be",
+    ),
+}
+
+
+@pytest.mark.parametrize("op", COMPILED_BAD_INPUT)
+def test_bad_input_under_compile_names_the_op_and_the_constraint(op):
+    """The fake implementations validate: under torch.compile with gradients, a bad shape met a
+    fake that did not check it and failed later in AOTAutograd's backward trace (an invalid
+    gradient shape) or in torch.broadcast_shapes, naming neither the op nor the constraint."""
+    make, fn, message = COMPILED_BAD_INPUT[op]
+    with pytest.raises(Exception, match=message):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(*make())

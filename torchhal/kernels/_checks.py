@@ -35,8 +35,9 @@ def require_min_rank(op: str, name: str, t: torch.Tensor, rank: int) -> None:
 
 
 def require_same(op: str, what: str, **values: object) -> None:
-    distinct = set(values.values())
-    if len(distinct) > 1:
+    """All values equal (compared, not hashed: under torch.compile sizes are SymInts, which do not hash)."""
+    first, *rest = values.values()
+    if any(v != first for v in rest):
         seen = ", ".join(f"{k}={v}" for k, v in values.items())
         raise InvalidArgumentError(f"{op}: {what} must agree, got {seen}")
 

@@ -328,6 +328,7 @@ def _forward_fake(
     scale: float | None,
     window: Sequence[int] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check("attention", q, k, v, causal, scale, window)  # under torch.compile the fake meets bad input first
     out = q.new_empty((*q.shape[:-1], v.shape[-1]))
     return out, q.new_empty(q.shape[:-1], dtype=torch.float32)
 

@@ -483,6 +483,8 @@ def _forward_fake(
     label_smoothing: float,
     reduction: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # under torch.compile the fake meets bad input first
+    _check(OP, hidden, weight, target, bias, ignore_index, label_smoothing, reduction)
     loss = _loss_fake(hidden, target, reduction)
     if reduction == "none":
         return (loss, *_empty_grads(hidden))

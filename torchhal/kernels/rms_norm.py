@@ -142,6 +142,7 @@ def _triton_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tens
 
 
 def _fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check("rms_norm", x, weight, eps)  # under torch.compile the fake meets bad input first
     return x.new_empty(x.shape)
 
 

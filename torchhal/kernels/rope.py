@@ -165,6 +165,7 @@ def _triton_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tens
 def _fake(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check("rope", ("q", "k"), q, k, cos, sin)  # under torch.compile the fake meets bad input first
     return output_like(q), output_like(k)
 
 

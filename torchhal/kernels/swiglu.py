@@ -84,10 +84,6 @@ def triton_supports(caps: DeviceCapabilities, sig: GatedSignature) -> Unsupporte
     return triton_unsupported(caps, sig.dtype) or layout_unsupported(sig.rows)
 
 
-def _fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return gate.new_empty(gate.shape)
-
-
 def _backward_fake(
     dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,11 +96,15 @@ def _context(inputs: Sequence[Any], results: Sequence[torch.Tensor]) -> tuple[An
 
 
 def _spec(op: str) -> AutogradSpec:
+    def fake(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        _check(op, gate=gate, up=up)  # under torch.compile the fake meets bad input first
+        return gate.new_empty(gate.shape)
+
     return AutogradSpec(
         op=op,
         forward=op,
         backward=f"{op}_backward",
-        forward_fake=_fake,
+        forward_fake=fake,
         backward_fake=_backward_fake,
         differentiable=(0, 1),
         context=_context,
