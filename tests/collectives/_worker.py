@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from torchhal import HardwareAbstractionLayer
 from torchhal.hal_core import (
-    CollectiveError,
     ConfigurationError,
     DeviceCapabilities,
     DType,
@@ -603,25 +602,36 @@ def suite(
 
 
 def timeout(rank: int, world: int, out: Path, seed: int, init: str) -> dict[str, object]:
-    """Rank 0 all-reduces, rank 1 never joins: rank 0 must get a CollectiveError within seconds."""
+    """Rank 0 all-reduces, forms islands and makes a group; rank 1 never joins: each must end in
+    a CollectiveError within seconds."""
     store = dist.FileStore(str(out / "rendezvous_store"), world)
     side = dist.FileStore(str(out / "side_store"), world)  # tells rank 1 when rank 0 is done
     comm = Communicator.create(
         HardwareAbstractionLayer(), rank=rank, world_size=world, store=store, timeout=SHORT_TIMEOUT
     )
+    # A failed collective leaves its group failing at once, so the all-reduce gets a group of its own.
+    spare = comm.new_group([0, 1])
     if rank != 0:
         side.wait(["rank0_done"], timedelta(seconds=60))
         return {}
-    start = time.monotonic()
-    try:
-        comm.all_reduce(torch.rand(16) + 0.5)
-    except CollectiveError as exc:
-        outcome: dict[str, object] = {"error": type(exc).__name__, "message": str(exc)}
-    else:
-        outcome = {"error": None, "message": "all_reduce returned without its peer"}
-    outcome["elapsed_s"] = time.monotonic() - start
+    assert spare is not None
+    outcomes: dict[str, object] = {}
+    for name, call in (
+        ("new_group", lambda: comm.new_group([0, 1])),
+        ("islands", comm.islands),
+        ("all_reduce", lambda: spare.all_reduce(torch.rand(16) + 0.5)),
+    ):
+        start = time.monotonic()
+        try:
+            call()
+        except Exception as exc:  # the test asserts on its type and message
+            outcome: dict[str, object] = {"error": type(exc).__name__, "message": str(exc)}
+        else:
+            outcome = {"error": None, "message": f"{name} returned without its peer"}
+        outcome["elapsed_s"] = time.monotonic() - start
+        outcomes[name] = outcome
     side.set("rank0_done", "1")
-    return outcome
+    return outcomes
 
 
 def _assert(condition: bool, message: str) -> None:

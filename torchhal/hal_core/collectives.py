@@ -413,7 +413,7 @@ class Communicator:
         members = sorted(set(given))
         if not members or len(members) != len(given):
             raise InvalidArgumentError(f"new_group: ranks must be distinct and non-empty, got {given}")
-        return self._subgroup([self._global(r) for r in members], self.backend, self.device)
+        return self._subgroup("new_group", [self._global(r) for r in members], self.backend, self.device)
 
     def islands(self, *, vendor: str | None = None) -> Islands:
         """Group the ranks by (vendor, backend) into islands joined by gloo host lanes (see `Islands`).
@@ -424,14 +424,14 @@ class Communicator:
         self._check_live("islands")
         mine = (vendor or self.device.capabilities.vendor, self.backend)
         with telemetry.span("torchhal.collective.islands", backend=self.backend, world_size=self.world_size):
-            everyone = self._exchange(mine)
+            everyone = self._exchange("islands", mine)
             layout: dict[tuple[str, str], list[int]] = {}
             for r, key in enumerate(everyone):
                 layout.setdefault(key, []).append(self._global(r))
             islands = tuple(Island(v, b, tuple(rs)) for (v, b), rs in layout.items())
             own: Communicator | None = None
             for island in islands:  # every rank creates every group, in the same order
-                sub = self._subgroup(list(island.ranks), island.backend, self.device)
+                sub = self._subgroup("islands", list(island.ranks), island.backend, self.device)
                 own = sub if sub is not None else own
             host = self.hal.device("cpu")
             sizes = {len(i.ranks) for i in islands}
@@ -441,7 +441,7 @@ class Communicator:
             lanes = {"single": range(0), "sharded": range(sizes.pop()), "leaders": range(1)}[form]
             lane: Communicator | None = None
             for position in lanes:
-                sub = self._subgroup([i.ranks[position] for i in islands], HOST_BACKEND, host)
+                sub = self._subgroup("islands", [i.ranks[position] for i in islands], HOST_BACKEND, host)
                 lane = sub if sub is not None else lane
         assert own is not None, "every rank belongs to its own island"
         me = dist.get_rank()
@@ -454,14 +454,20 @@ class Communicator:
         )
         return result
 
-    def _subgroup(self, global_ranks: list[int], backend: str, device: Device) -> Communicator | None:
+    def _subgroup(
+        self, name: str, global_ranks: list[int], backend: str, device: Device
+    ) -> Communicator | None:
+        """Create a group over `global_ranks` for the operation `name` (named in its errors)."""
         spans_world = self.world_size == dist.get_world_size()
-        pg = dist.new_group(
-            global_ranks,
-            timeout=self.timeout,
-            backend=backend,
-            use_local_synchronization=not spans_world,  # outsiders of this group cannot take part
-        )
+        try:
+            pg = dist.new_group(
+                global_ranks,
+                timeout=self.timeout,
+                backend=backend,
+                use_local_synchronization=not spans_world,  # outsiders of this group cannot take part
+            )
+        except (RuntimeError, ValueError) as exc:  # the store barrier timed out, or the backend failed
+            raise self._failure(name, exc) from exc
         if dist.get_rank() not in global_ranks:
             return None
         sub = Communicator(
@@ -477,18 +483,21 @@ class Communicator:
         self._children.append(sub)
         return sub
 
-    def _exchange(self, value: tuple[str, str]) -> list[tuple[str, str]]:
+    def _exchange(self, name: str, value: tuple[str, str]) -> list[tuple[str, str]]:
         """Every rank's `value`, over host tensors (a gloo group when this group has no cpu backend)."""
         if _served_by(dist.get_backend_config(self.group), "cpu") is not None:
             gathered: list[Any] = [None] * self.world_size
-            dist.all_gather_object(gathered, value, group=self.group)
+            try:
+                dist.all_gather_object(gathered, value, group=self.group)
+            except RuntimeError as exc:
+                raise self._failure(name, exc) from exc
             return [tuple(v) for v in gathered]
         host = self._subgroup(
-            [self._global(r) for r in range(self.world_size)], HOST_BACKEND, self.hal.device("cpu")
+            name, [self._global(r) for r in range(self.world_size)], HOST_BACKEND, self.hal.device("cpu")
         )
         assert host is not None, "every rank is a member of a group of all ranks"
         try:
-            return host._exchange(value)
+            return host._exchange(name, value)
         finally:
             self._children.remove(host)
             host.destroy()
@@ -583,7 +592,8 @@ class Communicator:
 
     def _failure(self, name: str, exc: Exception) -> CollectiveError:
         limit = f"{self.timeout.total_seconds():g} s" if self.timeout is not None else "unknown"
-        what = "timed out" if "timed out" in str(exc).lower() else "failed"
+        message = str(exc).lower()
+        what = "timed out" if "timed out" in message or "timeout" in message else "failed"  # gloo, store
         return CollectiveError(
             f"{name} {what} on rank {self.rank} of {self.world_size} (backend {self.backend!r}, "
             f"process-group timeout {limit}): {exc}"
