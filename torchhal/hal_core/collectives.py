@@ -20,6 +20,7 @@ import contextlib
 import functools
 import operator
 import os
+import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -59,6 +60,9 @@ _REDUCE_OPS = {
 }
 
 _ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
+
+_LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()
+"""Communicators not yet destroyed, so that destroying a group can destroy those that wrap it."""
 
 
 def backend_for(devices: Iterable[Device | DeviceCapabilities]) -> str:
@@ -189,6 +193,7 @@ class Communicator:
         self._native: set[str] = set()  # fused collectives the backend accepted once
         self._accepted: set[tuple[torch.device, torch.dtype]] = set()  # passed the device checks
         self._destroyed = False
+        _LIVE.add(self)
 
     @classmethod
     def create(
@@ -505,18 +510,31 @@ class Communicator:
     # -- lifetime ----------------------------------------------------------------------------
 
     def destroy(self) -> None:
-        """Destroy the groups this communicator made (the default group too, if it initialised it)."""
+        """Destroy the groups this communicator made (the default group too, if it initialised it).
+
+        Other communicators on a group destroyed here (wrappers made by `create`) are destroyed
+        with it, so their calls fail as calls on a destroyed communicator do instead of reaching a
+        dead group; destroying the default group destroys every group, so it takes them all."""
         if self._destroyed:
             return
+        self._destroyed = True
+        _LIVE.discard(self)
         for child in reversed(self._children):
             child.destroy()
         self._children.clear()
+        takes_all = self._owns_default_group and dist.is_initialized()
+        if takes_all:  # destroy_process_group() destroys every group, and so every communicator
+            for other in _LIVE:
+                other._destroyed = True
+            _LIVE.clear()
+        elif self._owns_group:
+            for other in [c for c in _LIVE if c.group is self.group]:
+                other.destroy()
         if self._owns_group:
             dist.destroy_process_group(self.group)
-        if self._owns_default_group and dist.is_initialized():
+        if takes_all:
             dist.destroy_process_group()
             log.info("default process group destroyed", backend=self.backend)
-        self._destroyed = True
 
     def __enter__(self) -> Communicator:
         return self
