@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from torchhal.hal_core import UnsupportedError
 from torchhal.kernels import nn as thnn
 
 CONSTRUCTORS = {
@@ -42,3 +43,51 @@ def test_rotary_embedding_repr_names_its_tables():
     assert repr(thnn.RotaryEmbedding(12, theta=500000.0)) == (
         "RotaryEmbedding(head_dim=12, theta=500000.0, attention_scaling=1.0)"
     )
+
+
+NORMS = [(thnn.RMSNorm, torch.nn.RMSNorm), (thnn.LayerNorm, torch.nn.LayerNorm)]
+
+
+@pytest.mark.parametrize(("ours", "torchs"), NORMS)
+def test_norms_take_torch_nn_constructor_arguments(ours, torchs):
+    """device=, dtype= and elementwise_affine (third, as torch.nn's) make what they make in torch.nn;
+    without the affine parameters the output is torch's too."""
+    for kwargs in ({"device": "meta"}, {"dtype": torch.bfloat16}):
+        got, expected = ours(37, **kwargs), torchs(37, **kwargs)
+        assert [(n, p.device, p.dtype) for n, p in got.named_parameters()] == [
+            (n, p.device, p.dtype) for n, p in expected.named_parameters()
+        ]
+    got, expected = ours(37, 0.1, False), torchs(37, 0.1, False)
+    assert list(got.state_dict()) == list(expected.state_dict()) == []
+    x = 2 + torch.randn(3, 5, 37)
+    torch.testing.assert_close(got(x), expected(x))
+    assert "elementwise_affine=False" in repr(got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_rms_norm_eps_none_is_torch_nn_rms_norms(dtype):
+    """eps=None: the epsilon of the dtype torch computes in (fp32 for bf16), with x small enough
+    that it matters; before, refused at the first forward only."""
+    ours, torchs = thnn.RMSNorm(37, eps=None, dtype=dtype), torch.nn.RMSNorm(37, eps=None, dtype=dtype)
+    with torch.no_grad():
+        ours.weight.copy_(1 + 0.3 * torch.randn(37))
+    torchs.load_state_dict(ours.state_dict())
+    x = (1e-3 * torch.randn(4, 37)).to(dtype)
+    torch.testing.assert_close(ours(x), torchs(x))
+
+
+def test_rms_norm_variance_epsilon_can_be_set_as_hugging_face_code_does():
+    norm, x = thnn.RMSNorm(37), 0.1 * torch.randn(4, 37)
+    norm.variance_epsilon = 0.01
+    assert norm.eps == 0.01
+    torch.testing.assert_close(norm(x), torch.nn.RMSNorm(37, eps=0.01)(x))
+
+
+@pytest.mark.parametrize("norm", [thnn.RMSNorm, thnn.LayerNorm])
+def test_norms_refuse_more_than_the_last_dimension(norm):
+    assert norm((37,)).normalized_shape == (37,)
+    with pytest.raises(
+        UnsupportedError,
+        match=rf"{norm.__name__}: normalises over the last dimension only, got normalized_shape=\(5, 37\)",
+    ):
+        norm((5, 37))

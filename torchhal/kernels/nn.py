@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -49,74 +49,126 @@ log = telemetry.get_logger("torchhal.kernels.nn")
 _warned: set[str] = set()
 
 
+def _normalized_size(module: str, normalized_shape: int | Sequence[int]) -> int:
+    """The size of the last dimension: these norms normalise over it alone (torch.nn's take a shape
+    of several dimensions, the ops do not)."""
+    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    if len(shape) != 1:
+        raise UnsupportedError(
+            f"{module}: normalises over the last dimension only, got normalized_shape={normalized_shape}"
+        )
+    return shape[0]
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight over the last dimension (Llama's RMSNorm).
 
-    Parameter `weight` as Hugging Face names it. The op computes in fp32 and rounds once to x's
-    dtype; Hugging Face rounds the normalised x before the weight multiply, so in bf16 the two
-    differ by about one rounding (ours is the closer to the exact value). With x and weight in
-    different dtypes (autocast with fp32 weights) the op does not apply (it changes no dtype
-    silently): the module then computes Hugging Face's formula in PyTorch, output in the promoted
-    dtype, as the original would, and counts the fallback (FALLBACK_COUNTER, logged once).
+    Parameter `weight` as Hugging Face names it; constructor as torch.nn.RMSNorm's, default eps
+    Hugging Face's. The op computes in fp32 and rounds once to x's dtype; Hugging Face rounds the
+    normalised x before the weight multiply, so in bf16 the two differ by about one rounding (ours
+    is the closer to the exact value). With x and weight in different dtypes (autocast with fp32
+    weights) the op does not apply (it changes no dtype silently): the module then computes Hugging
+    Face's formula in PyTorch, output in the promoted dtype, as the original would, and counts the
+    fallback (FALLBACK_COUNTER, logged once). `eps=None` means what torch.nn.RMSNorm's does: the
+    epsilon of the dtype the norm computes in (fp32 for bf16/fp16 x).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+    weight: nn.Parameter | None
+
+    def __init__(
+        self,
+        hidden_size: int | Sequence[int],
+        eps: float | None = 1e-6,
+        elementwise_affine: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.normalized_shape = (_normalized_size("RMSNorm", hidden_size),)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        weight = torch.empty(self.normalized_shape, device=device, dtype=dtype)
+        self.register_parameter("weight", nn.Parameter(weight) if elementwise_affine else None)
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """weight = 1, as torch.nn.RMSNorm's (meta-device init calls it after to_empty())."""
-        nn.init.ones_(self.weight)
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
 
     @property
-    def variance_epsilon(self) -> float:
-        """Hugging Face's name for eps, for code that reads it from the module."""
+    def variance_epsilon(self) -> float | None:
+        """Hugging Face's name for eps, for code that reads or sets it on the module."""
         return self.eps
 
+    @variance_epsilon.setter
+    def variance_epsilon(self, eps: float | None) -> None:
+        self.eps = eps
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps if self.eps is None else self.eps
+        if self.weight is None:
+            return ops.rms_norm(x, x.new_ones(self.normalized_shape), eps)
         if x.dtype != self.weight.dtype and x.dtype.is_floating_point:  # ops.rms_norm refuses the rest
             _record_mixed_dtypes("rms_norm", x, self.weight, "Hugging Face's formula")
             x32 = x.float()
-            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+            normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
             return self.weight * normed.to(x.dtype)
-        return ops.rms_norm(x, self.weight, self.eps)
+        return ops.rms_norm(x, self.weight, eps)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.normalized_shape[0]}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
 
 
 class LayerNorm(nn.Module):
     """torch.nn.LayerNorm over the last dimension (parameters `weight`, `bias`), through ops.layer_norm.
 
-    `bias=False` keeps no bias parameter (as torch.nn.LayerNorm(bias=False)); the op, which takes
-    one, gets zeros that are not part of the state_dict. A bf16/fp16 x with fp32 parameters (autocast
-    with fp32 weights), the one mix of dtypes torch's layer_norm computes, runs torch's layer_norm
-    (fp32 math, output in x's dtype, or as autocast decides), counted and logged once: the op
-    changes no dtype.
+    Constructor as torch.nn.LayerNorm's. Without a bias (`bias=False`, `elementwise_affine=False`)
+    or weight the op gets zeros or ones that are not part of the state_dict. A bf16/fp16 x with fp32
+    parameters (autocast with fp32 weights), the one mix of dtypes torch's layer_norm computes,
+    runs torch's layer_norm (fp32 math, output in x's dtype, or as autocast decides), counted and
+    logged once: the op changes no dtype.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, bias: bool = True) -> None:
+    weight: nn.Parameter | None
+    bias: nn.Parameter | None
+
+    def __init__(
+        self,
+        hidden_size: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size)) if bias else None
-        self.eps = eps
+        self.normalized_shape = (_normalized_size("LayerNorm", hidden_size),)
+        self.eps, self.elementwise_affine = eps, elementwise_affine
+        empty = torch.empty(self.normalized_shape, device=device, dtype=dtype)
+        self.register_parameter("weight", nn.Parameter(empty) if elementwise_affine else None)
+        self.register_parameter("bias", nn.Parameter(empty.clone()) if elementwise_affine and bias else None)
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """weight = 1, bias = 0, as torch.nn.LayerNorm's (meta-device init calls it after to_empty())."""
-        nn.init.ones_(self.weight)
+        if self.weight is not None:
+            nn.init.ones_(self.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype in (torch.bfloat16, torch.float16) and self.weight.dtype == torch.float32:
-            _record_mixed_dtypes("layer_norm", x, self.weight, "torch's layer_norm")
-            return nn.functional.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
-        bias = self.bias if self.bias is not None else torch.zeros_like(self.weight)
-        return ops.layer_norm(x, self.weight, bias, self.eps)
+        weight = self.weight if self.weight is not None else x.new_ones(self.normalized_shape)
+        if x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == torch.float32:
+            _record_mixed_dtypes("layer_norm", x, weight, "torch's layer_norm")
+            return nn.functional.layer_norm(x, self.normalized_shape, weight, self.bias, self.eps)
+        bias = self.bias if self.bias is not None else torch.zeros_like(weight)
+        return ops.layer_norm(x, weight, bias, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
+        return (
+            f"{self.normalized_shape[0]}, eps={self.eps}, elementwise_affine={self.elementwise_affine}, "
+            f"bias={self.bias is not None}"
+        )
 
 
 def _reset_linears(module: nn.Module) -> None:
