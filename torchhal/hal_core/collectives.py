@@ -34,7 +34,12 @@ import torch.distributed as dist
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.capabilities import DeviceCapabilities, DType
 from torchhal.hal_core.device import Device
-from torchhal.hal_core.errors import CollectiveError, ConfigurationError, InvalidArgumentError
+from torchhal.hal_core.errors import (
+    CollectiveError,
+    ConfigurationError,
+    InvalidArgumentError,
+    UnsupportedError,
+)
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -407,9 +412,11 @@ class Communicator:
         """A communicator over `ranks` (ranks of this group), or None on ranks outside it.
 
         Collective: every rank of this communicator calls it, with the same ranks, in the same
-        order as its other group creations (torch.distributed's rule for new_group).
+        order as its other group creations (torch.distributed's rule for new_group). Only a
+        communicator over every rank of the job makes groups (see `_require_every_rank`).
         """
         self._check_live("new_group")
+        self._require_every_rank("new_group")
         if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
             raise InvalidArgumentError(
                 f"new_group: ranks must be an iterable of integer ranks, got {type(ranks).__name__} {ranks!r}"
@@ -427,6 +434,7 @@ class Communicator:
         split a host-only job into islands in tests, or to keep two runtimes of one vendor apart).
         """
         self._check_live("islands")
+        self._require_every_rank("islands")
         mine = (vendor or self.device.capabilities.vendor, self.backend)
         with telemetry.span("torchhal.collective.islands", backend=self.backend, world_size=self.world_size):
             everyone = self._exchange("islands", mine)
@@ -463,14 +471,8 @@ class Communicator:
         self, name: str, global_ranks: list[int], backend: str, device: Device
     ) -> Communicator | None:
         """Create a group over `global_ranks` for the operation `name` (named in its errors)."""
-        spans_world = self.world_size == dist.get_world_size()
         try:
-            pg = dist.new_group(
-                global_ranks,
-                timeout=self.timeout,
-                backend=backend,
-                use_local_synchronization=not spans_world,  # outsiders of this group cannot take part
-            )
+            pg = dist.new_group(global_ranks, timeout=self.timeout, backend=backend)
         except (RuntimeError, ValueError) as exc:  # the store barrier timed out, or the backend failed
             raise self._failure(name, exc) from exc
         if dist.get_rank() not in global_ranks:
@@ -487,6 +489,26 @@ class Communicator:
         )
         self._children.append(sub)
         return sub
+
+    def _require_every_rank(self, name: str) -> None:
+        """Refuse to make groups from a communicator over only some ranks of the job.
+
+        Every rank of the job must call dist.new_group, or torch must be told
+        use_local_synchronization=True; it then names the group from its ranks and the number
+        of groups the calling process holds, so members whose histories differ (one made or
+        destroyed a group the other is not in) wait on different store keys until the timeout
+        (torch 2.13's _process_group_name). Public torch offers no way to choose the name.
+        """
+        world = dist.get_world_size()
+        if self.world_size != world:
+            ranks = dist.get_process_group_ranks(self.group)
+            raise UnsupportedError(
+                f"{name}: this communicator spans ranks {ranks} of {world}, and groups are made "
+                "only from a communicator over every rank: torch names a group made by some "
+                "ranks alone from a per-process count of groups, so members with different "
+                "histories never meet and wait until the timeout. Call it on a communicator over "
+                "all ranks, with these global ranks, on every rank (ranks outside get None)"
+            )
 
     def _exchange(self, name: str, value: tuple[str, str]) -> list[tuple[str, str]]:
         """Every rank's `value`, over host tensors (a gloo group when this group has no cpu backend)."""
