@@ -168,6 +168,13 @@ class Communicator:
     broadcast or received into in place like any other, and tensors they return do not require
     grad. This is how DeepSpeed and FSDP use them (on gradients and `.data`); differentiable
     collectives are torch.distributed.nn's.
+
+    Every rank must pass tensors of the same shape and dtype (all_gather: the same shape past
+    dim 0 and the same dim 0). Each rank checks only its own tensor: comparing them across ranks
+    would cost a round trip every call, so a mismatch gives what the backend gives, as with raw
+    torch.distributed (gloo: wrong values, or the process aborts). Set
+    TORCH_DISTRIBUTED_DEBUG=DETAIL while debugging: torch then checks every collective's shapes
+    across ranks and names the mismatch.
     """
 
     def __init__(
