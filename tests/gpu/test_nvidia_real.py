@@ -106,4 +106,5 @@ def test_measured_selection_records_the_code_that_competed(tmp_path):
     content = json.loads(saved.read_text())
     expected = {name: importlib.metadata.version(name) for name in ("torchhal", "torchhal-nvidia", "triton")}
     assert {name: content["code"].get(name) for name in expected} == expected
-    assert content["winners"] and selection.candidate.qualified_name in content["winners"].values()
+    assert [w["winner"] for w in content["winners"].values()] == [selection.candidate.qualified_name]
+    assert content["winners"][next(iter(content["winners"]))]["contenders"] == sorted(dict(selection.timings_ms))

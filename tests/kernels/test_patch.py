@@ -308,9 +308,10 @@ def test_opting_out_and_falling_back_run_the_transformers_loss(on_plain, monkeyp
     after = _fallbacks()
     reasons = ("loss_softcapping", "loss_function", "loss_lm_head", "loss_forward")
     assert {r: after.get(r, 0) - before.get(r, 0) for r in reasons} == dict.fromkeys(reasons, 1)
-    with torch.no_grad():  # back on the fused path; as a tuple: no logits in it
-        loss, _cache = patched(ids, labels=ids, return_dict=False)
+    with torch.no_grad():  # back on the fused path; as a tuple: its logits slot holds None
+        loss, logits, _cache = patched(ids, labels=ids, return_dict=False)
     torch.testing.assert_close(loss, expected.loss, rtol=1e-5, atol=2e-5)
+    assert logits is None
     assert _fallbacks() == after
 
     class Overriding(type(model)):

@@ -51,6 +51,14 @@ _is_grad_enabled = torch.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
 _any_autocast = torch._C._is_any_autocast_enabled
 _autocast_off = torch._C._DisableAutocast
+# The device types autocast knows (torch.is_autocast_enabled raises for others, such as "meta"),
+# asked once here: Dynamo in torch 2.11 cannot trace torch.amp.is_autocast_available. A
+# PrivateUse1 backend renamed after torchhal is imported is not among them (its calls ignore autocast).
+_AUTOCAST_DEVICE_TYPES = frozenset(
+    name
+    for name in ("cpu", "cuda", "xpu", "mps", "hpu", "ipu", "xla", "mtia", "maia", torch._C._get_privateuse1_backend_name())
+    if torch.amp.is_autocast_available(name)
+)
 
 Dispatch = Callable[..., Any]
 """`dispatch(op, *args)`: run registry op `op` on the device of its first tensor."""
@@ -139,7 +147,7 @@ class DifferentiableOp:
         if not self.spec.autocast or not isinstance(args[0], torch.Tensor):
             return args
         device_type = args[0].device.type
-        if not (torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)):
+        if device_type not in _AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
             return args
         dtype = torch.get_autocast_dtype(device_type)
         return tuple(
