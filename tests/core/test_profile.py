@@ -47,18 +47,33 @@ def test_a_cached_profile_is_read_not_measured(hal, measurements):
         (lambda doc: json.dumps(doc)[:40], "Invalid JSON"),  # a truncated file
         (lambda doc: json.dumps({**doc, "copy_bytes": "lots"}), "copy_bytes: "),
         # what no measurement writes: numbers as strings, NaN, infinite, zero and negative figures
-        (lambda doc: json.dumps({**doc, "copy_bytes": "1048576"}), "copy_bytes: Input should be a valid integer"),
+        (
+            lambda doc: json.dumps({**doc, "copy_bytes": "1048576"}),
+            "copy_bytes: Input should be a valid integer",
+        ),
         (lambda doc: json.dumps({**doc, "matmul_tflops": {"fp32": float("nan")}}), "matmul_tflops.fp32: "),
         (lambda doc: json.dumps({**doc, "launch_latency_us": float("inf")}), "launch_latency_us: "),
         (lambda doc: json.dumps({**doc, "copy_bandwidth_gbps": -2.0}), "copy_bandwidth_gbps: "),
         (lambda doc: json.dumps({**doc, "matmul_sizes": {"fp32": 0}}), "matmul_sizes.fp32: "),
-        (lambda doc: json.dumps({k: v for k, v in doc.items() if k != "schema_version"}), "no schema_version"),
+        (
+            lambda doc: json.dumps({k: v for k, v in doc.items() if k != "schema_version"}),
+            "no schema_version",
+        ),
         (lambda doc: json.dumps({**doc, "device_id": "acme:7"}), "a record of another device"),
         (lambda doc: json.dumps({**doc, "fingerprint": "fedcba9876543210"}), "a record of another device"),
     ],
     ids=[
-        "old-schema-version", "torn", "invalid-field", "number-as-string", "nan", "infinite", "negative",
-        "zero-size", "no-schema-version", "other-device-id", "other-fingerprint",
+        "old-schema-version",
+        "torn",
+        "invalid-field",
+        "number-as-string",
+        "nan",
+        "infinite",
+        "negative",
+        "zero-size",
+        "no-schema-version",
+        "other-device-id",
+        "other-fingerprint",
     ],
 )
 def test_an_unusable_cached_profile_is_measured_again_and_logged(hal, measurements, capsys, stale, reason):
@@ -97,7 +112,9 @@ def test_a_cache_dir_that_cannot_be_written_keeps_the_measurement(settings, tmp_
     telemetry.configure(log_format="json")
 
     got = hal.profile("acme:0")
-    Tuner(blocked).remember(hal.device("acme:0"), "rms_norm", ("sig",), "torchhal/triton", ["torchhal/triton"])
+    Tuner(blocked).remember(
+        hal.device("acme:0"), "rms_norm", ("sig",), "torchhal/triton", ["torchhal/triton"]
+    )
 
     assert done == ["acme:0"] and got.device_id == "acme:0"
     lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]

@@ -238,7 +238,6 @@ def test_persisted_selections_are_measured_again_after_an_upgrade(settings, tmp_
     import importlib.metadata
 
     from torchhal.hal_core import hal as hal_module
-    from torchhal.hal_core import tuning
 
     x, w = torch.randn(8, 256), torch.randn(256)
     assert _select_rms_norm(_tuned_hal(settings, tmp_path), x, w).timings_ms
@@ -253,7 +252,9 @@ def test_persisted_selections_are_measured_again_after_an_upgrade(settings, tmp_
     capsys.readouterr()
     assert _select_rms_norm(_tuned_hal(settings, tmp_path), x, w).timings_ms  # measured again
     lines = [json.loads(raw) for raw in capsys.readouterr().err.splitlines()]
-    (changed,) = [x for x in lines if x["event"].startswith("cached kernel selections were measured with other")]
+    (changed,) = [
+        x for x in lines if x["event"].startswith("cached kernel selections were measured with other")
+    ]
     assert changed["measured_with"] == code and changed["now"] == upgraded
     assert json.loads(saved.read_text())["code"] == upgraded  # rewritten with the code that won now
 
@@ -286,7 +287,11 @@ def test_a_remembered_winner_stands_only_against_the_contenders_it_beat(settings
     first = _select_rms_norm(make_hal(disable_kernels="slow-but-preferred"), x, w)
     assert dict(first.timings_ms)["test/flaky"] == float("inf")
     again = _select_rms_norm(make_hal(), x, w)  # slow-but-preferred enabled again, flaky recovered
-    assert {name for name, _ in again.timings_ms} == {"test/slow-but-preferred", "test/flaky", "torchhal/aten"}
+    assert {name for name, _ in again.timings_ms} == {
+        "test/slow-but-preferred",
+        "test/flaky",
+        "torchhal/aten",
+    }
     assert all(ms < float("inf") for _, ms in again.timings_ms)
     assert _select_rms_norm(make_hal(), x, w).timings_ms == ()  # the same contenders: remembered
 

@@ -107,4 +107,6 @@ def test_measured_selection_records_the_code_that_competed(tmp_path):
     expected = {name: importlib.metadata.version(name) for name in ("torchhal", "torchhal-nvidia", "triton")}
     assert {name: content["code"].get(name) for name in expected} == expected
     assert [w["winner"] for w in content["winners"].values()] == [selection.candidate.qualified_name]
-    assert content["winners"][next(iter(content["winners"]))]["contenders"] == sorted(dict(selection.timings_ms))
+    assert content["winners"][next(iter(content["winners"]))]["contenders"] == sorted(
+        dict(selection.timings_ms)
+    )

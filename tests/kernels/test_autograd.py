@@ -236,7 +236,11 @@ def _grad(*tensors):
 
 
 COMPILED_BAD_INPUT = {
-    "swiglu": (lambda: _grad(torch.randn(2, 16), torch.randn(2, 8)), torchhal.ops.swiglu, "swiglu: shapes must agree"),
+    "swiglu": (
+        lambda: _grad(torch.randn(2, 16), torch.randn(2, 8)),
+        torchhal.ops.swiglu,
+        "swiglu: shapes must agree",
+    ),
     "layer_norm": (
         lambda: _grad(torch.randn(2, 16), torch.randn(16), torch.randn(8)),
         torchhal.ops.layer_norm,
@@ -249,7 +253,11 @@ COMPILED_BAD_INPUT = {
     ),
     "rms_norm": (lambda: _grad(torch.randn(2, 16), torch.randn(8)), torchhal.ops.rms_norm, "rms_norm: "),
     "rope": (
-        lambda: (*_grad(torch.randn(1, 2, 5, 7), torch.randn(1, 2, 5, 7)), torch.randn(5, 7), torch.randn(5, 7)),
+        lambda: (
+            *_grad(torch.randn(1, 2, 5, 7), torch.randn(1, 2, 5, 7)),
+            torch.randn(5, 7),
+            torch.randn(5, 7),
+        ),
         torchhal.ops.rope,
         "rope: head dim must be even",
     ),
@@ -259,7 +267,7 @@ COMPILED_BAD_INPUT = {
         "attention: batch sizes must agree",
     ),
     "linear_cross_entropy": (
-        lambda: _grad(torch.randn(6, 8), torch.randn(10, 8)) + (torch.randint(0, 10, (5,)),),
+        lambda: (*_grad(torch.randn(6, 8), torch.randn(10, 8)), torch.randint(0, 10, (5,))),
         torchhal.ops.linear_cross_entropy,
         "linear_cross_entropy: target's shape must be",
     ),

@@ -151,7 +151,9 @@ class PluginLoader:
 
     def distributions(self) -> set[str]:
         """The distributions of the plugins still registered: the code behind their kernels."""
-        return {d for name, d in self._distributions.items() if d is not None and self.manager.has_plugin(name)}
+        return {
+            d for name, d in self._distributions.items() if d is not None and self.manager.has_plugin(name)
+        }
 
     def load(self, registry: KernelRegistry, builtin: Sequence[VendorAdapter] = ()) -> list[VendorAdapter]:
         """Collect the plugins' adapters, then run the kernel hooks of the plugins still standing.

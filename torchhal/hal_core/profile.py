@@ -116,9 +116,10 @@ def _load_cached(device: Device, path: Path) -> MeasuredProfile | None:
     except OSError as exc:
         reason = f"{type(exc).__name__}: {exc}"
     else:
-        reason = _foreign(profile, device)
-        if reason is None:
+        foreign = _foreign(profile, device)
+        if foreign is None:
             return profile
+        reason = foreign
     log.warning("cached profile unusable; measuring again", device=device.id, path=str(path), reason=reason)
     return None
 

@@ -59,9 +59,12 @@ class Tuner:
         entry = self._table(device).get(_key(op, sig))
         if entry is None or entry["contenders"] != sorted(contenders):
             return None
-        return entry["winner"]
+        winner: str = entry["winner"]
+        return winner
 
-    def remember(self, device: Device, op: str, sig: Hashable, winner: str, contenders: Iterable[str]) -> None:
+    def remember(
+        self, device: Device, op: str, sig: Hashable, winner: str, contenders: Iterable[str]
+    ) -> None:
         """Keep `winner` of `contenders` (those that measured), and save the table merged with the
         file's winners, so HALs and processes sharing a cache keep each other's."""
         from torchhal.hal_core.profile import fingerprint, write_cached
@@ -142,7 +145,7 @@ def _read_winners(path: Path, code: dict[str, str]) -> dict[str, Winner]:
     if parsed is None:
         log.info(
             "cached kernel selections were measured with other code; measuring again",
-            path=str(path), measured_with=saved.get("code"), now=code,  # type: ignore[union-attr]
+            path=str(path), measured_with=saved.get("code"), now=code,
         )  # fmt: skip
     else:
         log.warning("cached kernel selections unusable; measuring again", path=str(path), reason=parsed)

@@ -56,7 +56,18 @@ _autocast_off = torch._C._DisableAutocast
 # PrivateUse1 backend renamed after torchhal is imported is not among them (its calls ignore autocast).
 _AUTOCAST_DEVICE_TYPES = frozenset(
     name
-    for name in ("cpu", "cuda", "xpu", "mps", "hpu", "ipu", "xla", "mtia", "maia", torch._C._get_privateuse1_backend_name())
+    for name in (
+        "cpu",
+        "cuda",
+        "xpu",
+        "mps",
+        "hpu",
+        "ipu",
+        "xla",
+        "mtia",
+        "maia",
+        torch._C._get_privateuse1_backend_name(),
+    )
     if torch.amp.is_autocast_available(name)
 )
 
@@ -151,7 +162,8 @@ class DifferentiableOp:
             return args
         dtype = torch.get_autocast_dtype(device_type)
         return tuple(
-            a.to(dtype) if i in self.spec.autocast and _autocast_eligible(a) else a for i, a in enumerate(args)
+            a.to(dtype) if i in self.spec.autocast and _autocast_eligible(a) else a
+            for i, a in enumerate(args)
         )
 
     def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:

@@ -676,7 +676,9 @@ def causal_lm_loss(
     target = shift_labels.reshape(-1).to(weight.device)
     hidden = hidden.reshape(-1, hidden.shape[-1])
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = ops.linear_cross_entropy(hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction)
+    loss = ops.linear_cross_entropy(
+        hidden, weight, target, bias, ignore_index=ignore_index, reduction=reduction
+    )
     loss = loss.float()
     if num_items_in_batch is not None:
         if torch.is_tensor(num_items_in_batch):

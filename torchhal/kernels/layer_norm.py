@@ -160,7 +160,9 @@ def _triton_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tens
 def _forward_fake(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check("layer_norm", x, eps, weight=weight, bias=bias)  # under torch.compile the fake meets bad input first
+    _check(
+        "layer_norm", x, eps, weight=weight, bias=bias
+    )  # under torch.compile the fake meets bad input first
     ct = compute_dtype(x.dtype)
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=ct), x.new_empty(x.shape[:-1], dtype=ct)
 
