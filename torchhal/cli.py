@@ -59,8 +59,8 @@ def info(
         caps = dev.capabilities
         notes = "simulated" if caps.simulated else ""
         if caps.declared_peaks and caps.declared_peaks.tflops:
-            best = max(caps.declared_peaks.tflops.items(), key=lambda kv: kv[1])
-            notes = (notes + " " if notes else "") + f"declared peak {best[0].value} {best[1]:g} TFLOP/s"
+            dtype, peak = max(caps.declared_peaks.tflops.items(), key=lambda kv: kv[1])
+            notes = (notes + " " if notes else "") + f"declared peak {dtype.value} {peak:g} {dtype.rate_unit}"
         devices.add_row(
             dev.id,
             caps.name,
@@ -110,7 +110,8 @@ def profile(
     direct = prof.direct_matmul_tflops or {}
     for dtype, tflops in prof.matmul_tflops.items():
         peer = f"{direct[dtype]:.3g}" if dtype in direct else "-"
-        table.add_row(f"matmul {dtype.value} TFLOP/s (n={prof.matmul_sizes[dtype]})", f"{tflops:.3g}", peer)
+        label = f"matmul {dtype.value} {dtype.rate_unit} (n={prof.matmul_sizes[dtype]})"
+        table.add_row(label, f"{tflops:.3g}", peer)
     peer_copy = prof.direct_copy_bandwidth_gbps
     table.add_row(
         f"copy GB/s (read+write, {prof.copy_bytes >> 20} MiB)",

@@ -39,6 +39,8 @@ def test_info_table_names_each_device():
     assert result.exit_code == 0, result.output
     assert "simasic:0" in result.output and "Plugins and adapters" in result.output
     assert f"dispatch guards: {guard_implementation()}" in result.output
+    # the simulated ASIC's highest declared peak is int8's: integer operations, not FLOP/s
+    assert "peak int8" in result.output and "TOP/s" in result.output and "TFLOP/s" not in result.output
 
 
 def test_profile_of_the_simulated_asic_is_labelled_and_cached(tmp_path):

@@ -32,6 +32,11 @@ class DType(str, enum.Enum):
     FP8_E5M2_FNUZ = "fp8_e5m2fnuz"
     INT8 = "int8"
 
+    @property
+    def rate_unit(self) -> str:
+        """The unit of a compute rate in this format: int8 operations are not floating-point ones."""
+        return "TOP/s" if self is DType.INT8 else "TFLOP/s"
+
     def to_torch(self) -> torch.dtype | None:
         """The torch dtype of this format; None for tf32, which torch has only as a mode."""
         import torch
