@@ -22,6 +22,7 @@ from torchhal.hal_core import (
     KernelFailedError,
     KernelRegistry,
     RejectionReason,
+    TorchHALError,
     UnknownOpError,
     Unsupported,
     UnsupportedError,
@@ -827,3 +828,140 @@ def test_all_or_nothing_keeps_a_block_that_returns_and_undoes_one_that_raises():
     with registry.all_or_nothing():
         registry.register("double", "fast", lambda x: x + x, provider="p")
     assert [c.name for c in registry.candidates("double")] == ["fast", "reference"]
+
+
+def _picking_registry():
+    """An op that reads its argument's contents: an out-of-range index fails in every candidate."""
+    registry = KernelRegistry()
+    registry.define_op("pick", lambda x, i: x[i], signature=lambda x, i: (x.dtype, x.dim()), memoize=False)
+    return registry
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(priority=float("nan")), "priority must be a finite number, got nan"),
+        (dict(priority=float("inf")), "priority must be a finite number, got inf"),
+        (dict(priority="high"), "priority must be a finite number, got 'high'"),
+        (dict(priority=True), "priority must be a finite number, got True"),
+        (dict(fn=42), "fn must be callable, got 42"),
+        (dict(supports="shape"), "supports must be callable or None, got 'shape'"),
+    ],
+    ids=["nan", "inf", "string", "bool", "fn", "supports"],
+)
+def test_register_refuses_what_would_break_the_ops_order(change, message):
+    """A NaN priority made the order inconsistent (1000 lost to 100); a string raised after the
+    append and left the list unsorted, so every later register of the op raised too."""
+    registry = _picking_registry()
+    args = dict(fn=lambda x, i: x[i], provider="p", priority=5.0) | change
+    with pytest.raises(InvalidArgumentError, match=rf"candidate 'p/bad' of op 'pick': {message}"):
+        registry.register("pick", "bad", **args)
+    registry.register("pick", "good", lambda x, i: x[i], provider="p", priority=1)  # not poisoned
+    assert [c.name for c in registry.candidates("pick")] == ["good", "reference"]
+
+
+def test_two_providers_may_name_their_candidates_alike(hal):
+    """Names were unique per op, so an adapter's `aten` or `triton` clashed with the core's and the
+    whole plugin was refused, although the conformance kit (which has no core candidates) passed it."""
+    hal.kernels.register("rms_norm", "aten", rms_norm.reference, provider="acme", priority=-1)
+    assert {"torchhal/aten", "acme/aten"} <= {c.qualified_name for c in hal.kernels.candidates("rms_norm")}
+    with pytest.raises(TorchHALError, match="already has a candidate named 'acme/aten'"):
+        hal.kernels.register("rms_norm", "aten", rms_norm.reference, provider="acme")
+
+
+def test_a_broken_predicate_or_bind_turns_its_own_candidate_down(hal, capsys):
+    """A predicate returning a bool or raising, and a bind raising, came out of select as bare
+    AttributeError, KeyError or ZeroDivisionError, with no fallback; Unsupported took a string
+    reason and failed later on `.value`."""
+    telemetry.configure(log_level="warning", log_format="json")
+    capsys.readouterr()
+    x, w = torch.randn(4, 16), torch.randn(16)
+
+    def raising(caps, sig):
+        raise KeyError("hidden")
+
+    hal.kernels.register(
+        "rms_norm", "yes", rms_norm.reference, provider="t", supports=lambda c, s: True, priority=13
+    )
+    hal.kernels.register(
+        "rms_norm", "raises", rms_norm.reference, provider="t", supports=raising, priority=12
+    )
+    hal.kernels.register(
+        "rms_norm", "bind", rms_norm.reference, provider="t", bind=lambda caps: 1 / 0, priority=11
+    )
+    hal.kernels.register(
+        "rms_norm", "no", rms_norm.reference, provider="t",
+        supports=lambda c, s: Unsupported("shape", "too narrow"), priority=14,
+    )  # fmt: skip
+    sel = hal.kernels.select("rms_norm", hal.device("cpu"), x, w)
+    assert sel.candidate.qualified_name == "torchhal/aten"
+    torch.testing.assert_close(
+        hal.kernels.call("rms_norm", hal.device("cpu"), x, w), rms_norm.reference(x, w)
+    )
+    reasons = {r.candidate: (r.reason, r.detail) for r in sel.rejected}
+    assert reasons["t/yes"] == (
+        RejectionReason.FAILED,
+        "its predicate raised TypeError: returned True, not an Unsupported or None",
+    )
+    assert reasons["t/raises"] == (RejectionReason.FAILED, "its predicate raised KeyError: 'hidden'")
+    assert reasons["t/bind"] == (
+        RejectionReason.FAILED,
+        "its bind raised ZeroDivisionError: division by zero",
+    )
+    assert reasons["t/no"] == (RejectionReason.SHAPE, "too narrow")
+    assert {hal.kernels.fallback_counts[n] for n in ("t/yes", "t/raises", "t/bind")} == {1}
+    logged = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    assert sorted(x["part"] for x in logged if x["event"] == "kernel candidate broken") == [
+        "its bind", "its predicate", "its predicate",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="'bogus' is not a valid RejectionReason"):
+        Unsupported("bogus", "a reason no selection knows")
+
+
+def test_when_every_candidate_fails_nothing_is_demoted(hal):
+    """An index out of range fails in every candidate: the arguments, not the kernel. Before, the
+    first candidate was demoted and counted for the signature's valid calls too."""
+    registry = _picking_registry()
+    registry.register("pick", "fast", lambda x, i: x[i], provider="p", priority=1)
+    cpu = hal.device("cpu")
+    x = torch.randn(5)
+    with pytest.raises(KernelFailedError, match=r"every candidate failed \(so no kernel was demoted"):
+        registry.call("pick", cpu, x, 7)
+    assert registry.fallback_counts == {}
+    assert registry.select("pick", cpu, x, 2).candidate.qualified_name == "p/fast"
+
+
+def test_a_selection_made_while_a_candidate_is_registered_is_not_cached(hal):
+    """register cleared the cache while a selection was judging the old list; that selection then
+    cached its choice, hiding the new candidate until clear_cache()."""
+    registry = hal.kernels
+    x, w = torch.randn(3, 8), torch.randn(8)
+    better = []
+
+    def registers_meanwhile(caps, sig):
+        if not better:  # the first judging registers a better candidate, as another thread could
+            better.append(
+                registry.register("rms_norm", "better", rms_norm.reference, provider="t", priority=99)
+            )
+        return None
+
+    registry.register(
+        "rms_norm", "judged", rms_norm.reference, provider="t", supports=registers_meanwhile, priority=50
+    )
+    assert registry.select("rms_norm", hal.device("cpu"), x, w).candidate.qualified_name == "t/judged"
+    assert registry.select("rms_norm", hal.device("cpu"), x, w).candidate.qualified_name == "t/better"
+
+
+def test_an_outranked_candidate_says_by_what(hal):
+    sel = hal.kernels.select("rms_norm", hal.device("cpu"), torch.randn(2, 8), torch.randn(8))
+    hal.kernels.register(
+        "rms_norm", "twin", rms_norm.reference, provider="t", priority=sel.candidate.priority
+    )
+    sel = hal.kernels.select("rms_norm", hal.device("cpu"), torch.randn(2, 8), torch.randn(8))
+    details = {r.candidate: r.detail for r in sel.rejected if r.reason is RejectionReason.OUTRANKED}
+    assert details["torchhal/reference"] == f"priority -inf < {sel.candidate.priority}"
+    equal = next(name for name in ("t/twin", "torchhal/aten") if name != sel.candidate.qualified_name)
+    assert (
+        details[equal]
+        == f"priority {sel.candidate.priority}, as {sel.candidate.qualified_name}'s: ranked after it by name"
+    )

@@ -66,10 +66,14 @@ class Rejection:
 
 @dataclass(frozen=True, slots=True)
 class Unsupported:
-    """What a capability predicate returns to turn a candidate down."""
+    """What a capability predicate returns to turn a candidate down. `reason` may be given as its
+    value ("shape"); anything else is refused here, where the predicate's author sees it."""
 
     reason: RejectionReason
     detail: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reason", RejectionReason(self.reason))
 
 
 Predicate = Callable[["DeviceCapabilities", Any], "Unsupported | None"]
@@ -170,14 +174,19 @@ class KernelRegistry:
         priority: float = 0.0,
         bind: Callable[[DeviceCapabilities], Callable[..., Any]] | None = None,
     ) -> Candidate:
-        """Add a candidate implementation of `op`. Higher priority is preferred."""
+        """Add a candidate implementation of `op`. Higher priority is preferred. Names are unique
+        per provider: two vendors may each have a `triton` candidate."""
         self._opdef(op)
-        if name == REFERENCE or any(c.name == name for c in self._candidates[op]):
-            raise TorchHALError(f"op {op!r} already has a candidate named {name!r}")
         candidate = Candidate(op, name, provider, fn, supports, priority, bind)
+        _check_candidate(candidate)
         with self._lock:
-            self._candidates[op].append(candidate)
-            self._candidates[op].sort(key=lambda c: (-c.priority, c.name))
+            if name == REFERENCE or any(
+                c.qualified_name == candidate.qualified_name for c in self._candidates[op]
+            ):
+                raise TorchHALError(f"op {op!r} already has a candidate named {candidate.qualified_name!r}")
+            # a new list, never this one sorted in place: a selection may be iterating it, and
+            # compares its list with the op's current one before caching what it chose
+            self._candidates[op] = sorted([*self._candidates[op], candidate], key=_rank)
             self._cache[op].clear()
             self._forget_layouts(op)
         return candidate
@@ -319,7 +328,11 @@ class KernelRegistry:
         failed: Iterable[Rejection] = (),
         args: tuple[Any, ...] | None = None,
         kwargs: dict[str, Any] | None = None,
+        *,
+        store: bool = True,
     ) -> Selection:
+        """The selection for `sig` on `device`, leaving out the `failed` candidates; cached unless
+        `store` is False (a fallback caches its demotion only once a later candidate ran)."""
         caps = device.capabilities
         dtype = getattr(sig, "dtype", None)
         if dtype is not None and not caps.supports_dtype(dtype):
@@ -328,46 +341,81 @@ class KernelRegistry:
                 f"op {op!r} on {device.id}: dtype {dtype} is not supported by this device "
                 f"(declared dtypes: {declared})"
             )
-        failed = tuple(failed)
-        failed_names = {r.candidate for r in failed}
-        valid: list[Candidate] = []
-        rejected: list[Rejection] = list(failed)
+        candidates = self._candidates[op]  # register replaces the list; this one stays as it is
+        failed = list(failed)
         with telemetry.span("torchhal.kernel.select", op=op, device=device.id, signature=str(sig)) as span:
-            for cand in self._candidates[op]:
-                if cand.qualified_name in failed_names:
-                    continue
-                verdict = self._judge(cand, caps, sig)
-                if verdict is None:
-                    valid.append(cand)
-                else:
-                    rejected.append(Rejection(cand.qualified_name, verdict.reason, verdict.detail))
-            if not valid:
-                reasons = "; ".join(str(r) for r in rejected)
-                raise UnsupportedError(f"op {op!r} on {device.id}: no candidate supports {sig}: {reasons}")
+            valid, rejected = self._judge_all(op, device, candidates, sig, failed)
             timings: tuple[tuple[str, float], ...] = ()
             if len(valid) > 1 and args is not None and self.tuner is not None and self.tuner.wants(device):
                 valid, timings = self._by_measurement(op, device, sig, valid, args, kwargs or {})
-            chosen, rest = valid[0], tuple(valid[1:])
+            while True:
+                chosen, rest = valid[0], tuple(valid[1:])
+                try:
+                    fn = _bound(chosen, caps)
+                    break
+                except Exception as exc:  # a broken bind is a failing kernel, not the caller's error
+                    rejected.append(self._broken(op, device, chosen, "its bind", exc))
+                    if not rest:
+                        raise _none_supports(op, device, sig, rejected) from exc
+                    valid = list(rest)
             rejected += [
-                Rejection(
-                    c.qualified_name, RejectionReason.OUTRANKED, f"priority {c.priority} < {chosen.priority}"
-                )
+                Rejection(c.qualified_name, RejectionReason.OUTRANKED, _outranked(c, chosen, timings))
                 for c in rest
             ]
-            selection = Selection(
-                op, device.id, sig, chosen, rest, tuple(rejected), _bound(chosen, caps), timings
-            )
+            selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected), fn, timings)
             span.set_attribute("torchhal.kernel.candidate", chosen.qualified_name)
             span.set_attribute("torchhal.kernel.rejected", [str(r) for r in rejected])
         log.debug(
             "kernel selected", op=op, device=device.id, signature=str(sig), candidate=chosen.qualified_name
         )
+        if store:
+            self._store(selection, candidates)
+        return selection
+
+    def _judge_all(
+        self, op: str, device: Device, candidates: list[Candidate], sig: Hashable, failed: list[Rejection]
+    ) -> tuple[list[Candidate], list[Rejection]]:
+        """The candidates valid for `sig` (best first) and why each other one is not."""
+        failed_names = {r.candidate for r in failed}
+        valid: list[Candidate] = []
+        rejected: list[Rejection] = list(failed)
+        for cand in candidates:
+            if cand.qualified_name in failed_names:
+                continue
+            try:
+                verdict = self._judge(cand, device.capabilities, sig)
+            except Exception as exc:  # a broken predicate turns its own candidate down, said so
+                rejected.append(self._broken(op, device, cand, "its predicate", exc))
+                continue
+            if verdict is None:
+                valid.append(cand)
+            else:
+                rejected.append(Rejection(cand.qualified_name, verdict.reason, verdict.detail))
+        if not valid:
+            raise _none_supports(op, device, sig, rejected)
+        return valid, rejected
+
+    def _broken(self, op: str, device: Device, cand: Candidate, part: str, exc: Exception) -> Rejection:
+        """A candidate whose predicate or bind raised: logged, counted, and turned down."""
+        name = cand.qualified_name
+        self.fallback_counts[name] = self.fallback_counts.get(name, 0) + 1
+        telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=name)
+        log.warning(
+            "kernel candidate broken", op=op, device=device.id, candidate=name, part=part, error=repr(exc)
+        )
+        return Rejection(name, RejectionReason.FAILED, f"{part} raised {type(exc).__name__}: {exc}")
+
+    def _store(self, selection: Selection, candidates: list[Candidate]) -> None:
+        """Cache `selection`, made from `candidates`, unless a candidate was registered since (the
+        cache would then hide the new one until the next clear)."""
+        op, key = selection.op, (selection.device, selection.signature)
         with self._lock:
-            replaced = (device.id, sig) in self._cache[op]
-            self._cache[op][(device.id, sig)] = selection
+            if self._candidates[op] is not candidates:
+                return
+            replaced = key in self._cache[op]
+            self._cache[op][key] = selection
             if replaced:  # a demotion: the memo may point to the selection it replaces
                 self._forget_layouts(op)
-        return selection
 
     def _by_measurement(
         self,
@@ -391,7 +439,7 @@ class KernelRegistry:
             return [by_name[remembered]] + [c for c in valid if c.qualified_name != remembered], ()
         caps = device.capabilities
         timings = self.tuner.measure(
-            device, [(c.qualified_name, _bound(c, caps)) for c in contenders], args, kwargs
+            device, [(c.qualified_name, _bound_or_raiser(c, caps)) for c in contenders], args, kwargs
         )
         measured = [name for name, ms in timings if math.isfinite(ms)]
         if measured:  # one that raised is not beaten for good: the next process measures again
@@ -404,7 +452,10 @@ class KernelRegistry:
             return Unsupported(RejectionReason.DISABLED, "listed in TORCHHAL_DISABLE_KERNELS")
         if cand.supports is None:
             return None
-        return cand.supports(caps, sig)
+        verdict = cand.supports(caps, sig)
+        if verdict is not None and not isinstance(verdict, Unsupported):
+            raise TypeError(f"returned {verdict!r}, not an Unsupported or None")
+        return verdict
 
     def _fall_back(
         self,
@@ -414,18 +465,20 @@ class KernelRegistry:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
-        """After `selection`'s kernel raised `exc`: demote it and run the next valid candidate.
-        Bad arguments and exhausted memory are raised as they are (see `_not_a_kernel_fault`)."""
+        """After `selection`'s kernel raised `exc`: run the next valid candidate, and once one runs,
+        demote the ones that failed for this signature (cached, counted). When every candidate
+        fails, the arguments are the likely cause: nothing is demoted or counted, and
+        KernelFailedError says what each raised. Bad arguments and exhausted memory are raised as
+        they are (see `_not_a_kernel_fault`)."""
         if _not_a_kernel_fault(exc):
             raise exc
         op, failures = selection.op, [exc]
         failed = [r for r in selection.rejected if r.reason is RejectionReason.FAILED]
+        candidates = self._candidates[op]
         current = selection
         while True:
             name = current.candidate.qualified_name
             failed.append(Rejection(name, RejectionReason.FAILED, f"{type(exc).__name__}: {exc}"))
-            self.fallback_counts[name] = self.fallback_counts.get(name, 0) + 1
-            telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=name)
             with telemetry.span(
                 "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
             ):
@@ -433,19 +486,27 @@ class KernelRegistry:
                     "kernel failed, falling back", op=op, device=device.id, candidate=name, error=repr(exc)
                 )
                 try:
-                    current = self._select(op, device, selection.signature, failed)
+                    current = self._select(op, device, selection.signature, failed, store=False)
                 except UnsupportedError:
                     raise KernelFailedError(
-                        f"op {op!r} on {device.id}: every candidate failed: "
-                        + "; ".join(str(r) for r in failed)
+                        f"op {op!r} on {device.id}: every candidate failed (so no kernel was demoted: "
+                        "the arguments are the likely cause): " + "; ".join(str(r) for r in failed)
                     ) from failures[0]
             try:
-                return current.fn(*args, **kwargs)
+                result = current.fn(*args, **kwargs)
             except Exception as next_exc:
                 if _not_a_kernel_fault(next_exc):
                     raise
                 exc = next_exc
                 failures.append(exc)
+                continue
+            for rejection in failed[len(failed) - len(failures) :]:  # the ones that failed here
+                self.fallback_counts[rejection.candidate] = (
+                    self.fallback_counts.get(rejection.candidate, 0) + 1
+                )
+                telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=rejection.candidate)
+            self._store(current, candidates)
+            return result
 
 
 _Hit = tuple["Device", Selection]  # a memo hit: the device to run on and the selection
@@ -682,8 +743,59 @@ def _tensor_guards_type() -> Any:
     return TensorGuards
 
 
+def _none_supports(op: str, device: Device, sig: Hashable, rejected: list[Rejection]) -> UnsupportedError:
+    reasons = "; ".join(str(r) for r in rejected)
+    return UnsupportedError(f"op {op!r} on {device.id}: no candidate supports {sig}: {reasons}")
+
+
+def _rank(candidate: Candidate) -> tuple[float, str]:
+    """Candidates' order: priority, highest first, then name."""
+    return (-candidate.priority, candidate.name)
+
+
+def _check_candidate(candidate: Candidate) -> None:
+    """What `register` refuses, naming the op and the candidate: a NaN priority made the order
+    inconsistent (a priority 1000 lost to 100), a string left the op's list unsorted."""
+    where = f"register: candidate {candidate.qualified_name!r} of op {candidate.op!r}"
+    priority = candidate.priority
+    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
+        raise InvalidArgumentError(f"{where}: priority must be a finite number, got {priority!r}")
+    if not callable(candidate.fn):
+        raise InvalidArgumentError(f"{where}: fn must be callable, got {candidate.fn!r}")
+    for part in ("supports", "bind"):
+        value = getattr(candidate, part)
+        if value is not None and not callable(value):
+            raise InvalidArgumentError(f"{where}: {part} must be callable or None, got {value!r}")
+
+
+def _outranked(cand: Candidate, chosen: Candidate, timings: tuple[tuple[str, float], ...]) -> str:
+    """Why a valid candidate was not chosen: measured slower, or ranked lower."""
+    measured = dict(timings)
+    ms, best = measured.get(cand.qualified_name), measured.get(chosen.qualified_name)
+    if ms is not None and best is not None:
+        return (
+            "raised while measured" if math.isinf(ms) else f"measured {ms:.4g} ms a call against {best:.4g}"
+        )
+    if cand.priority < chosen.priority:
+        return f"priority {cand.priority} < {chosen.priority}"
+    return f"priority {cand.priority}, as {chosen.qualified_name}'s: ranked after it by name"
+
+
 def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]:
     return candidate.bind(caps) if candidate.bind is not None else candidate.fn
+
+
+def _bound_or_raiser(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]:
+    """`_bound`, or where bind raises, a callable that raises the same: measured as a failure."""
+    try:
+        return _bound(candidate, caps)
+    except Exception as exc:
+        error = exc
+
+        def raiser(*args: Any, **kwargs: Any) -> Any:
+            raise error
+
+        return raiser
 
 
 def _not_a_kernel_fault(exc: Exception) -> bool:
