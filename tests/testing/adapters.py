@@ -10,6 +10,7 @@ import time
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from torchhal.hal_core import (
     DeviceCapabilities,
@@ -26,7 +27,7 @@ from torchhal.hal_core import (
     UnsupportedError,
 )
 from torchhal.hal_core.adapters.cpu import CPUAdapter
-from torchhal.kernels import attention, rms_norm
+from torchhal.kernels import attention, linear_cross_entropy, rms_norm
 
 CPU_NOT_APPLICABLE = {  # what the CPU adapter does not have, so the kit must find not applicable
     "device.timer_events",  # no device-side timing events
@@ -224,9 +225,44 @@ class DtypeChangingKernel(EinsumMatmul):
         )
 
 
+class WrongAndScribbling(CPUAdapter):
+    """An rms_norm candidate 50% off that also negates its input: the reference must not read the
+    negated input, or its error (and the allowed error) grows with the damage."""
+
+    def register_kernels(self, registry: KernelRegistry) -> None:
+        registry.register("rms_norm", "sloppy", _wrong_and_scribbling, provider=self.name)
+
+
+class ScribblingKernel(CPUAdapter):
+    """A swiglu candidate with the right values, written over its `up` input."""
+
+    def register_kernels(self, registry: KernelRegistry) -> None:
+        registry.register("swiglu", "inplace", lambda gate, up: up.mul_(F.silu(gate)), provider=self.name)
+
+
+class IndexScribbling(CPUAdapter):
+    """A linear_cross_entropy candidate with the right loss that then marks every target ignored:
+    index tensors too must reach the candidate as copies, or the write goes unseen."""
+
+    def register_kernels(self, registry: KernelRegistry) -> None:
+        registry.register("linear_cross_entropy", "inplace", _ignore_targets_after, provider=self.name)
+
+
 class RaisingRegistration(CPUAdapter):
     def register_kernels(self, registry: KernelRegistry) -> None:
         registry.register("no_such_op", "x", torch.add, provider=self.name)
+
+
+def _wrong_and_scribbling(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    out = rms_norm.reference(x, weight, eps) * 1.5
+    x.neg_()
+    return out
+
+
+def _ignore_targets_after(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *args, **kwargs):  # type: ignore[no-untyped-def]
+    loss = linear_cross_entropy.reference(hidden, weight, target, *args, **kwargs)
+    target.fill_(-100)
+    return loss
 
 
 def _einsum_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -97,6 +97,9 @@ BROKEN = [
     (adapters.WrongKernel, "kernel.matmul/cpu/sloppy", "fp32"),
     (adapters.RaisingPredicate, "kernel.matmul/cpu/fragile", "predicate raised KeyError"),
     (adapters.DtypeChangingKernel, "kernel.matmul/cpu/upcast", "is torch.float32"),
+    (adapters.WrongAndScribbling, "kernel.rms_norm/cpu/sloppy", "output 0: error"),
+    (adapters.ScribblingKernel, "kernel.swiglu/cpu/inplace", "modified its input(s) 'up' in place"),
+    (adapters.IndexScribbling, "kernel.linear_cross_entropy/cpu/inplace", "input(s) 'target' in place"),
     (adapters.RaisingRegistration, "kernels.register", "no_such_op"),
 ]
 

@@ -4,10 +4,14 @@ Candidates are called directly, never through `KernelRegistry.call`, whose fallb
 hide a raising candidate behind the reference. Each runs on every device of the adapter, in
 every declared floating dtype, on the kit's random cases whose signature its predicate
 accepts; a predicate must answer None or an `Unsupported`, never raise.
+The candidate gets its own copies of the inputs and the references read pristine ones, so a
+candidate that writes into its inputs cannot move its own yardstick; it then fails for the
+write itself, naming the input: ops are registered as custom ops that declare no mutation.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -98,7 +102,7 @@ def _run_case(
     cand: Candidate, registry: KernelRegistry, device: Device, host: kernel_inputs.Case
 ) -> tolerance.Comparison | Unsupported:
     reference = registry.op(cand.op).reference
-    case = kernel_inputs.on_device(host, device)
+    case = kernel_inputs.on_device(host, device)  # the candidate's copy: it may scribble on it
     try:
         sig = registry.signature(cand.op, *case.args, **case.kwargs)
     except Exception as exc:
@@ -114,7 +118,8 @@ def _run_case(
         device.synchronize()
     except Exception as exc:
         raise CheckFailed(f"raised {describe(exc)} ({where(exc)})") from exc
-    same_dtype = _tensors(reference(*case.args, **case.kwargs))
+    pristine = kernel_inputs.on_device(host, device)
+    same_dtype = _tensors(reference(*pristine.args, **pristine.kwargs))
     fp64 = host.map(_to_fp64)
     truth = _tensors(reference(*fp64.args, **fp64.kwargs))
     outputs = _tensors(got)
@@ -132,8 +137,30 @@ def _run_case(
             raise CheckFailed(f"output {i}: {comparison}")
         if worst is None or comparison.ratio > worst.ratio:
             worst = comparison
+    changed = _changed_inputs(reference, case, host)
+    if changed:
+        raise CheckFailed(
+            f"modified its input(s) {', '.join(changed)} in place; custom ops may not mutate their inputs"
+        )
     assert worst is not None
     return worst
+
+
+def _changed_inputs(
+    reference: Callable[..., Any], case: kernel_inputs.Case, host: kernel_inputs.Case
+) -> list[str]:
+    """The tensor inputs of `case` that no longer equal the host's, named by the reference's parameters."""
+    import torch
+
+    names = list(inspect.signature(reference).parameters)
+    positional = [(names[i] if i < len(names) else f"argument {i}", a) for i, a in enumerate(case.args)]
+    changed = []
+    for (name, value), original in zip(
+        [*positional, *case.kwargs.items()], [*host.args, *host.kwargs.values()], strict=True
+    ):
+        if isinstance(value, torch.Tensor) and not torch.equal(value.cpu(), original):
+            changed.append(repr(name))
+    return changed
 
 
 def _to_fp64(value: Any) -> Any:

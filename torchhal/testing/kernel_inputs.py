@@ -47,14 +47,15 @@ def cast(case: Case, dtype: torch.dtype) -> Case:
 
 
 def on_device(case: Case, device: Device) -> Case:
-    """Floating tensors allocated through the adapter; index tensors moved explicitly to its torch device."""
+    """Fresh copies: floating tensors allocated through the adapter, index tensors copied explicitly
+    to its torch device (never the host's own tensors, which must stay pristine)."""
     import torch
 
     def move(value: Any) -> Any:
         if _floating(value):
             return device.to_device(value)
         if isinstance(value, torch.Tensor):
-            return value.to(device.torch_device)
+            return value.to(device.torch_device, copy=True)
         return value
 
     return case.map(move)
