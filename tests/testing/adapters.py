@@ -248,6 +248,20 @@ class IndexScribbling(CPUAdapter):
         registry.register("linear_cross_entropy", "inplace", _ignore_targets_after, provider=self.name)
 
 
+class FastShapesOnly(CPUAdapter):
+    """An attention candidate returning zeros whose predicate takes only head_dim 64 and 128, as
+    most flash-style kernels do: the kit's cases must reach it."""
+
+    def register_kernels(self, registry: KernelRegistry) -> None:
+        registry.register(
+            "attention",
+            "flashish",
+            lambda q, k, v, **kw: torch.zeros_like(q),
+            provider=self.name,
+            supports=_head_dim_64_or_128,
+        )
+
+
 class RaisingRegistration(CPUAdapter):
     def register_kernels(self, registry: KernelRegistry) -> None:
         registry.register("no_such_op", "x", torch.add, provider=self.name)
@@ -296,3 +310,9 @@ def _only_2d(caps: DeviceCapabilities, sig: object) -> Unsupported | None:
 
 def _predicate_raises(caps: DeviceCapabilities, sig: object) -> Unsupported | None:
     raise KeyError("forgot a case")
+
+
+def _head_dim_64_or_128(caps: DeviceCapabilities, sig: attention.AttentionSignature) -> Unsupported | None:
+    if sig.head_dim not in (64, 128):
+        return Unsupported(RejectionReason.SHAPE, f"head_dim {sig.head_dim} is not 64 or 128")
+    return None

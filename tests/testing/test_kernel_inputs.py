@@ -50,6 +50,21 @@ def test_inputs_fit_the_op_signature_and_reference(
         assert any(bool((t != 0).any()) for t in outputs), typed.label
 
 
+@pytest.mark.parametrize("op", sorted(kernel_inputs.CASES))
+def test_inputs_reach_the_sizes_fast_kernels_insist_on(core_registry: KernelRegistry, op: str) -> None:
+    """A candidate whose predicate takes only head_dim 64/128 or rows of a multiple of 256 must
+    meet such a case, or it is never run and reports not applicable."""
+    if op not in core_registry.ops():
+        pytest.skip(f"torchhal does not define op {op!r} yet")
+    cases = kernel_inputs.cases(op, torch.Generator().manual_seed(7), torch.float32, core_registry)
+    assert cases is not None
+    sigs = [core_registry.signature(op, *c.args, **c.kwargs) for c in cases]
+    if hasattr(sigs[0], "head_dim"):
+        assert {64, 128} <= {s.head_dim for s in sigs}
+    if hasattr(sigs[0], "hidden"):
+        assert any(s.hidden % 256 == 0 for s in sigs)
+
+
 def test_inputs_are_random_per_generator_and_cast_only_floats(core_registry: KernelRegistry) -> None:
     def draw(seed: int) -> list[kernel_inputs.Case]:
         made = kernel_inputs.cases(

@@ -6,8 +6,10 @@ A backward op's saved forward results (attention's out and its fp32 log-sum-exp,
 mean and rstd) are then computed from the cast inputs by the forward op's reference, as autograd
 would save them.
 Shapes are odd on purpose (no vector-width fast path hides a remainder bug) and small (the
-kit runs each candidate on every device and dtype). Ops not listed here have no inputs:
-their candidates are reported not applicable with that reason.
+kit runs each candidate on every device and dtype); each op also gets the sizes fast kernels
+insist on (head_dim 64 and 128, rows of 256), on short sequences and few rows, since a
+candidate whose predicate declines every case is never run and reports not applicable.
+Ops not listed here have no inputs: their candidates are reported not applicable with that reason.
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def _rms_norm(g: torch.Generator) -> list[Case]:
     return [
         Case("5x123", (_randn(g, 5, 123), 1 + _randn(g, 123, scale=0.1))),
         Case("2x3x64, eps 1e-5", (_randn(g, 2, 3, 64), 1 + _randn(g, 64, scale=0.1), 1e-5)),
+        Case("3x256", (_randn(g, 3, 256), 1 + _randn(g, 256, scale=0.1))),
     ]
 
 
@@ -113,6 +116,7 @@ def _rms_norm_backward(g: torch.Generator) -> list[Case]:
             "dy, x 2x3x64, eps 1e-5",
             (_randn(g, 2, 3, 64), _randn(g, 2, 3, 64), 1 + _randn(g, 64, scale=0.1), 1e-5),
         ),
+        Case("dy, x 3x256", (_randn(g, 3, 256), _randn(g, 3, 256), 1 + _randn(g, 256, scale=0.1))),
     ]
 
 
@@ -122,6 +126,7 @@ def _layer_norm(g: torch.Generator) -> list[Case]:
             "5x97", (_randn(g, 5, 97, scale=2) + 0.5, 1 + _randn(g, 97, scale=0.1), _randn(g, 97, scale=0.1))
         ),
         Case("2x3x33", (_randn(g, 2, 3, 33), 1 + _randn(g, 33, scale=0.1), _randn(g, 33, scale=0.1))),
+        Case("3x256", (_randn(g, 3, 256), 1 + _randn(g, 256, scale=0.1), _randn(g, 256, scale=0.1))),
     ]
 
 
@@ -132,6 +137,7 @@ def _layer_norm_backward(g: torch.Generator) -> list[Case]:
             "dy, x 2x3x33, eps 1e-6",
             (_randn(g, 2, 3, 33), _randn(g, 2, 3, 33), 1 + _randn(g, 33, scale=0.1), 1e-6),
         ),
+        Case("dy, x 3x256", (_randn(g, 3, 256), _randn(g, 3, 256), 1 + _randn(g, 256, scale=0.1))),
     ]
 
 
@@ -149,6 +155,7 @@ def _gated_backward(g: torch.Generator) -> list[Case]:
     return [
         Case("dy, gate, up 6x45", (_randn(g, 6, 45), _randn(g, 6, 45, scale=2), _randn(g, 6, 45))),
         Case("dy, gate, up 2x3x33", (_randn(g, 2, 3, 33), _randn(g, 2, 3, 33, scale=2), _randn(g, 2, 3, 33))),
+        Case("dy, gate, up 3x256", (_randn(g, 3, 256), _randn(g, 3, 256, scale=2), _randn(g, 3, 256))),
     ]
 
 
@@ -156,23 +163,23 @@ def _gated(g: torch.Generator) -> list[Case]:
     return [
         Case("6x45", (_randn(g, 6, 45, scale=2), _randn(g, 6, 45))),
         Case("2x3x33", (_randn(g, 2, 3, 33, scale=2), _randn(g, 2, 3, 33))),
+        Case("3x256", (_randn(g, 3, 256, scale=2), _randn(g, 3, 256))),
     ]
 
 
 def _rope(g: torch.Generator) -> list[Case]:
     import torch
 
-    batch, seq, dim = 2, 11, 16
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    positions = torch.arange(seq, dtype=torch.float32) + torch.randint(0, 100, (batch, 1), generator=g)
-    angles = positions.unsqueeze(-1) * inv_freq  # (batch, seq, dim / 2)
-    emb = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (batch, 1, seq, dim), rotate-half layout
-    return [
-        Case(
-            "q 2x4x11x16, k 2x2x11x16 (GQA)",
-            (_randn(g, batch, 4, seq, dim), _randn(g, batch, 2, seq, dim), emb.cos(), emb.sin()),
-        )
-    ]
+    def case(batch: int, heads_q: int, heads_k: int, seq: int, dim: int) -> Case:
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        positions = torch.arange(seq, dtype=torch.float32) + torch.randint(0, 100, (batch, 1), generator=g)
+        angles = positions.unsqueeze(-1) * inv_freq  # (batch, seq, dim / 2)
+        emb = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # (batch, 1, seq, dim), rotate-half layout
+        q, k = _randn(g, batch, heads_q, seq, dim), _randn(g, batch, heads_k, seq, dim)
+        label = f"q {'x'.join(map(str, q.shape))}, k {'x'.join(map(str, k.shape))}"
+        return Case(label, (q, k, emb.cos(), emb.sin()))
+
+    return [case(2, 4, 2, 11, 16), case(1, 2, 1, 5, 64), case(1, 2, 2, 3, 128)]
 
 
 def _rope_backward(g: torch.Generator) -> list[Case]:
@@ -195,6 +202,8 @@ def _attention(g: torch.Generator) -> list[Case]:
         Case("causal GQA 1x4/2x17x32", qkv(1, 4, 2, 17, 17, 32), {"causal": True}),
         Case("causal seq_q 7 < seq_k 19", qkv(1, 2, 2, 7, 19, 16), {"causal": True}),
         Case("window (5, 3), scale 0.3", qkv(1, 2, 1, 23, 23, 16), {"window": (5, 3), "scale": 0.3}),
+        Case("causal GQA 1x2/1x9x64", qkv(1, 2, 1, 9, 9, 64), {"causal": True}),
+        Case("full 1x2x5x128, seq_k 7", qkv(1, 2, 2, 5, 7, 128)),
     ]
 
 
@@ -205,14 +214,16 @@ def _attention_varlen(g: torch.Generator) -> list[Case]:
     cu_q = torch.tensor((0, *itertools.accumulate(lengths_q)), dtype=torch.int32)
     cu_k = torch.tensor((0, *itertools.accumulate(lengths_k)), dtype=torch.int32)
 
-    def packed() -> tuple[Any, ...]:
-        q = _randn(g, sum(lengths_q), 4, 16)
-        k, v = _randn(g, sum(lengths_k), 2, 16), _randn(g, sum(lengths_k), 2, 16)
+    def packed(dim: int = 16) -> tuple[Any, ...]:
+        q = _randn(g, sum(lengths_q), 4, dim)
+        k, v = _randn(g, sum(lengths_k), 2, dim), _randn(g, sum(lengths_k), 2, dim)
         return (q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k))
 
     return [
         Case("3 sequences, GQA 4/2", packed()),
         Case("3 sequences, causal", packed(), {"causal": True}),
+        Case("3 sequences, head_dim 64", packed(64)),
+        Case("3 sequences, head_dim 128, causal", packed(128), {"causal": True}),
     ]
 
 
