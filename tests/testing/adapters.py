@@ -102,6 +102,14 @@ class Fp8Unstorable(CPUAdapter):
         return super().allocate(index, torch_device, shape, dtype)
 
 
+class Fp8OnlyHost(CPUAdapter):
+    """A sound host device declaring fp8 e4m3 only: nothing the kit can fill for an all_reduce."""
+
+    def discover(self) -> Sequence[DeviceCapabilities]:
+        (host,) = super().discover()
+        return [host.model_copy(update={"dtypes": frozenset({DType.FP8_E4M3})})]
+
+
 class DuplicateIndexes(CPUAdapter):
     def discover(self) -> Sequence[DeviceCapabilities]:
         (host,) = super().discover()

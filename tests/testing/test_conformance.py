@@ -128,6 +128,13 @@ def test_a_raising_synchronize_blocks_the_checks_that_wait_on_the_device() -> No
     assert by_status(report, CheckStatus.PASSED) >= {"device.memory_info", "device.health", "dtype.fp32"}
 
 
+def test_a_device_without_a_fillable_dtype_makes_all_reduce_not_applicable() -> None:
+    report = run_conformance(adapters.Fp8OnlyHost())
+    result = report.result("collectives.all_reduce")
+    assert result.status is CheckStatus.NOT_APPLICABLE, result.reason
+    assert result.reason.startswith("gloo: cpu declares none of")
+
+
 def test_an_absent_runtime_conforms_with_everything_else_not_applicable() -> None:
     report = run_conformance(adapters.AbsentRuntime())
     assert report.ok
