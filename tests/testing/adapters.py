@@ -6,6 +6,7 @@ exactly the check that covers it and pass (or find not applicable) everything el
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -180,6 +181,17 @@ class RaisingSynchronize(CPUAdapter):
 
     def synchronize(self, index: int) -> None:
         raise RuntimeError("stream 0 lost")
+
+
+class HangingSynchronize(CPUAdapter):
+    """synchronize() that does not return until `release` is set (a lost stream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def synchronize(self, index: int) -> None:
+        self.release.wait()
 
 
 class WrongHealth(CPUAdapter):

@@ -135,6 +135,19 @@ def test_a_device_without_a_fillable_dtype_makes_all_reduce_not_applicable() -> 
     assert result.reason.startswith("gloo: cpu declares none of")
 
 
+def test_a_check_past_its_time_limit_fails_naming_the_call_and_the_run_goes_on() -> None:
+    adapter = adapters.HangingSynchronize()
+    try:
+        report = run_conformance(adapter, time_limit_s=0.5)
+    finally:
+        adapter.release.set()
+    assert by_status(report, CheckStatus.FAILED) == {"device.synchronize"}, format_report(report)
+    reason = report.result("device.synchronize").reason
+    assert "did not finish within the 0.5 s time limit: stuck in synchronize()" in reason
+    waiting = report.result("device.memory_accounting")
+    assert waiting.status is CheckStatus.NOT_APPLICABLE and "it has not returned" in waiting.reason
+
+
 def test_an_absent_runtime_conforms_with_everything_else_not_applicable() -> None:
     report = run_conformance(adapters.AbsentRuntime())
     assert report.ok

@@ -34,22 +34,31 @@ class CheckFailed(Exception):
     """Raised by a check that found the adapter non-conforming; the message is the reason."""
 
 
+class StepUnfinished(Exception):
+    """A step asked for while an earlier call of it has not returned (its check ran out of time)."""
+
+
 class _Once(Generic[T]):
-    """Runs a step once and replays its value or its exception."""
+    """Runs a step once and replays its value or its exception; while a first call hangs (its
+    check timed out and left it running) later callers get StepUnfinished, not a second hang."""
 
     def __init__(self, step: Callable[[], T]) -> None:
         self._step = step
+        self._started = False
         self._done = False
         self._value: T | None = None
         self._error: BaseException | None = None
 
     def get(self) -> T:
-        if not self._done:
-            self._done = True
+        if not self._started:
+            self._started = True
             try:
                 self._value = self._step()
             except Exception as exc:
                 self._error = exc
+            self._done = True
+        if not self._done:
+            raise StepUnfinished("it has not returned")
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
@@ -68,11 +77,25 @@ def describe(exc: BaseException) -> str:
 
 def where(exc: BaseException, depth: int = 3) -> str:
     """The innermost frames of a traceback outside the kit: where an adapter author should look."""
-    kit = str(Path(__file__).parent)
-    frames = traceback.extract_tb(exc.__traceback__)
-    outside = [f for f in frames if not f.filename.startswith(kit)]
+    return where_in(traceback.extract_tb(exc.__traceback__), depth)
+
+
+_KIT = str(Path(__file__).parent)
+
+
+def where_in(frames: traceback.StackSummary, depth: int = 3) -> str:
+    """The innermost `depth` frames outside the kit, innermost first (all frames if none is outside)."""
+    outside = [f for f in frames if not f.filename.startswith(_KIT)]
     where = " < ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed((outside or frames)[-depth:]))
     return f"at {where}" if outside else f"inside the conformance kit, at {where}"
+
+
+def stuck_in(frames: traceback.StackSummary) -> str:
+    """The call the kit made that has not returned (the first frame below the kit's innermost),
+    and where it is now: what a check past its time limit reports."""
+    below = [i + 1 for i, f in enumerate(frames) if f.filename.startswith(_KIT) and i + 1 < len(frames)]
+    entry = frames[below[-1]].name if below else frames[-1].name
+    return f"in {entry}() {where_in(frames)}"
 
 
 class AdapterUnderTest:

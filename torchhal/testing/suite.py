@@ -6,21 +6,27 @@ plugin turns each planned check into a test item and runs them one by one.
 
 from __future__ import annotations
 
+import contextvars
 import secrets
+import sys
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from torchhal.hal_core import HAL_API_VERSION, ConfigurationError, DType, VendorAdapter, telemetry
 from torchhal.testing import checks_adapter, checks_collectives, checks_device, checks_dtypes, checks_kernels
-from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, describe, where
+from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, describe, stuck_in, where
 from torchhal.testing.report import CheckResult, CheckStatus, ConformanceReport
 
 if TYPE_CHECKING:
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
 log = telemetry.get_logger("torchhal.testing")
+
+CHECK_TIME_LIMIT_S = 60.0  # generous: the slowest real check (kernel candidates on a GPU) takes seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +133,11 @@ def _no_candidates(ctx: AdapterUnderTest) -> str:
 class ConformanceSuite:
     """The checks for one adapter, planned once, run together or one at a time."""
 
-    def __init__(self, adapter: VendorAdapter, *, seed: int | None = None) -> None:
+    def __init__(
+        self, adapter: VendorAdapter, *, seed: int | None = None, time_limit_s: float = CHECK_TIME_LIMIT_S
+    ) -> None:
         self.seed = secrets.randbits(63) if seed is None else seed
+        self.time_limit_s = time_limit_s
         self.context = AdapterUnderTest(adapter, self.seed)
         self._plan: tuple[Check, ...] | None = None
 
@@ -159,20 +168,43 @@ class ConformanceSuite:
         return self._plan
 
     def run_check(self, check: Check) -> CheckResult:
+        """Run one check in a daemon thread, waiting at most `time_limit_s`. A check past the limit
+        fails naming where it is stuck, and the run goes on; Python cannot kill a thread, so the
+        stuck one is left running (the steps it holds answer StepUnfinished to later checks)."""
         start = time.perf_counter()
-        try:
-            status, reason = CheckStatus.PASSED, check.run(self.context)
-        except NotApplicable as exc:
-            status, reason = CheckStatus.NOT_APPLICABLE, str(exc)
-        except CheckFailed as exc:
-            status, reason = CheckStatus.FAILED, str(exc)
-        except Exception as exc:
-            status, reason = CheckStatus.FAILED, f"raised {describe(exc)} ({where(exc)})"
+        outcome: list[tuple[CheckStatus, str]] = []
+        thread = threading.Thread(
+            target=contextvars.copy_context().run,  # keeps the run's span for the check's logs
+            args=(self._outcome, check, outcome),
+            name=f"torchhal-conformance {check.id}",
+            daemon=True,
+        )
+        thread.start()
+        thread.join(self.time_limit_s)
+        if outcome:
+            status, reason = outcome[0]
+        else:
+            stack = traceback.extract_stack(sys._current_frames()[thread.ident])  # type: ignore[index]
+            status, reason = (
+                CheckStatus.FAILED,
+                f"did not finish within the {self.time_limit_s:g} s time limit: stuck {stuck_in(stack)} "
+                "(the kit left that call running and went on)",
+            )
         duration = time.perf_counter() - start
         log.info(
             "conformance check", adapter=self.adapter_name, check=check.id, status=status.value, reason=reason
         )
         return CheckResult(check.id, check.title, check.mandatory, status, reason, duration)
+
+    def _outcome(self, check: Check, into: list[tuple[CheckStatus, str]]) -> None:
+        try:
+            into.append((CheckStatus.PASSED, check.run(self.context)))
+        except NotApplicable as exc:
+            into.append((CheckStatus.NOT_APPLICABLE, str(exc)))
+        except CheckFailed as exc:
+            into.append((CheckStatus.FAILED, str(exc)))
+        except Exception as exc:
+            into.append((CheckStatus.FAILED, f"raised {describe(exc)} ({where(exc)})"))
 
     def report(self, results: tuple[CheckResult, ...]) -> ConformanceReport:
         import torch
@@ -223,11 +255,15 @@ def resolve_adapter(
 
 
 def run_conformance(
-    adapter: VendorAdapter | str, *, hal: HardwareAbstractionLayer | None = None, seed: int | None = None
+    adapter: VendorAdapter | str,
+    *,
+    hal: HardwareAbstractionLayer | None = None,
+    seed: int | None = None,
+    time_limit_s: float = CHECK_TIME_LIMIT_S,
 ) -> ConformanceReport:
     """Run every conformance check on `adapter` (an instance, or a name resolved through `hal`).
 
     `seed` replays the random inputs of an earlier report (its `seed` field); by default each
-    run draws fresh ones.
+    run draws fresh ones. A check running past `time_limit_s` fails (see `run_check`).
     """
-    return ConformanceSuite(resolve_adapter(adapter, hal), seed=seed).run()
+    return ConformanceSuite(resolve_adapter(adapter, hal), seed=seed, time_limit_s=time_limit_s).run()
