@@ -88,6 +88,49 @@ class FrozenMemory(CPUAdapter):
         return MemoryInfo(total_bytes=2**34, free_bytes=2**33, used_bytes=2**30)
 
 
+class OverfullMemory(CPUAdapter):
+    """free and used that each fit the capacity but together exceed it (free reported as total)."""
+
+    def memory_info(self, index: int) -> MemoryInfo:
+        info = super().memory_info(index)
+        return info.model_copy(update={"free_bytes": info.total_bytes})
+
+
+class InflatedMemory(CPUAdapter):
+    """used_bytes that grows by ten times what is allocated (from what it read first)."""
+
+    baseline: int | None = None
+
+    def memory_info(self, index: int) -> MemoryInfo:
+        info = super().memory_info(index)
+        if self.baseline is None:
+            self.baseline = info.used_bytes
+        return info.model_copy(update={"used_bytes": self.baseline + 10 * (info.used_bytes - self.baseline)})
+
+
+class RepeatedLink(TwinHostAdapter):
+    def topology(self) -> Topology:
+        link = Link(a="twin:0", b="twin:1", type=LinkType.PCIE, bandwidth_gbps=32.0, source="declared")
+        return Topology(devices=("twin:0", "twin:1"), links=(link, link, link))
+
+
+class NegativeBandwidth(TwinHostAdapter):
+    def topology(self) -> Topology:
+        link = Link(a="twin:0", b="twin:1", type=LinkType.PCIE, bandwidth_gbps=-32.0, source="declared")
+        return Topology(devices=("twin:0", "twin:1"), links=(link,))
+
+
+class ShiftingDiscovery(CPUAdapter):
+    """discover() whose records change between calls (memory read live into the record)."""
+
+    calls = 0
+
+    def discover(self) -> Sequence[DeviceCapabilities]:
+        (host,) = super().discover()
+        self.calls += 1
+        return [host.model_copy(update={"memory_bytes": host.memory_bytes - self.calls})]
+
+
 class Fp8Unstorable(CPUAdapter):
     """Declares fp8 e4m3 on a device whose allocator cannot hold it (a fake op raising)."""
 

@@ -233,8 +233,8 @@ class Link(_Frozen):
     a: str
     b: str
     type: LinkType
-    count: int | None = None  # bonded links (NV18 means 18)
-    bandwidth_gbps: float | None = None  # declared, per direction
+    count: int | None = Field(default=None, ge=1)  # bonded links (NV18 means 18)
+    bandwidth_gbps: float | None = Field(default=None, gt=0, allow_inf_nan=False)  # declared, per direction
     source: str  # where the fact came from: nvml, nvidia-smi, amdsmi, declared
 
     def connects(self, x: str, y: str) -> bool:

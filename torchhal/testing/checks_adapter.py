@@ -134,10 +134,18 @@ def check_discover(ctx: AdapterUnderTest) -> str:
     repeated_ids = sorted(i for i, n in ids.items() if n > 1)
     if repeated_ids and not repeated:
         problems.append(f"device ids must be unique, repeated: {repeated_ids}")
+    start = time.perf_counter()
+    try:
+        again = list(adapter.discover())
+    except Exception as exc:
+        raise CheckFailed(f"discover() raised on its second call: {describe(exc)}") from exc
+    seconds = time.perf_counter() - start
+    if again != found:  # the HAL discovers once per process, and devices must not move between HALs
+        problems.append(f"discover() returned other records on a second call: {found!r} then {again!r}")
     if problems:
         raise CheckFailed("; ".join(problems))
     listing = ", ".join(
         f"{Device(adapter, c).id} ({c.device_type}, {c.arch}, {c.memory_bytes / 2**30:.1f} GiB)"
         for c in found
     )
-    return f"{len(found)} device(s): {listing}"
+    return f"{len(found)} device(s): {listing}; a second call agrees ({seconds * 1e3:.1f} ms)"

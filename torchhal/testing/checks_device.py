@@ -18,6 +18,8 @@ if TYPE_CHECKING:
 MIB = 2**20
 ACCOUNTING_BUFFER_BYTES = 64 * MIB  # or 1% of capacity, whichever is smaller
 ACCOUNTING_TOLERANCE = 0.10  # used_bytes must grow by >= 90% of the buffer: page rounding, allocator slack
+# ... and by no more than twice it plus 16 MiB (allocator blocks, what the kit itself allocates)
+ACCOUNTING_MOST, ACCOUNTING_SLACK = 2, 16 * MIB
 TIMER_BUFFER_BYTES = 4 * MIB
 TIMER_COPIES = 8
 TIMER_WALL_SLACK_MS = 1.0  # device time between two marks cannot exceed host wall time around them (+ slack)
@@ -64,6 +66,11 @@ def check_memory_info(ctx: AdapterUnderTest) -> str:
             problems.append(f"free_bytes {info.free_bytes} > total_bytes {info.total_bytes}")
         if info.used_bytes > info.total_bytes:
             problems.append(f"used_bytes {info.used_bytes} > total_bytes {info.total_bytes}")
+        elif info.free_bytes + info.used_bytes > info.total_bytes:  # free memory is nobody's
+            problems.append(
+                f"free_bytes {info.free_bytes} + used_bytes {info.used_bytes} "
+                f"> total_bytes {info.total_bytes}"
+            )
         if info.simulated != device.simulated:
             problems.append(
                 f"MemoryInfo.simulated is {info.simulated} but the device's SIMULATED feature "
@@ -93,11 +100,16 @@ def check_memory_accounting(ctx: AdapterUnderTest) -> str:
         allocated = buffer.numel() * buffer.element_size()
         grew = after.used_bytes - before.used_bytes
         del buffer
-        if grew < (1 - ACCOUNTING_TOLERANCE) * allocated:
+        if (
+            not (1 - ACCOUNTING_TOLERANCE) * allocated
+            <= grew
+            <= ACCOUNTING_MOST * allocated + ACCOUNTING_SLACK
+        ):
             raise CheckFailed(
                 f"used_bytes grew by {grew} bytes ({before.used_bytes} -> {after.used_bytes}) after "
                 f"allocating and filling {allocated} bytes; must grow by at least "
-                f"{1 - ACCOUNTING_TOLERANCE:.0%} of it"
+                f"{1 - ACCOUNTING_TOLERANCE:.0%} of it and at most {ACCOUNTING_MOST}x it plus "
+                f"{ACCOUNTING_SLACK // MIB} MiB"
             )
         return f"used_bytes grew by {grew / MIB:.2f} MiB for a {allocated / MIB:.2f} MiB buffer"
 
@@ -133,6 +145,8 @@ def check_topology(ctx: AdapterUnderTest) -> str:
         facts = (link.type.value, link.count, link.bandwidth_gbps)
         pairs.setdefault(frozenset((link.a, link.b)), []).append(facts)
     for pair, variants in pairs.items():
+        if len(variants) > 2:  # one link, listed once or once each way
+            problems.append(f"the link between {' and '.join(sorted(pair))} is listed {len(variants)} times")
         if len(set(variants)) > 1:
             problems.append(f"links between {' and '.join(sorted(pair))} disagree by direction: {variants}")
     if problems:
