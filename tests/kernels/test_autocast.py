@@ -109,3 +109,23 @@ def test_on_the_triton_kernels_too(on_triton):
     assert ("rms_norm", "triton") in on_triton
     torch.testing.assert_close(normed, torchhal.ops.rms_norm(x, weight), rtol=0, atol=0)
     torch.testing.assert_close(attended, _attention(q.bfloat16(), k.bfloat16(), v.bfloat16()), rtol=0, atol=0)
+
+
+def test_the_cast_is_the_one_torch_makes_of_the_counterparts():
+    """Under autocast each op returns what its torch counterpart returns: the dtype exactly, the
+    values within bf16 rounding (the casts are the same; the arithmetic after them may differ)."""
+    (q, k, v), _ = _inputs("attention")
+    (a, b), _ = _inputs("matmul")
+    (hidden, weight, bias, target), _ = _inputs("linear_cross_entropy")
+    with torch.autocast("cpu", dtype=AUTOCAST):
+        pairs = [
+            (_attention(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)),
+            (_matmul(a, b), torch.matmul(a, b)),
+            (
+                _linear_cross_entropy(hidden, weight, bias, target),
+                torch.nn.functional.cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target),
+            ),
+        ]
+    for ours, theirs in pairs:
+        assert ours.dtype == theirs.dtype
+        torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)

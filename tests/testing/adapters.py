@@ -111,7 +111,7 @@ class InflatedMemory(CPUAdapter):
 class RepeatedLink(TwinHostAdapter):
     def topology(self) -> Topology:
         link = Link(a="twin:0", b="twin:1", type=LinkType.PCIE, bandwidth_gbps=32.0, source="declared")
-        return Topology(devices=("twin:0", "twin:1"), links=(link, link, link))
+        return Topology(devices=("twin:0", "twin:1"), links=(link, link))  # the same way twice
 
 
 class NegativeBandwidth(TwinHostAdapter):

@@ -466,8 +466,8 @@ class KernelRegistry:
         kwargs: dict[str, Any],
     ) -> Any:
         """After `selection`'s kernel raised `exc`: run the next valid candidate, and once one runs,
-        demote the ones that failed for this signature (cached, counted). When every candidate
-        fails, the arguments are the likely cause: nothing is demoted or counted, and
+        demote the ones that raised for this signature (cached, counted). When every candidate
+        raises, the arguments are the likely cause: none that raised is demoted or counted, and
         KernelFailedError says what each raised. Bad arguments and exhausted memory are raised as
         they are (see `_not_a_kernel_fault`)."""
         if _not_a_kernel_fault(exc):
@@ -748,9 +748,9 @@ def _none_supports(op: str, device: Device, sig: Hashable, rejected: list[Reject
     return UnsupportedError(f"op {op!r} on {device.id}: no candidate supports {sig}: {reasons}")
 
 
-def _rank(candidate: Candidate) -> tuple[float, str]:
-    """Candidates' order: priority, highest first, then name."""
-    return (-candidate.priority, candidate.name)
+def _rank(candidate: Candidate) -> tuple[float, str, str]:
+    """Candidates' order: priority, highest first, then name and provider."""
+    return (-candidate.priority, candidate.name, candidate.provider)
 
 
 def _check_candidate(candidate: Candidate) -> None:
@@ -778,7 +778,7 @@ def _outranked(cand: Candidate, chosen: Candidate, timings: tuple[tuple[str, flo
         )
     if cand.priority < chosen.priority:
         return f"priority {cand.priority} < {chosen.priority}"
-    return f"priority {cand.priority}, as {chosen.qualified_name}'s: ranked after it by name"
+    return f"priority {cand.priority}, as {chosen.qualified_name}'s: ranked after it by name and provider"
 
 
 def _bound(candidate: Candidate, caps: DeviceCapabilities) -> Callable[..., Any]:

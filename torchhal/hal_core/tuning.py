@@ -66,7 +66,8 @@ class Tuner:
         self, device: Device, op: str, sig: Hashable, winner: str, contenders: Iterable[str]
     ) -> None:
         """Keep `winner` of `contenders` (those that measured), and save the table merged with the
-        file's winners, so HALs and processes sharing a cache keep each other's."""
+        file's winners, so HALs and processes sharing a cache keep each other's (best effort: two
+        writing at the same moment may still lose one winner, which is then measured again)."""
         from torchhal.hal_core.profile import fingerprint, write_cached
 
         with self._lock:

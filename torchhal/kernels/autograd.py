@@ -25,9 +25,9 @@ Double backward is not supported: the backward ops are not themselves differenti
 Autocast, one rule for every path and candidate: inputs listed in `spec.autocast` (the ops whose
 torch counterparts autocast runs in lower precision: SDPA, matmul, lm_head's linear) are cast to
 the autocast dtype, as autocast casts them (floating, not fp64); then the candidates run with
-autocast off, so each computes in the dtypes it was given whichever candidate is chosen. Before,
-the reference and SDPA candidates met autocast inside (their matmuls cast fp32 back down) while
-the Triton kernels and the compiled path did not, so the answer depended on the candidate.
+autocast off, so each computes in the dtypes it was given whichever candidate is chosen (an op's
+answer must not depend on its candidate: a reference meeting autocast inside would cast the fp32
+it asked for back down, where a Triton kernel would not).
 """
 
 from __future__ import annotations

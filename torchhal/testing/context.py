@@ -9,6 +9,7 @@ again.
 from __future__ import annotations
 
 import random
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,10 +49,13 @@ class _Once(Generic[T]):
         self._done = False
         self._value: T | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # a timed-out check's thread may reach the step with the next check
 
     def get(self) -> T:
-        if not self._started:
+        with self._lock:
+            first = not self._started
             self._started = True
+        if first:
             try:
                 self._value = self._step()
             except Exception as exc:

@@ -7,6 +7,7 @@ plugin turns each planned check into a test item and runs them one by one.
 from __future__ import annotations
 
 import contextvars
+import math
 import secrets
 import sys
 import threading
@@ -16,7 +17,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from torchhal.hal_core import HAL_API_VERSION, ConfigurationError, DType, VendorAdapter, telemetry
+from torchhal.hal_core import (
+    HAL_API_VERSION,
+    ConfigurationError,
+    DType,
+    InvalidArgumentError,
+    VendorAdapter,
+    telemetry,
+)
 from torchhal.testing import checks_adapter, checks_collectives, checks_device, checks_dtypes, checks_kernels
 from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, describe, stuck_in, where
 from torchhal.testing.report import CheckResult, CheckStatus, ConformanceReport
@@ -137,6 +145,14 @@ class ConformanceSuite:
         self, adapter: VendorAdapter, *, seed: int | None = None, time_limit_s: float = CHECK_TIME_LIMIT_S
     ) -> None:
         self.seed = secrets.randbits(63) if seed is None else seed
+        if (
+            isinstance(time_limit_s, bool)
+            or not isinstance(time_limit_s, (int, float))
+            or not 0 < time_limit_s < math.inf
+        ):
+            raise InvalidArgumentError(
+                f"conformance: time_limit_s must be a finite number > 0, got {time_limit_s!r}"
+            )
         self.time_limit_s = time_limit_s
         self.context = AdapterUnderTest(adapter, self.seed)
         self._plan: tuple[Check, ...] | None = None
@@ -181,15 +197,18 @@ class ConformanceSuite:
         )
         thread.start()
         thread.join(self.time_limit_s)
-        if outcome:
-            status, reason = outcome[0]
-        else:
-            stack = traceback.extract_stack(sys._current_frames()[thread.ident])  # type: ignore[index]
+        frame = sys._current_frames().get(thread.ident) if thread.is_alive() else None  # type: ignore[arg-type]
+        if frame is not None:
             status, reason = (
                 CheckStatus.FAILED,
-                f"did not finish within the {self.time_limit_s:g} s time limit: stuck {stuck_in(stack)} "
-                "(the kit left that call running and went on)",
+                f"did not finish within the {self.time_limit_s:g} s time limit: stuck "
+                f"{stuck_in(traceback.extract_stack(frame))} (the kit left that call running and went on)",
             )
+        else:
+            thread.join()  # it finished as the limit passed: its outcome is there
+            status, reason = outcome[0]
+            if isinstance(reason, BaseException):  # SystemExit, KeyboardInterrupt: the caller's
+                raise reason
         duration = time.perf_counter() - start
         log.info(
             "conformance check", adapter=self.adapter_name, check=check.id, status=status.value, reason=reason
@@ -205,6 +224,8 @@ class ConformanceSuite:
             into.append((CheckStatus.FAILED, str(exc)))
         except Exception as exc:
             into.append((CheckStatus.FAILED, f"raised {describe(exc)} ({where(exc)})"))
+        except BaseException as exc:  # not the check's to swallow: raised again in the caller's thread
+            into.append((CheckStatus.FAILED, exc))  # type: ignore[arg-type]
 
     def report(self, results: tuple[CheckResult, ...]) -> ConformanceReport:
         import torch
