@@ -129,11 +129,15 @@ def conformance(
     adapter: Annotated[str, typer.Argument(help="Adapter name, as `torchhal info` lists it.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report.")] = False,
     seed: Annotated[int | None, typer.Option(help="Replay the random inputs of an earlier run.")] = None,
+    time_limit: Annotated[
+        float | None, typer.Option(help="Fail a check still running after this many seconds (default 60).")
+    ] = None,
 ) -> None:
     """Certify an adapter: every check passed, failed or not applicable, with reasons."""
     from torchhal.testing import format_report, run_conformance
 
-    report = run_conformance(adapter, seed=seed)
+    limit = {} if time_limit is None else {"time_limit_s": time_limit}
+    report = run_conformance(adapter, seed=seed, **limit)
     typer.echo(report.to_json() if as_json else format_report(report))
     raise typer.Exit(0 if report.ok else 1)
 

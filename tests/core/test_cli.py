@@ -65,8 +65,13 @@ def test_profile_of_the_simulated_asic_is_labelled_and_cached(tmp_path):
             "conformance: no adapter named 'warp9' is loaded (loaded: simasic, cpu)",
         ),
         (["info"], {"TORCHHAL_STRICT_PLUGINS": "perhaps"}, "TORCHHAL_STRICT_PLUGINS='perhaps'"),
+        (
+            ["conformance", "simasic", "--time-limit", "-1"],
+            {},
+            "conformance: time_limit_s must be a finite number > 0, got -1.0",
+        ),
     ],
-    ids=["unknown-device", "unknown-adapter", "malformed-setting"],
+    ids=["unknown-device", "unknown-adapter", "malformed-setting", "time-limit"],
 )
 def test_bad_input_is_one_error_line_and_exit_code_2(monkeypatch, args, env, message):
     for name, value in env.items():

@@ -81,6 +81,15 @@ def test_unknown_adapter_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result.stderr.fnmatch_lines(["*--torchhal-adapter: conformance: no adapter named 'warp9'*"])
 
 
+def test_the_time_limit_option_reaches_the_kit_and_is_checked(pytester: pytest.Pytester) -> None:
+    pytester.makeconftest(USE_PLUGIN)
+    result = pytester.runpytest("--torchhal-adapter=cpu", "--torchhal-time-limit=0", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(
+        ["*--torchhal-time-limit: conformance: time_limit_s must be a finite number > 0, got 0.0*"]
+    )
+
+
 def test_without_the_option_the_plugin_adds_nothing(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(USE_PLUGIN)
     pytester.makepyfile("def test_plain():\n    assert 1 + 1 == 2\n")

@@ -18,7 +18,7 @@ import pytest
 
 from torchhal.hal_core import TorchHALError
 from torchhal.testing.report import CheckStatus
-from torchhal.testing.suite import Check, ConformanceSuite, resolve_adapter
+from torchhal.testing.suite import CHECK_TIME_LIMIT_S, Check, ConformanceSuite, resolve_adapter
 
 if TYPE_CHECKING:
     from torchhal.hal_core.hal import HardwareAbstractionLayer
@@ -52,6 +52,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="SEED",
         help="replay the random inputs of an earlier conformance run (printed in the report header)",
     )
+    group.addoption(
+        "--torchhal-time-limit",
+        type=float,
+        default=CHECK_TIME_LIMIT_S,
+        metavar="SECONDS",
+        help=f"fail a conformance check still running after SECONDS (default {CHECK_TIME_LIMIT_S:g})",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -71,7 +78,14 @@ def _suites(config: pytest.Config) -> dict[str, ConformanceSuite]:
                 adapter = resolve_adapter(name, hal)
             except TorchHALError as exc:
                 raise pytest.UsageError(f"--torchhal-adapter: {exc}") from exc
-            suites[name] = ConformanceSuite(adapter, seed=config.getoption("torchhal_seed"))
+            try:
+                suites[name] = ConformanceSuite(
+                    adapter,
+                    seed=config.getoption("torchhal_seed"),
+                    time_limit_s=config.getoption("torchhal_time_limit"),
+                )
+            except TorchHALError as exc:
+                raise pytest.UsageError(f"--torchhal-time-limit: {exc}") from exc
     return suites
 
 
