@@ -91,3 +91,21 @@ def test_norms_refuse_more_than_the_last_dimension(norm):
         match=rf"{norm.__name__}: normalises over the last dimension only, got normalized_shape=\(5, 37\)",
     ):
         norm((5, 37))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda **kw: thnn.SwiGLUMLP(37, 21, bias=True, **kw),
+        lambda **kw: thnn.Attention(48, 4, 2, layer_idx=0, **kw),
+    ],
+    ids=["SwiGLUMLP", "Attention"],
+)
+def test_modules_of_linears_take_torch_nn_factory_keywords(make):
+    """device= and dtype= reach every Linear, as torch.nn modules take them (they were refused)."""
+    for kwargs, device, dtype in (
+        ({"device": "meta"}, "meta", torch.float32),
+        ({"dtype": torch.bfloat16}, "cpu", torch.bfloat16),
+    ):
+        module = make(**kwargs)
+        assert {(p.device.type, p.dtype) for p in module.parameters()} == {(device, dtype)}

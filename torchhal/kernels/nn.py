@@ -185,11 +185,20 @@ class SwiGLUMLP(nn.Module):
     (ops.swiglu), which saves the activation's intermediate tensors in training.
     """
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        bias: bool = False,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        made = {"bias": bias, "device": device, "dtype": dtype}  # torch.nn's factory keywords
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **made)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **made)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **made)
 
     @classmethod
     def sharing(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> SwiGLUMLP:
@@ -481,6 +490,8 @@ class Attention(nn.Module):
         sliding_window: int | None = None,
         dropout: float = 0.0,
         layer_idx: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
@@ -500,10 +511,11 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.is_causal = True
         o_bias = bias if o_bias is None else o_bias
-        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias)
+        made = {"device": device, "dtype": dtype}  # torch.nn's factory keywords
+        self.q_proj = nn.Linear(hidden_size, num_heads * self.head_dim, bias=bias, **made)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias, **made)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * self.head_dim, bias=bias, **made)
+        self.o_proj = nn.Linear(num_heads * self.head_dim, hidden_size, bias=o_bias, **made)
 
     def reset_parameters(self) -> None:
         _reset_linears(self)
