@@ -398,12 +398,15 @@ class KernelRegistry:
     def _broken(self, op: str, device: Device, cand: Candidate, part: str, exc: Exception) -> Rejection:
         """A candidate whose predicate or bind raised: logged, counted, and turned down."""
         name = cand.qualified_name
-        self.fallback_counts[name] = self.fallback_counts.get(name, 0) + 1
-        telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=name)
+        self._count_fallback(op, name)
         log.warning(
             "kernel candidate broken", op=op, device=device.id, candidate=name, part=part, error=repr(exc)
         )
         return Rejection(name, RejectionReason.FAILED, f"{part} raised {type(exc).__name__}: {exc}")
+
+    def _count_fallback(self, op: str, candidate: str) -> None:
+        self.fallback_counts[candidate] = self.fallback_counts.get(candidate, 0) + 1
+        telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=candidate)
 
     def _store(self, selection: Selection, candidates: list[Candidate]) -> None:
         """Cache `selection`, made from `candidates`, unless a candidate was registered since (the
@@ -472,12 +475,13 @@ class KernelRegistry:
         they are (see `_not_a_kernel_fault`)."""
         if _not_a_kernel_fault(exc):
             raise exc
-        op, failures = selection.op, [exc]
+        op, failures, raised = selection.op, [exc], []
         failed = [r for r in selection.rejected if r.reason is RejectionReason.FAILED]
         candidates = self._candidates[op]
         current = selection
         while True:
             name = current.candidate.qualified_name
+            raised.append(name)
             failed.append(Rejection(name, RejectionReason.FAILED, f"{type(exc).__name__}: {exc}"))
             with telemetry.span(
                 "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
@@ -500,11 +504,8 @@ class KernelRegistry:
                 exc = next_exc
                 failures.append(exc)
                 continue
-            for rejection in failed[len(failed) - len(failures) :]:  # the ones that failed here
-                self.fallback_counts[rejection.candidate] = (
-                    self.fallback_counts.get(rejection.candidate, 0) + 1
-                )
-                telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=rejection.candidate)
+            for name in raised:
+                self._count_fallback(op, name)
             self._store(current, candidates)
             return result
 
@@ -753,13 +754,22 @@ def _rank(candidate: Candidate) -> tuple[float, str, str]:
     return (-candidate.priority, candidate.name, candidate.provider)
 
 
+def is_finite_number(value: object) -> bool:
+    """An int or float that is finite as a float; not a bool (True is no eps, scale or priority)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond the float range
+        return False
+
+
 def _check_candidate(candidate: Candidate) -> None:
     """What `register` refuses, naming the op and the candidate: a NaN priority made the order
     inconsistent (a priority 1000 lost to 100), a string left the op's list unsorted."""
     where = f"register: candidate {candidate.qualified_name!r} of op {candidate.op!r}"
-    priority = candidate.priority
-    if isinstance(priority, bool) or not isinstance(priority, (int, float)) or not math.isfinite(priority):
-        raise InvalidArgumentError(f"{where}: priority must be a finite number, got {priority!r}")
+    if not is_finite_number(candidate.priority):
+        raise InvalidArgumentError(f"{where}: priority must be a finite number, got {candidate.priority!r}")
     if not callable(candidate.fn):
         raise InvalidArgumentError(f"{where}: fn must be callable, got {candidate.fn!r}")
     for part in ("supports", "bind"):

@@ -68,14 +68,14 @@ class Tuner:
         """Keep `winner` of `contenders` (those that measured), and save the table merged with the
         file's winners, so HALs and processes sharing a cache keep each other's (best effort: two
         writing at the same moment may still lose one winner, which is then measured again)."""
-        from torchhal.hal_core.profile import fingerprint, write_cached
+        from torchhal.hal_core.profile import write_cached
 
         with self._lock:
             table = self._table(device)
             table[_key(op, sig)] = {"winner": winner, "contenders": sorted(contenders)}
-            if self._dir is None:
+            path = self._path(device)
+            if path is None:
                 return
-            path = self._dir / f"{fingerprint(device)}.json"
             code = self._code_versions()
             on_disk = _parse(_read_json(path), code) if path.exists() else None
             if isinstance(on_disk, dict):
@@ -104,12 +104,18 @@ class Tuner:
 
         fp = fingerprint(device)
         if fp not in self._winners:
-            path = None if self._dir is None else self._dir / f"{fp}.json"
+            path = self._path(device)
             table: dict[str, Winner] = {}
             if path is not None and path.exists():
                 table = _read_winners(path, self._code_versions())
             self._winners[fp] = table
         return self._winners[fp]
+
+    def _path(self, device: Device) -> Path | None:
+        """The file of `device`'s winners (None: no cache directory)."""
+        from torchhal.hal_core.profile import fingerprint
+
+        return None if self._dir is None else self._dir / f"{fingerprint(device)}.json"
 
     def _code_versions(self) -> dict[str, str]:
         if self._versions is None:

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError
+from torchhal.hal_core.kernels import is_finite_number
 
 PROVIDER = "torchhal"  # provider name of the built-in candidates
 
@@ -46,13 +45,3 @@ def require_eps(op: str, eps: object) -> None:
     """A norm's epsilon: a finite number >= 0 (a tensor here would lose its gradient)."""
     if not is_finite_number(eps) or eps < 0:  # type: ignore[operator]
         raise InvalidArgumentError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
-
-
-def is_finite_number(value: object) -> bool:
-    """An int or float that is finite as a float; not a bool (True is no eps, scale or smoothing)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond the float range
-        return False

@@ -7,7 +7,6 @@ plugin turns each planned check into a test item and runs them one by one.
 from __future__ import annotations
 
 import contextvars
-import math
 import secrets
 import sys
 import threading
@@ -25,6 +24,7 @@ from torchhal.hal_core import (
     VendorAdapter,
     telemetry,
 )
+from torchhal.hal_core.kernels import is_finite_number
 from torchhal.testing import checks_adapter, checks_collectives, checks_device, checks_dtypes, checks_kernels
 from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, describe, stuck_in, where
 from torchhal.testing.report import CheckResult, CheckStatus, ConformanceReport
@@ -145,11 +145,7 @@ class ConformanceSuite:
         self, adapter: VendorAdapter, *, seed: int | None = None, time_limit_s: float = CHECK_TIME_LIMIT_S
     ) -> None:
         self.seed = secrets.randbits(63) if seed is None else seed
-        if (
-            isinstance(time_limit_s, bool)
-            or not isinstance(time_limit_s, (int, float))
-            or not 0 < time_limit_s < math.inf
-        ):
+        if not is_finite_number(time_limit_s) or time_limit_s <= 0:
             raise InvalidArgumentError(
                 f"conformance: time_limit_s must be a finite number > 0, got {time_limit_s!r}"
             )
