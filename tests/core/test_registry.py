@@ -87,7 +87,7 @@ def test_failing_candidate_falls_back_logged_counted_traced(hal, capsys):
     x, w = torch.randn(5, 8), torch.randn(8)
     out = hal.kernels.call("rms_norm", cpu, x, w)
     torch.testing.assert_close(out, rms_norm.reference(x, w))
-    assert hal.kernels.fallback_counts == {"test/broken": 1}
+    assert hal.kernels.fallback_counts == {"rms_norm:test/broken": 1}
     assert telemetry.counts()["torchhal.kernel.fallbacks,candidate=test/broken,op=rms_norm"] == 1
     spans = [
         s for s in telemetry.memory_exporter().get_finished_spans() if s.name == "torchhal.kernel.fallback"
@@ -99,6 +99,22 @@ def test_failing_candidate_falls_back_logged_counted_traced(hal, capsys):
     assert len(calls) == 1
     sel = hal.kernels.select("rms_norm", cpu, x, w)
     assert any(r.reason is RejectionReason.FAILED and r.candidate == "test/broken" for r in sel.rejected)
+
+
+def test_fallbacks_are_counted_per_op(hal):
+    """One candidate name (a provider's `triton`, say) serves several ops: its counts name the op."""
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel launch failed")
+
+    for op in ("rms_norm", "layer_norm"):
+        hal.kernels.register(op, "broken", broken, provider="test", priority=100)
+    cpu = hal.device("cpu")
+    x, w, b = torch.randn(5, 8), torch.randn(8), torch.randn(8)
+    hal.kernels.call("rms_norm", cpu, x, w)
+    hal.kernels.call("layer_norm", cpu, x, w, b)
+    hal.kernels.call("layer_norm", cpu, torch.randn(3, 16), torch.randn(16), torch.randn(16))
+    assert hal.kernels.fallback_counts == {"rms_norm:test/broken": 1, "layer_norm:test/broken": 2}
 
 
 def test_every_candidate_failing_raises_with_all_reasons(hal):
@@ -399,7 +415,7 @@ def test_keyword_calls_are_validated_every_time_and_fall_back(hal):
     torch.testing.assert_close(
         hal.kernels.call("rms_norm", cpu, x, w, eps=1e-5), rms_norm.reference(x, w, 1e-5)
     )
-    assert hal.kernels.fallback_counts == {"test/broken": 1}
+    assert hal.kernels.fallback_counts == {"rms_norm:test/broken": 1}
     assert hal.kernels._seen["rms_norm"].entries == {}  # keyword calls leave the memo alone
     with pytest.raises(InvalidArgumentError):
         hal.kernels.call("rms_norm", cpu, torch.randn(5, 7), w, eps=1e-5)
@@ -701,7 +717,7 @@ def test_dispatch_seen_falls_back_from_a_raising_kernel(hal):
     torch.testing.assert_close(
         hal.kernels.dispatch_seen("rms_norm", None, (x, w, 1e-6)), rms_norm.reference(x, w)
     )
-    assert hal.kernels.fallback_counts == {"test/flaky": 1}
+    assert hal.kernels.fallback_counts == {"rms_norm:test/flaky": 1}
 
 
 def test_a_layout_seen_without_gradients_still_differentiates_once_an_input_requires_grad(hal):
@@ -909,7 +925,7 @@ def test_a_broken_predicate_or_bind_turns_its_own_candidate_down(hal, capsys):
         "its bind raised ZeroDivisionError: division by zero",
     )
     assert reasons["t/no"] == (RejectionReason.SHAPE, "too narrow")
-    assert {hal.kernels.fallback_counts[n] for n in ("t/yes", "t/raises", "t/bind")} == {1}
+    assert {hal.kernels.fallback_counts[f"rms_norm:{n}"] for n in ("t/yes", "t/raises", "t/bind")} == {1}
     logged = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
     assert sorted(x["part"] for x in logged if x["event"] == "kernel candidate broken") == [
         "its bind", "its predicate", "its predicate",

@@ -142,6 +142,8 @@ class KernelRegistry:
     # per memoised op: the argument layouts already validated, and the selection each leads to
     _seen: dict[str, _ArgumentMemo] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # "op:provider/name" -> how often that candidate failed for that op (the same candidate name,
+    # e.g. torchhal/triton, serves several ops)
     fallback_counts: dict[str, int] = field(default_factory=dict)
 
     def define_op(
@@ -405,7 +407,8 @@ class KernelRegistry:
         return Rejection(name, RejectionReason.FAILED, f"{part} raised {type(exc).__name__}: {exc}")
 
     def _count_fallback(self, op: str, candidate: str) -> None:
-        self.fallback_counts[candidate] = self.fallback_counts.get(candidate, 0) + 1
+        key = f"{op}:{candidate}"
+        self.fallback_counts[key] = self.fallback_counts.get(key, 0) + 1
         telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=candidate)
 
     def _store(self, selection: Selection, candidates: list[Candidate]) -> None:
