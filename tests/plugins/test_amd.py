@@ -151,7 +151,7 @@ def test_reported_warp_size_wins_over_the_family_default():
     ("arch", "wave", "bf16", "fp8", "tf32", "matrix"),
     [
         ("gfx906", 64, False, set(), False, False),
-        ("gfx908", 64, False, set(), False, True),
+        ("gfx908", 64, True, set(), False, True),  # MI100: bf16 MFMA (92.3 TFLOP/s)
         ("gfx90a:sramecc+:xnack-", 64, True, set(), False, True),
         ("gfx942:sramecc+:xnack-", 64, True, FNUZ, True, True),
         ("gfx950", 64, True, OCP_FP8, False, True),

@@ -7,6 +7,7 @@ Declared facts come from the vendor runtime or a datasheet; measured facts come 
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -222,6 +223,22 @@ class HealthReport(_Frozen):
     ecc_errors: int | None = None
     utilization_pct: float | None = None
     messages: tuple[str, ...] = ()
+
+    @classmethod
+    def judged(
+        cls,
+        problems: Sequence[str],
+        passed: Sequence[str],
+        unread: Sequence[str],
+        source: str,
+        **readings: Any,
+    ) -> HealthReport:
+        """A report from an adapter's checks: DEGRADED on any problem, OK only when some check
+        passed, UNKNOWN when none could be made, so a reading that never came is never taken as
+        a good one; the messages name what `source` did not report."""
+        status = HealthStatus.DEGRADED if problems else (HealthStatus.OK if passed else HealthStatus.UNKNOWN)
+        missing = (f"{source} did not report: {', '.join(unread)}",) if unread else ()
+        return cls(status=status, messages=(*(problems or passed), *missing), **readings)
 
 
 FAST_LINKS = frozenset({LinkType.NVLINK, LinkType.XGMI, LinkType.XE_LINK})

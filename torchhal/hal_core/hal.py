@@ -367,7 +367,8 @@ def _json_number(value: float) -> float | str:
 
 
 def _rank_key(dev: Device) -> tuple[tuple[Any, ...], tuple[str, ...]]:
-    """Real before simulated, then adapter priority, declared peak, memory, id."""
+    """Real before simulated, then adapter priority, declared peak, memory, then device type and
+    index (numeric: `cuda:2` before `cuda:10`), then id."""
     caps = dev.capabilities
     peak, basis = 0.0, "no declared peak"
     if caps.declared_peaks is not None:
@@ -382,4 +383,13 @@ def _rank_key(dev: Device) -> tuple[tuple[Any, ...], tuple[str, ...]]:
         basis,
         f"memory {caps.memory_bytes / 2**30:.1f} GiB",
     )
-    return (caps.simulated, -dev.adapter.priority, -peak, -caps.memory_bytes, dev.id), reasons
+    key = (
+        caps.simulated,
+        -dev.adapter.priority,
+        -peak,
+        -caps.memory_bytes,
+        caps.device_type,
+        caps.index,
+        dev.id,
+    )
+    return key, reasons

@@ -36,6 +36,7 @@ log = telemetry.get_logger("torchhal.amd")
 
 _GFX = re.compile(r"gfx(\d{1,2})([0-9a-f])([0-9a-f])$")
 HOST_HOPS = 3  # amdsmi hop count 3: the path crosses both CPU sockets
+_SPEED = (LinkType.HOST, LinkType.PCIE, LinkType.XGMI)  # slowest first
 MILLI = 1000  # amdsmi temperatures at or above this are millidegrees (no GPU runs at 1000 C)
 
 
@@ -61,7 +62,7 @@ class GfxTarget:
 
     def dtypes(self) -> frozenset[DType]:
         dtypes = {DType.FP64, DType.FP32, DType.FP16, DType.INT8}
-        if self.name == "gfx90a" or (self.major == 9 and self.minor >= 4) or self.major >= 11:
+        if self.matrix_cores:  # bf16 MFMA from CDNA1 (gfx908's v_mfma_f32_*bf16), WMMA from RDNA3
             dtypes.add(DType.BF16)
         if self.major == 9 and self.minor == 4:  # CDNA3: xf32 matrix ops, fp8 in the fnuz encoding
             dtypes |= {DType.TF32, DType.FP8_E4M3_FNUZ, DType.FP8_E5M2_FNUZ}
@@ -172,36 +173,63 @@ class AmdAdapter(VendorAdapter):
         static = self.runtime_probe.amdsmi_device(index) or {}
         temperature = _celsius(readings["temperature_hotspot"])
         critical = _celsius(static.get("temperature_hotspot_critical"))
-        problems = []
         ecc = readings["ecc_uncorrectable"]
+        named = (
+            ("hotspot temperature", temperature),
+            ("critical temperature", critical),
+            ("uncorrectable ECC count", ecc),
+        )
+        unread = [name for name, value in named if value is None]
+        problems, passed = [], []
+        if temperature is not None and critical is not None:
+            if temperature >= critical:
+                problems.append(
+                    f"hotspot temperature {temperature:g} C is at or above the critical {critical:g} C"
+                )
+            else:
+                passed.append(f"hotspot temperature {temperature:g} C, below the critical {critical:g} C")
         if ecc:
             problems.append(f"{ecc} uncorrectable ECC error(s)")
-        if temperature is not None and critical is not None and temperature >= critical:
-            problems.append(
-                f"hotspot temperature {temperature:g} C is at or above the critical {critical:g} C"
-            )
-        return HealthReport(
-            status=HealthStatus.DEGRADED if problems else HealthStatus.OK,
+        elif ecc is not None:
+            passed.append("no uncorrectable ECC errors")
+        return HealthReport.judged(
+            problems,
+            passed,
+            unread,
+            "amdsmi",
             temperature_c=temperature,
             ecc_errors=ecc,
             utilization_pct=readings["gfx_activity_pct"],
-            messages=tuple(problems) or ("no uncorrectable ECC errors; hotspot below critical",),
         )
 
     def topology(self) -> Topology:
         count = self.runtime_probe.device_count()
         devices = tuple(self._id(i) for i in range(count))
-        facts = [self.runtime_probe.amdsmi_links(i) for i in range(count)]
-        if any(f is None for f in facts):
-            log.warning("no links: amdsmi is unavailable", reason=self.runtime_probe.amdsmi()["reason"])
+        smi = self.runtime_probe.amdsmi()
+        if not smi["available"]:
+            log.warning("no links: amdsmi is unavailable", reason=smi["reason"])
             telemetry.count("torchhal.topology.fallbacks", adapter=self.name, source="none")
             return Topology(devices=devices)
-        links = []
+        # A device amdsmi has no handle for has no facts (None), and its peers none towards it:
+        # only the pairs it is in go unlinked.
+        facts = [self.runtime_probe.amdsmi_links(i) or {} for i in range(count)]
+        links, unread = [], []
         for a in range(count):
             for b in range(a + 1, count):
-                link = self._link(a, b, facts[a][str(b)], facts[b][str(a)])
+                there, back = facts[a].get(str(b)), facts[b].get(str(a))
+                if there is None or back is None:
+                    unread.append(f"{self._id(a)}-{self._id(b)}")
+                    continue
+                link = self._link(a, b, there, back)
                 if link is not None:
                     links.append(link)
+        if unread:
+            log.warning(
+                "amdsmi has no link facts for these pairs (no amdsmi device at the PCI address torch "
+                "reports), left unlinked",
+                pairs=unread,
+            )
+            telemetry.count("torchhal.topology.unread_pairs", len(unread), adapter=self.name)
         return Topology(devices=devices, links=tuple(links))
 
     def _link(self, a: int, b: int, there: dict[str, Any], back: dict[str, Any]) -> Link | None:
@@ -210,7 +238,7 @@ class AmdAdapter(VendorAdapter):
             log.warning(
                 "amdsmi link types differ by direction, keeping the slower", a=a, b=b, types=(kind, reverse)
             )
-            kind = LinkType.PCIE if LinkType.PCIE in (kind, reverse) else kind or reverse
+            kind = min((k for k in (kind, reverse) if k is not None), key=_SPEED.index, default=None)
         if kind is None:
             log.warning("amdsmi link type not understood, pair left unlinked", a=a, b=b, facts=there)
             telemetry.count(

@@ -146,19 +146,34 @@ class NvidiaAdapter(VendorAdapter):
             reason = "NVML knows no device of this UUID" if nvml["available"] else nvml["reason"]
             return HealthReport(status=HealthStatus.UNKNOWN, messages=(f"no health readings: {reason}",))
         static = self.runtime_probe.nvml_device(index) or {}
-        problems = []
+        temperature, slowdown = readings["temperature_c"], static.get("slowdown_temperature_c")
         ecc = readings["ecc_uncorrected_volatile"]
+        named = (
+            ("temperature", temperature),
+            ("slowdown threshold", slowdown),
+            ("uncorrected ECC count", ecc),
+        )
+        unread = [name for name, value in named if value is None]
+        problems, passed = [], []
+        if temperature is not None and slowdown is not None:
+            if temperature >= slowdown:
+                problems.append(
+                    f"temperature {temperature} C is at or above the slowdown threshold {slowdown} C"
+                )
+            else:
+                passed.append(f"temperature {temperature} C, below the slowdown threshold {slowdown} C")
         if ecc:
             problems.append(f"{ecc} uncorrected ECC error(s) since the driver loaded")
-        temperature, slowdown = readings["temperature_c"], static.get("slowdown_temperature_c")
-        if temperature is not None and slowdown is not None and temperature >= slowdown:
-            problems.append(f"temperature {temperature} C is at or above the slowdown threshold {slowdown} C")
-        return HealthReport(
-            status=HealthStatus.DEGRADED if problems else HealthStatus.OK,
+        elif ecc is not None:
+            passed.append("no uncorrected ECC errors")
+        return HealthReport.judged(
+            problems,
+            passed,
+            unread,
+            "NVML",
             temperature_c=temperature,
             ecc_errors=ecc,
             utilization_pct=readings["utilization_gpu_pct"],
-            messages=tuple(problems) or (f"slowdown threshold {slowdown} C; no uncorrected ECC errors",),
         )
 
     def topology(self) -> Topology:
@@ -168,7 +183,13 @@ class NvidiaAdapter(VendorAdapter):
         nvml = [self.runtime_probe.nvml_device(i) for i in range(count)]
         if all(facts is not None for facts in nvml):
             return Topology(devices=devices, links=tuple(topology.links_from_nvml(nvml, self._id, per_link)))
-        reason = self.runtime_probe.nvml()["reason"]
+        nvml_status = self.runtime_probe.nvml()
+        unknown = [self._id(i) for i, facts in enumerate(nvml) if facts is None]
+        reason = (
+            f"NVML knows no device of the UUID of {unknown}"
+            if nvml_status["available"]
+            else nvml_status["reason"]
+        )
         log.warning("topology from nvidia-smi instead of NVML", reason=reason)
         telemetry.count("torchhal.topology.fallbacks", adapter=self.name, source="nvidia-smi")
         return Topology(devices=devices, links=tuple(self._smi_links(count, per_link)))
@@ -185,7 +206,23 @@ class NvidiaAdapter(VendorAdapter):
             for k, v in smi["bus_ids"].items()
             if topology.bus_id(v) in by_bus
         }
-        return topology.links_from_smi(topology.parse_topo_matrix(smi["topo"]), to_torch, self._id, per_link)
+        cells = topology.parse_topo_matrix(smi["topo"])
+        smi_index = {torch_index: k for k, torch_index in to_torch.items()}
+        unread = [
+            f"{self._id(a)}-{self._id(b)}"
+            for a in range(count)
+            for b in range(a + 1, count)
+            if (smi_index.get(a), smi_index.get(b)) not in cells
+        ]
+        if unread:  # no matrix in the output, or GPUs torch reports no PCI bus id for
+            log.warning(
+                "nvidia-smi topo -m says nothing about these pairs, left unlinked",
+                pairs=unread,
+                matrix_found=bool(cells),
+                matched_by_bus_id=[self._id(i) for i in sorted(smi_index)],
+            )
+            telemetry.count("torchhal.topology.unread_pairs", len(unread), adapter=self.name)
+        return topology.links_from_smi(cells, to_torch, self._id, per_link)
 
     def _nvlink_per_link_gbps(self, count: int) -> float | None:
         """Declared per-link bandwidth when every device is one SKU with a sourced NVLink figure."""
