@@ -131,3 +131,48 @@ class VendorAdapter(abc.ABC):
     def supports_api(self, version: int = HAL_API_VERSION) -> bool:
         low, high = self.api_versions
         return low <= version <= high
+
+
+def attribute_problems(adapter: object) -> list[tuple[str, str]]:
+    """What is wrong with an adapter's class attributes, as (attribute, problem) pairs; empty when
+    nothing is. One set of rules for the plugin loader, which refuses such an adapter, and the
+    conformance kit, which fails it: a str priority crashed the sort of every adapter, NaN made the
+    order arbitrary, a bool or float API range passed as ints."""
+    if not isinstance(adapter, VendorAdapter):
+        return [("adapter", f"{adapter!r} is not a VendorAdapter")]
+    problems = []
+    name = getattr(adapter, "name", None)
+    if not isinstance(name, str) or not name or any(ch.isspace() or ch == "," for ch in name):
+        rule = "name must be a non-empty string without spaces or commas (a TORCHHAL_PLUGINS entry)"
+        problems.append(("name", f"{rule}, got {name!r}"))
+    vendor = getattr(adapter, "vendor", None)
+    if not isinstance(vendor, str) or not vendor.strip():
+        problems.append(("vendor", f"vendor must be a non-empty string, got {vendor!r}"))
+    priority = getattr(adapter, "priority", None)
+    if not _is_int(priority):
+        problems.append(("priority", f"priority must be an int, got {priority!r}"))
+    versions = getattr(adapter, "api_versions", None)
+    if not (
+        isinstance(versions, tuple)
+        and len(versions) == 2
+        and all(_is_int(v) for v in versions)
+        and versions[0] <= versions[1]
+    ):
+        rule = "api_versions must be an inclusive (low, high) tuple of ints"
+        problems.append(("api_versions", f"{rule}, got {versions!r}"))
+    elif not versions[0] <= HAL_API_VERSION <= versions[1]:
+        problems.append(
+            (
+                "api_versions",
+                f"api_versions {versions} does not cover this torchhal's HAL API version {HAL_API_VERSION}",
+            )
+        )
+    namespace = getattr(adapter, "namespace", None)
+    if namespace is not None and (not isinstance(namespace, str) or not namespace or ":" in namespace):
+        rule = "namespace must be None or a non-empty string without ':'"
+        problems.append(("namespace", f"{rule}, got {namespace!r}"))
+    return problems
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

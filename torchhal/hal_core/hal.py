@@ -123,7 +123,9 @@ class HardwareAbstractionLayer:
         return state
 
     def _discover(self) -> _Discovered:
-        with telemetry.span("torchhal.discovery") as span:
+        # all or nothing: after a strict-mode PluginError, the next call discovers again from an
+        # empty registry (the kept ops made it blame the core plugin: "already defined")
+        with telemetry.span("torchhal.discovery") as span, self._kernels.all_or_nothing():
             loader = PluginLoader(self.settings)
             loader.load_entry_points()
             for plugin in self._extra_plugins:

@@ -24,7 +24,8 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 
 @hookspec
 def torchhal_adapters() -> Sequence[VendorAdapter]:  # type: ignore[empty-body]
-    """Return this plugin's adapter instances. Construct them cheaply: no device work here."""
+    """Return this plugin's adapter instances, a list or tuple (anything else, None included, refuses
+    the plugin). Construct them cheaply: no device work here."""
 
 
 @hookspec

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import pluggy
+from opentelemetry import trace
 
 from torchhal.hal_core import hookspecs, telemetry
-from torchhal.hal_core.adapter import HAL_API_VERSION, VendorAdapter
+from torchhal.hal_core.adapter import VendorAdapter, attribute_problems
 from torchhal.hal_core.capabilities import DeviceCapabilities
 from torchhal.hal_core.errors import PluginError
 from torchhal.hal_core.kernels import KernelRegistry
@@ -72,8 +73,24 @@ class PluginLoader:
         self._core: set[str] = set()  # plugins of the torchhal distribution itself
         self._distributions: dict[str, str | None] = {}  # plugin name -> its distribution
 
-    def record(self, diag: Diagnostic) -> None:
+    def record(self, diag: Diagnostic, span: trace.Span | None = None) -> None:
+        """Keep `diag`, and put it on `span` (the plugin's or adapter's own, an error status when it
+        failed) or, without one, a failure as an event on the current (discovery) span: a trace
+        showed every plugin and adapter as fine, a failed import included."""
         self.diagnostics.append(diag)
+        if span is not None:
+            span.set_attributes(
+                {
+                    "torchhal.status": diag.status.value,
+                    "torchhal.stage": diag.stage,
+                    "torchhal.reason": diag.reason,
+                }
+            )
+            if diag.status is Status.FAILED:
+                span.set_status(trace.StatusCode.ERROR, f"{diag.stage}: {diag.reason}")
+        elif diag.status is Status.FAILED:
+            attributes = {"plugin": diag.name, "stage": diag.stage, "reason": diag.reason}
+            trace.get_current_span().add_event("torchhal.plugin.failed", attributes)
         if diag.status is Status.FAILED:
             telemetry.count("torchhal.plugin.failures", plugin=diag.name, stage=diag.stage)
             log.warning("plugin skipped", plugin=diag.name, stage=diag.stage, reason=diag.reason)
@@ -83,10 +100,18 @@ class PluginLoader:
             log.debug("plugin", plugin=diag.name, status=diag.status.value, reason=diag.reason)
 
     def load_entry_points(self) -> None:
-        eps = sorted(importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP), key=lambda e: e.name)
+        """Load each allowed entry point by name. Of entry points that share a name (two
+        distributions), the core's or else the first by distribution name loads, the same on
+        every host; the others are refused unimported (one was imported, then refused by pluggy
+        with which one won depending on sys.path order)."""
+        eps = sorted(
+            importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
+            key=lambda e: (e.name, _dist(e) != CORE_DISTRIBUTION, _dist(e) or ""),
+        )
         self._check_allowlist({ep.name for ep in eps})
+        loading: dict[str, str | None] = {}  # entry-point name -> distribution of the one loaded
         for ep in eps:
-            dist = ep.dist.name if ep.dist is not None else None
+            dist = _dist(ep)
             if dist != CORE_DISTRIBUTION:
                 if self.settings.disable_plugin_autoload:
                     self.record(
@@ -111,15 +136,24 @@ class PluginLoader:
                         )
                     )
                     continue
-            with telemetry.span("torchhal.plugin.load", plugin=ep.name, distribution=dist):
+            if ep.name in loading:
+                reason = (
+                    f"not imported: distribution {loading[ep.name]} has a plugin of this name, "
+                    "loaded instead; plugin names must be unique"
+                )
+                self.record(Diagnostic(ep.name, Status.FAILED, "import", reason, dist))
+                continue
+            loading[ep.name] = dist
+            with telemetry.span("torchhal.plugin.load", plugin=ep.name, distribution=dist) as span:
                 try:
                     module = ep.load()
                 except Exception as exc:
                     self.record(
-                        Diagnostic(ep.name, Status.FAILED, "import", f"{type(exc).__name__}: {exc}", dist)
+                        Diagnostic(ep.name, Status.FAILED, "import", f"{type(exc).__name__}: {exc}", dist),
+                        span,
                     )
                     continue
-                self.register(module, ep.name, dist)
+                self.register(module, ep.name, dist, span)
 
     def _check_allowlist(self, installed: set[str]) -> None:
         """A name in TORCHHAL_PLUGINS that no installed plugin has (a typo, 'SimASIC') would leave
@@ -132,18 +166,29 @@ class PluginLoader:
                 reason = f"TORCHHAL_PLUGINS names {name!r}; installed plugins: {', '.join(sorted(installed))}"
                 self.record(Diagnostic(name, Status.FAILED, "allowlist", reason))
 
-    def register(self, plugin: object, name: str, distribution: str | None = None) -> None:
-        """Register a plugin object (module or instance) that implements torchhal hooks."""
+    def register(
+        self, plugin: object, name: str, distribution: str | None = None, span: trace.Span | None = None
+    ) -> None:
+        """Register a plugin object (module or instance) that implements torchhal hooks; `span`: its
+        loading span, which a refusal marks."""
         try:
             self.manager.register(plugin, name=name)
         except Exception as exc:  # pluggy rejects malformed hook implementations
             self.record(
-                Diagnostic(name, Status.FAILED, "hooks", f"{type(exc).__name__}: {exc}", distribution)
+                Diagnostic(name, Status.FAILED, "hooks", f"{type(exc).__name__}: {exc}", distribution), span
             )
             return
-        if not self.manager.get_hookcallers(plugin):
+        callers = self.manager.get_hookcallers(plugin) or []
+        unknown = sorted(c.name for c in callers if c.spec is None)
+        if not callers or unknown:
             self.manager.unregister(plugin)
-            self.record(Diagnostic(name, Status.FAILED, "hooks", "implements no torchhal hook", distribution))
+            reason = "implements no torchhal hook"
+            if unknown:  # a misspelt hook would never run: its kernels or adapters silently missing
+                known = ", ".join(sorted(n for n in vars(hookspecs) if n.startswith(f"{hookspecs.PROJECT}_")))
+                reason = (
+                    f"implements {', '.join(unknown)}, which torchhal does not define (its hooks: {known})"
+                )
+            self.record(Diagnostic(name, Status.FAILED, "hooks", reason, distribution), span)
             return
         self._distributions[name] = distribution
         if distribution == CORE_DISTRIBUTION:
@@ -161,6 +206,7 @@ class PluginLoader:
         Adapters come first so that a plugin refused for them (an API version this core lacks)
         never runs its kernel hook. Returns `builtin` and the adapters of the plugins that loaded
         whole, by priority then name (never pluggy's registration order)."""
+        builtin = self._checked_builtin(builtin)
         offered = self._offered_adapters(builtin)
         impls = self.manager.hook.torchhal_register_kernels.get_hookimpls()
         # core ops first: they define what the other plugins' candidates attach to
@@ -173,6 +219,24 @@ class PluginLoader:
         kept = [a for plugin, found in offered.items() if self.manager.has_plugin(plugin) for a in found]
         return sorted([*builtin, *kept], key=lambda a: (-a.priority, a.name))
 
+    def _checked_builtin(self, builtin: Sequence[VendorAdapter]) -> list[VendorAdapter]:
+        """The adapters handed to the HAL directly, each held to the rules a plugin's adapter is:
+        one with a malformed attribute crashed discovery (a str priority in the sort) and one of
+        an unsupported API version or a name already taken loaded unchecked."""
+        kept: list[VendorAdapter] = []
+        taken: set[str] = set()
+        for adapter in builtin:
+            try:
+                problem = _adapter_problem(adapter, taken)
+            except Exception as exc:  # an attribute that raises when read
+                problem = "adapters", _describe(exc)
+            if problem is not None:
+                self.record(Diagnostic(_label(adapter, type(adapter).__name__), Status.FAILED, *problem))
+                continue
+            kept.append(adapter)
+            taken.add(adapter.name)
+        return kept
+
     def _offered_adapters(self, builtin: Sequence[VendorAdapter]) -> dict[str, list[VendorAdapter]]:
         """Each plugin's adapters, all or none: a plugin whose hook raises or that offers one
         adapter it may not is refused whole."""
@@ -183,7 +247,16 @@ class PluginLoader:
             plugin = impl.plugin_name
             try:
                 result: Any = impl.function()
-                adapters = list(result or ())
+                if not isinstance(result, Sequence) or isinstance(result, (str, bytes)):
+                    # a str or dict was iterated ("returned 'a'"), None taken for no adapters
+                    self._refuse(
+                        plugin,
+                        plugin,
+                        "adapters",
+                        f"torchhal_adapters returned {result!r}, not a list or tuple of VendorAdapter",
+                    )
+                    continue
+                adapters = list(result)
                 refusal = _refusal(plugin, adapters, taken)  # reads attributes an adapter may lack
             except Exception as exc:
                 self._refuse(plugin, plugin, "torchhal_adapters", _describe(exc))
@@ -212,39 +285,42 @@ class PluginLoader:
                     probe = adapter.probe()
                 except Exception as exc:
                     self.record(
-                        Diagnostic(adapter.name, Status.FAILED, "probe", f"{type(exc).__name__}: {exc}")
+                        Diagnostic(adapter.name, Status.FAILED, "probe", f"{type(exc).__name__}: {exc}"), span
                     )
                     continue
                 if not probe.available:
-                    self.record(Diagnostic(adapter.name, Status.ABSENT, "probe", probe.reason))
+                    self.record(Diagnostic(adapter.name, Status.ABSENT, "probe", probe.reason), span)
                     continue
                 try:
                     devices = tuple(adapter.discover())
                 except Exception as exc:
                     self.record(
-                        Diagnostic(adapter.name, Status.FAILED, "discover", f"{type(exc).__name__}: {exc}")
+                        Diagnostic(adapter.name, Status.FAILED, "discover", f"{type(exc).__name__}: {exc}"),
+                        span,
                     )
                     continue
                 span.set_attribute("torchhal.devices", len(devices))
                 wrong = _wrong_records(adapter, devices, taken_ids)
                 if wrong is not None:
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "discover", wrong))
+                    self.record(Diagnostic(adapter.name, Status.FAILED, "discover", wrong), span)
                     continue
                 if not devices:
                     self.record(
-                        Diagnostic(adapter.name, Status.ABSENT, "discover", f"{probe.reason}; no devices")
+                        Diagnostic(adapter.name, Status.ABSENT, "discover", f"{probe.reason}; no devices"),
+                        span,
                     )
                     continue
                 try:
                     with registry.all_or_nothing():
                         adapter.register_kernels(registry)
                 except Exception as exc:
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "kernels", _describe(exc)))
+                    self.record(Diagnostic(adapter.name, Status.FAILED, "kernels", _describe(exc)), span)
                     continue
                 self.record(
                     Diagnostic(
                         adapter.name, Status.LOADED, "discover", f"{len(devices)} device(s); {probe.reason}"
-                    )
+                    ),
+                    span,
                 )
                 active.append(ActiveAdapter(adapter, devices))
                 taken_ids.update(adapter.device_id(c.index, c.device_type) for c in devices)
@@ -271,8 +347,30 @@ def _wrong_records(adapter: VendorAdapter, devices: Sequence[object], taken_ids:
     return None
 
 
+def _dist(ep: importlib.metadata.EntryPoint) -> str | None:
+    return ep.dist.name if ep.dist is not None else None
+
+
 def _describe(exc: Exception) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+def _label(adapter: object, fallback: str) -> str:
+    """The name to report an adapter under: its own where it is an adapter with a usable one."""
+    name = getattr(adapter, "name", None) if isinstance(adapter, VendorAdapter) else None
+    return name if isinstance(name, str) and name else fallback
+
+
+def _adapter_problem(adapter: object, taken: set[str]) -> tuple[str, str] | None:
+    """Why `adapter` cannot load, as (stage, reason); None if it can."""
+    problems = attribute_problems(adapter)
+    if problems:
+        stage = "api-version" if any(attr == "api_versions" for attr, _ in problems) else "adapters"
+        return stage, "; ".join(problem for _, problem in problems)
+    assert isinstance(adapter, VendorAdapter)
+    if adapter.name in taken:
+        return "adapters", "an adapter of this name is already loaded"
+    return None
 
 
 def _refusal(plugin: str, adapters: Sequence[object], taken: set[str]) -> tuple[str, str, str] | None:
@@ -280,16 +378,9 @@ def _refusal(plugin: str, adapters: Sequence[object], taken: set[str]) -> tuple[
     whole = f"; plugin {plugin!r} is skipped whole, its kernels included"
     names = set(taken)
     for adapter in adapters:
-        if not isinstance(adapter, VendorAdapter):
-            return plugin, "adapters", f"returned {adapter!r}, not a VendorAdapter{whole}"
-        if not adapter.supports_api(HAL_API_VERSION):
-            low, high = adapter.api_versions
-            return (
-                adapter.name,
-                "api-version",
-                f"supports HAL API {low}..{high}, this torchhal is {HAL_API_VERSION}{whole}",
-            )
-        if adapter.name in names:
-            return adapter.name, "adapters", f"an adapter of this name is already loaded{whole}"
-        names.add(adapter.name)
+        problem = _adapter_problem(adapter, names)
+        if problem is not None:
+            stage, reason = problem
+            return _label(adapter, plugin), stage, reason + whole
+        names.add(_label(adapter, plugin))
     return None

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections import Counter
 from collections.abc import MutableMapping
 from contextlib import AbstractContextManager
@@ -42,6 +43,7 @@ class _State:
         self.meter: metrics.Meter | None = None
         self.span_exporter: InMemorySpanExporter | None = None
         self.metric_reader: InMemoryMetricReader | None = None
+        self.providers: tuple[Any, ...] = ()  # torchhal's own tracer and meter providers
         self.instruments: dict[str, metrics.Counter] = {}
         self.counts: Counter[str] = Counter()
         self.log_level = _LEVELS["warning"]
@@ -91,8 +93,11 @@ def _configure(
             return
         built = None if exporter is None else _build_exporter(exporter)  # raises before any change
         if built is not None:
-            _state.tracer, _state.meter, _state.span_exporter, _state.metric_reader = built
+            replaced = _state.providers
+            _state.tracer, _state.meter, _state.span_exporter, _state.metric_reader, _state.providers = built
             _state.instruments.clear()
+            for provider in replaced:  # flush what they hold, stop their export threads
+                provider.shutdown()
         if log_format is not None:
             _state.log_format = log_format
         if log_level is not None:
@@ -129,14 +134,21 @@ class _Built(NamedTuple):
     meter: metrics.Meter | None
     span_exporter: InMemorySpanExporter | None = None
     metric_reader: InMemoryMetricReader | None = None
+    providers: tuple[Any, ...] = ()
 
 
 def _build_exporter(exporter: str) -> _Built:
     """The tracer and meter for `exporter`, built without touching `_state` so a failure here
-    (the otlp extra missing) leaves the current setup in place."""
+    (the otlp extra missing) leaves the current setup in place. Metrics go where the spans go:
+    with "console" and "otlp" they went nowhere (a meter without a reader)."""
     if exporter == "none":
         return _Built(None, None)
     from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import (
+        ConsoleMetricExporter,
+        MetricReader,
+        PeriodicExportingMetricReader,
+    )
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import (
@@ -148,25 +160,30 @@ def _build_exporter(exporter: str) -> _Built:
     resource = Resource.create({"service.name": "torchhal"})
     provider = TracerProvider(resource=resource)
     span_exporter = metric_reader = None
+    reader: MetricReader
     if exporter == "memory":
         from opentelemetry.sdk.metrics.export import InMemoryMetricReader
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
         span_exporter, metric_reader = InMemorySpanExporter(), InMemoryMetricReader()
         provider.add_span_processor(SimpleSpanProcessor(span_exporter))
+        reader = metric_reader
     elif exporter == "console":
         provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr)))
+        reader = PeriodicExportingMetricReader(ConsoleMetricExporter(out=sys.stderr))
     else:
         try:
+            from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         except ImportError as exc:
             raise ConfigurationError(
                 "telemetry exporter 'otlp' needs the optional extra: pip install 'torchhal[otlp]'"
             ) from exc
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
-    readers = [] if metric_reader is None else [metric_reader]
-    meter = MeterProvider(resource=resource, metric_readers=readers).get_meter(_TRACER_NAME)
-    return _Built(provider.get_tracer(_TRACER_NAME), meter, span_exporter, metric_reader)
+        reader = PeriodicExportingMetricReader(OTLPMetricExporter())
+    meters = MeterProvider(resource=resource, metric_readers=[reader])
+    tracer, meter = provider.get_tracer(_TRACER_NAME), meters.get_meter(_TRACER_NAME)
+    return _Built(tracer, meter, span_exporter, metric_reader, (provider, meters))
 
 
 def _apply_environment() -> None:
@@ -261,17 +278,21 @@ def _otel_ids(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMappin
 class _Logger:
     """A structlog logger made on the first line that passes the level check."""
 
-    _all: ClassVar[list[_Logger]] = []
+    # weak: get_logger called per request kept every logger it ever made alive
+    _all: ClassVar[weakref.WeakSet[_Logger]] = weakref.WeakSet()
+    _all_lock: ClassVar[threading.Lock] = threading.Lock()  # a set may not grow while iterated
 
     def __init__(self, name: str) -> None:
         self.name = name
         self._logger: Any = None
-        _Logger._all.append(self)
+        with _Logger._all_lock:
+            _Logger._all.add(self)
 
     @classmethod
     def reset_all(cls) -> None:
-        for logger in cls._all:
-            logger._logger = None
+        with cls._all_lock:
+            for logger in cls._all:
+                logger._logger = None
 
     def _emit(self, level: str, event: str, kw: dict[str, Any]) -> None:
         _apply_environment()

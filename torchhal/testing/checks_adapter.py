@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 from torchhal.hal_core import HAL_API_VERSION, SCHEMA_VERSION, Device, DeviceCapabilities, ProbeResult
+from torchhal.hal_core.adapter import attribute_problems
 from torchhal.testing.context import AdapterUnderTest, CheckFailed, describe
 
 PROBE_BUDGET_S = 1.0  # probe() must be cheap: the HAL probes every installed adapter on first use
@@ -16,39 +17,12 @@ MAX_COMPUTE_UNITS = 2**24  # SMs, CUs, cores; even wafer-scale parts stay below 
 
 def check_attributes(ctx: AdapterUnderTest) -> str:
     adapter = ctx.adapter
-    problems = []
-    name = getattr(adapter, "name", None)
-    if not isinstance(name, str) or not name or any(ch.isspace() or ch == "," for ch in name):
-        problems.append(
-            "name must be a non-empty string without spaces or commas (a TORCHHAL_PLUGINS entry), "
-            f"got {name!r}"
-        )
-    vendor = getattr(adapter, "vendor", None)
-    if not isinstance(vendor, str) or not vendor.strip():
-        problems.append(f"vendor must be a non-empty string, got {vendor!r}")
-    priority = getattr(adapter, "priority", None)
-    if not isinstance(priority, int) or isinstance(priority, bool):
-        problems.append(f"priority must be an int, got {priority!r}")
-    versions = getattr(adapter, "api_versions", None)
-    if (
-        not isinstance(versions, tuple)
-        or len(versions) != 2
-        or not all(isinstance(v, int) and not isinstance(v, bool) for v in versions)
-        or versions[0] > versions[1]
-    ):
-        problems.append(f"api_versions must be an inclusive (low, high) tuple of ints, got {versions!r}")
-    elif not versions[0] <= HAL_API_VERSION <= versions[1]:
-        problems.append(
-            f"api_versions {versions} does not cover this torchhal's HAL API version {HAL_API_VERSION}"
-        )
-    namespace = getattr(adapter, "namespace", None)
-    if namespace is not None and (not isinstance(namespace, str) or not namespace or ":" in namespace):
-        problems.append(f"namespace must be None or a non-empty string without ':', got {namespace!r}")
+    problems = attribute_problems(adapter)
     if problems:
-        raise CheckFailed("; ".join(problems))
+        raise CheckFailed("; ".join(problem for _, problem in problems))
     return (
-        f"name {name!r}, vendor {vendor!r}, priority {priority}, api_versions {versions} "
-        f"covers HAL API {HAL_API_VERSION}"
+        f"name {adapter.name!r}, vendor {adapter.vendor!r}, priority {adapter.priority}, "
+        f"api_versions {adapter.api_versions} covers HAL API {HAL_API_VERSION}"
     )
 
 
