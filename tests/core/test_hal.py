@@ -81,6 +81,17 @@ def test_best_device_prefers_real_then_priority_then_declared_peak(hal):
     assert [r.device.id for r in choice.ranking] == ["acme:0", "acme:1", "cpu", "acme:2"]
 
 
+def test_requirements_take_torch_dtypes(hal):
+    """`dtypes={torch.bfloat16}` is what a PyTorch user writes; it was refused as no DType."""
+    import torch
+
+    req = DeviceRequirements(dtypes={torch.bfloat16, "fp32"})
+    assert req.dtypes == {DType.BF16, DType.FP32}
+    assert hal.best_device(req).id == hal.best_device(DeviceRequirements(dtypes={DType.BF16})).id
+    with pytest.raises(ValueError, match=r"torchhal does not track torch\.complex64; .*torch\.bfloat16"):
+        DeviceRequirements(dtypes=[torch.complex64])
+
+
 def test_simulated_device_chosen_only_when_it_alone_qualifies(hal):
     assert hal.best_device(DeviceRequirements(features=frozenset({Feature.SIMULATED}))).id == "acme:2"
 

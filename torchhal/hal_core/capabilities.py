@@ -7,7 +7,8 @@ Declared facts come from the vendor runtime or a datasheet; measured facts come 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -314,6 +315,25 @@ class DeviceRequirements(_Frozen):
     min_compute_units: int = Field(default=0, ge=0)
     collective_backend: str | None = None
     allow_simulated: bool = True
+
+    @field_validator("dtypes", mode="before")
+    @classmethod
+    def _torch_dtypes(cls, value: object) -> object:
+        """torch dtypes are what a PyTorch user writes first (`dtypes={torch.bfloat16}`); they
+        were refused as not being DType values. A format torchhal does not track is named."""
+        torch = sys.modules.get("torch")  # a torch.dtype exists only once torch is imported
+        if torch is None or isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            return value
+        out = []
+        for item in value:
+            if isinstance(item, torch.dtype):
+                dtype = DType.from_torch(item)
+                if dtype is None:
+                    known = ", ".join(f"torch.{name}" for name in _TORCH_NAMES.values())
+                    raise ValueError(f"torchhal does not track {item}; the torch dtypes it does: {known}")
+                item = dtype
+            out.append(item)
+        return out
 
     @field_validator("min_memory_bytes", "min_compute_units", mode="before")
     @classmethod
