@@ -118,7 +118,12 @@ def profile(
         f"{prof.copy_bandwidth_gbps:.4g}",
         f"{peer_copy:.4g}" if peer_copy else "-",
     )
-    table.add_row("launch latency µs", f"{prof.launch_latency_us:.3g}", "-")
+    peer_launch = prof.direct_launch_latency_us
+    table.add_row(
+        "launch latency µs (one-element copy)",
+        f"{prof.launch_latency_us:.3g}",
+        f"{peer_launch:.3g}" if peer_launch else "-",
+    )
     console.print(table)
     for note in prof.notes:
         console.print(f"note: {note}")

@@ -149,3 +149,18 @@ def test_concurrent_writers_never_leave_a_reader_half_a_file(tmp_path):
     assert [p.wait() for p in procs] == [0, 0]
     assert torn == 0 and json.loads(path.read_text())["writer"] in {"a", "b"}
     assert list(path.parent.iterdir()) == [path]  # no temporary file left behind
+
+
+def test_launch_latency_stands_beside_a_plain_torch_copy(settings, tmp_path, monkeypatch):
+    """Every measured figure has its plain-torch peer from the same run; launch latency had none."""
+    hal = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1", cache_dir=str(tmp_path)))
+
+    def no_matmul(*args, **kwargs):  # the matmul sweep takes seconds; this test is about the copies
+        raise RuntimeError("matmul left out of this test")
+
+    monkeypatch.setattr(profile_module, "_matmul_rates", no_matmul)
+    prof = profile_module.measure(hal, hal.device("cpu"))
+    assert prof.direct_launch_latency_us is not None
+    # both are one-element copies on the host: the same order of magnitude, not a constant
+    assert 0.1 < prof.launch_latency_us / prof.direct_launch_latency_us < 10
+    assert prof.direct_copy_bandwidth_gbps is not None and not prof.matmul_tflops

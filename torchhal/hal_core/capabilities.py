@@ -196,6 +196,7 @@ class MeasuredProfile(_Versioned):
     launch_latency_us: MeasuredFigure
     direct_matmul_tflops: dict[DType, MeasuredFigure] | None = None
     direct_copy_bandwidth_gbps: MeasuredFigure | None = None
+    direct_launch_latency_us: MeasuredFigure | None = None
     collective_bandwidth: tuple[CollectiveBandwidth, ...] = ()
     measured_at: datetime
     torch_version: str

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
 log = telemetry.get_logger("torchhal.profile")
-MATMUL_DTYPES = (DType.FP64, DType.FP32, DType.TF32, DType.BF16, DType.FP16, DType.FP8_E4M3, DType.INT8)
 
 
 def fingerprint(device: Device) -> str:
@@ -140,7 +139,6 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
     import torch
 
     small = device.capabilities.device_type == "cpu"  # host memory: keep sizes for a laptop
-    copy_bytes = (64 if small else 1024) * 2**20
     notes: list[str] = []
     if device.simulated:
         notes.append("times are simulated by the device's cost model; numerics are real")
@@ -148,29 +146,29 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
     direct: dict[DType, float] = {}
     sizes: dict[DType, int] = {}
     with telemetry.span("torchhal.profile", device=device.id):
-        for dtype in MATMUL_DTYPES:
+        for dtype in DType:  # every declared format gets a figure or a note saying why not
             if dtype not in device.capabilities.dtypes:
                 continue
             try:
-                with _tf32(dtype is DType.TF32):
-                    a, b = _sized_operands(
-                        hal, device, dtype, max_n=512 if device.simulated else 1024 if small else 8192
-                    )
-                    n = sizes[dtype] = a.shape[0]
-                    matmul[dtype] = _tflops(device, n, partial(hal.kernels.call, "matmul", device, a, b))
-                    if not device.simulated:
-                        direct[dtype] = _tflops(device, n, partial(torch.matmul, a, b))
+                max_n = 512 if device.simulated else 1024 if small else 8192
+                sizes[dtype], matmul[dtype], peer = _matmul_rates(hal, device, dtype, max_n)
+                if peer is not None:
+                    direct[dtype] = peer
             except Exception as exc:  # a declared dtype without a matmul path is reported, not hidden
                 notes.append(f"matmul {dtype.value} not measured: {type(exc).__name__}: {exc}")
                 log.warning(
                     "profile: matmul not measured", device=device.id, dtype=dtype.value, error=str(exc)
                 )
+        copy_bytes = _copy_bytes(device, (64 if small else 1024) * 2**20)
         src = _random(device, (copy_bytes // 4,), torch.float32)
         dst = device.empty(src.shape, torch.float32)
         copy_s = _seconds(device, lambda: device.copy_(dst, src))
         direct_copy_s = None if device.simulated else _seconds(device, lambda: dst.copy_(src))
         one_src, one_dst = _random(device, (1,), torch.float32), device.empty((1,), torch.float32)
         launch_s = _seconds(device, lambda: device.copy_(one_dst, one_src), reps=200)
+        direct_launch_s = (
+            None if device.simulated else _seconds(device, lambda: one_dst.copy_(one_src), reps=200)
+        )
     return MeasuredProfile(
         fingerprint=fingerprint(device),
         device_id=device.id,
@@ -183,10 +181,38 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
         launch_latency_us=launch_s * 1e6,
         direct_matmul_tflops=None if device.simulated else direct,
         direct_copy_bandwidth_gbps=None if direct_copy_s is None else 2 * copy_bytes / direct_copy_s / 1e9,
+        direct_launch_latency_us=None if direct_launch_s is None else direct_launch_s * 1e6,
         measured_at=datetime.now(timezone.utc),
         torch_version=torch.__version__,
         notes=tuple(notes),
     )
+
+
+def _matmul_rates(
+    hal: HardwareAbstractionLayer, device: Device, dtype: DType, max_n: int
+) -> tuple[int, float, float | None]:
+    """(n, TFLOP/s through the HAL, through torch.matmul or None when simulated) of n×n×n
+    products: all or nothing, so a dtype has a size only beside its figure, and the operands
+    are freed before the next dtype's."""
+    import torch
+
+    with _tf32(dtype is DType.TF32):
+        a, b = _sized_operands(hal, device, dtype, max_n)
+        n = a.shape[0]
+        rate = _tflops(device, n, partial(hal.kernels.call, "matmul", device, a, b))
+        peer = None if device.simulated else _tflops(device, n, partial(torch.matmul, a, b))
+    return n, rate, peer
+
+
+def _copy_bytes(device: Device, most: int) -> int:
+    """The copy's size: `most`, halved (to 1 MiB at least) until its source and destination
+    take at most half of the device's free memory. A fixed 64 MiB copy made the whole profile
+    fail with out-of-memory on a device of 100 MiB."""
+    free = device.memory_info().free_bytes
+    size = most
+    while size > 2**20 and 4 * size > free:
+        size //= 2
+    return size
 
 
 def _sized_operands(
@@ -244,9 +270,14 @@ def _seconds(device: Device, fn: Callable[[], object], reps: int = 0) -> float:
     timer = device.timer()
     start = timer.mark()
     fn()
-    first_ms = max(timer.elapsed_ms(start, timer.mark()), 1e-6)
+    first_ms = timer.elapsed_ms(start, timer.mark())
     if device.simulated:
+        if first_ms <= 0:  # not a figure: 2n³ over a clamped zero read as 268,435 TFLOP/s
+            raise TorchHALError(
+                f"{device.id} charged no simulated time for it (it ran outside the simulation)"
+            )
         return first_ms / 1e3
+    first_ms = max(first_ms, 1e-6)
     reps = reps or max(1, min(50, int(50.0 / first_ms)))  # about 50 ms per batch
     samples = []
     for _ in range(5):

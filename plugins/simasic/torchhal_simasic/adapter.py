@@ -198,7 +198,8 @@ class SimASICAdapter(VendorAdapter):
         return tensor
 
     def copy_(self, index: int, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """Copy and charge 2 × bytes / bandwidth (read and write). Never converts dtype or shape."""
+        """Copy and charge 2 × bytes / bandwidth (read and write) plus the launch overhead. Never
+        converts dtype or shape."""
         state = self.state(index)
         if dst.dtype != src.dtype or dst.shape != src.shape:
             raise InvalidArgumentError(

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from torchhal.hal_core import ConfigurationError, DType
 
 SPEC_ENV = "TORCHHAL_SIMASIC_SPEC"
@@ -60,8 +61,27 @@ class SimASICSpec(BaseModel):
     devices: Annotated[int, Field(ge=1, le=MAX_DEVICES, strict=True)] = 1
     host_link_bytes_per_s: PositiveFloat | None = None  # declared link between devices, via the host
 
+    @field_validator("dtypes", mode="before")
+    @classmethod
+    def _each_dtype_once(cls, value: Any) -> Any:
+        """A dtype listed twice is a slip (another was meant): the set kept one without a word."""
+        if isinstance(value, (list, tuple)):
+            repeated = sorted({str(getattr(d, "value", d)) for d in value if value.count(d) > 1})
+            if repeated:
+                raise ValueError(f"each dtype must be listed once, {repeated} are listed more than once")
+        return value
+
     @model_validator(mode="after")
     def _matmul_dtypes_are_supported(self) -> SimASICSpec:
+        for field, listed in (
+            ("dtypes", self.dtypes),
+            ("macs_per_cell_per_cycle", self.macs_per_cell_per_cycle),
+        ):
+            if DType.TF32 in listed:  # its rate went into the declared peaks and was never charged
+                raise ValueError(
+                    f"{field}: tf32 is not modelled (fp32 tensors are charged at the fp32 MAC rate "
+                    "whatever torch's float32 matmul precision), got tf32"
+                )
         if not self.macs_per_cell_per_cycle:
             raise ValueError("macs_per_cell_per_cycle: needs at least one dtype, got an empty table")
         extra = sorted(d.value for d in self.macs_per_cell_per_cycle.keys() - self.dtypes)
@@ -96,9 +116,10 @@ def _describe(err: Any) -> str:
     field = ".".join(str(part) for part in err["loc"])
     if err["type"] == "missing":
         return f"field {field!r}: required, but missing"
+    message = str(err["msg"]).removeprefix("Value error, ")
     if not field:  # a model-level check, whose message names its field itself
-        return str(err["msg"]).removeprefix("Value error, ")
-    return f"field {field!r}: {err['msg']}, got {err['input']!r}"
+        return message
+    return f"field {field!r}: {message}, got {err['input']!r}"
 
 
 def load_spec(path: str | os.PathLike[str]) -> SimASICSpec:
@@ -108,6 +129,11 @@ def load_spec(path: str | os.PathLike[str]) -> SimASICSpec:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigurationError(f"simulated ASIC spec {path}: cannot read it: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # a ValueError: it escaped as a bare traceback
+        raise ConfigurationError(
+            f"simulated ASIC spec {path}: must be UTF-8 text, got byte {exc.object[exc.start]:#04x} "
+            f"at offset {exc.start}"
+        ) from None
     return parse_spec(_decode(text, path.suffix, str(path)), str(path))
 
 
@@ -116,7 +142,7 @@ def _decode(text: str, suffix: str, source: str) -> Any:
         if suffix == ".toml":
             return tomllib.loads(text)
         if suffix == ".json":
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=partial(_unique_keys, source))
             if not isinstance(data, dict):
                 raise ConfigurationError(
                     f"simulated ASIC spec {source}: must be a JSON object, got {type(data).__name__}"
@@ -129,6 +155,17 @@ def _decode(text: str, suffix: str, source: str) -> Any:
     raise ConfigurationError(
         f"simulated ASIC spec {source}: file name must end in .toml or .json, got {suffix!r}"
     )
+
+
+def _unique_keys(source: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose keys are unique: json.loads keeps the last of a repeated key without
+    a word (`"rows": 4, ..., "rows": 8` was an 8-row array); TOML refuses one itself."""
+    data: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in data:
+            raise ConfigurationError(f"simulated ASIC spec {source}: key {key!r} appears more than once")
+        data[key] = value
+    return data
 
 
 def bundled_spec(name: str) -> SimASICSpec:
