@@ -11,7 +11,7 @@ from torchhal_simasic.cost import Matmul, elementwise_cost, matmul_cost, op_cost
 from torchhal_simasic.workloads import attention_cost, matmul_dims
 
 import torchhal
-from torchhal.hal_core import DeviceOutOfMemoryError, DType, RejectionReason, UnsupportedError
+from torchhal.hal_core import DeviceOutOfMemoryError, DType, RejectionReason, UnsupportedError, telemetry
 
 
 def _clock(dev):
@@ -139,8 +139,11 @@ def test_fp64_is_rejected_through_ops_inside_use(sim_hal):
 def test_dtype_without_a_mac_rate_is_rejected_by_the_predicate_and_said_so(sim_hal, tiny, capsys):
     hal = sim_hal(tiny(dtypes=["fp32", "bf16", "fp16"]))
     a = torch.randn(4, 4, dtype=torch.float16)
+    counted = "torchhal.simasic.host_runs,device=simasic:0,op=matmul"
+    before = telemetry.counts().get(counted, 0)
     with hal.use("simasic:0") as dev:
         out = torchhal.ops.matmul(a, a)
+    assert telemetry.counts()[counted] == before + 1  # once per selection
     selection = hal.kernels.select("matmul", dev, a, a)
     rejection = next(r for r in selection.rejected if r.candidate == "simasic/simasic")
     assert rejection.reason is RejectionReason.DTYPE

@@ -9,7 +9,7 @@ import pytest
 from torchhal_simasic.spec import load_spec
 
 from tests.simasic.tiny import TINY
-from torchhal.hal_core import ConfigurationError
+from torchhal.hal_core import ConfigurationError, DeclaredPeaks, DType
 
 
 def test_a_dtype_listed_twice_is_refused_by_name(tiny):
@@ -55,3 +55,25 @@ def test_tf32_is_refused_as_a_mode_the_simulator_does_not_model(tiny):
         ConfigurationError, match=r"macs_per_cell_per_cycle: tf32 is not modelled .*, got tf32"
     ):
         tiny(macs_per_cell_per_cycle={"fp32": 1, "tf32": 4})
+
+
+def test_a_spec_whose_peak_overflows_is_refused_naming_the_clock(tiny):
+    """Each factor finite, the product not: an infinite declared peak ranked the device first and
+    made every op's simulated time 0."""
+    with pytest.raises(
+        ConfigurationError,
+        match=r"clock_hz: rows x cols x MACs x clock must give a finite fp32 peak, got 4 x 4 x 1 x 1e\+308",
+    ):
+        tiny(clock_hz=1e308)
+    assert tiny(clock_hz=1e12).peak_flops_per_s(DType.FP32) == 2 * 16 * 1e12
+
+
+def test_declared_peaks_are_finite_and_positive():
+    """Datasheet figures follow the measured ones' rule: an inf, 0 or negative peak is refused."""
+    for bad in (
+        {"tflops": {"bf16": float("inf")}},
+        {"tflops": {"bf16": 0.0}},
+        {"memory_bandwidth_gbps": -1.0},
+    ):
+        with pytest.raises(ValueError, match=r"finite number|greater than 0"):
+            DeclaredPeaks(source="test sheet", **bad)

@@ -94,6 +94,9 @@ class LinkType(str, enum.Enum):
 # file holding anything else was not written by a measurement (hand-edited, or another tool).
 MeasuredFigure = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 MeasuredSize = Annotated[int, Field(gt=0)]
+# A datasheet figure is held to the same rule: a spec's clock of 1e308 gave an infinite peak that
+# ranked its device first and made its op times 0.
+DeclaredFigure = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class _Frozen(BaseModel):
@@ -112,8 +115,8 @@ class DeclaredPeaks(_Frozen):
     """Datasheet figures. Declared, never measured: `source` names the datasheet."""
 
     source: str
-    tflops: dict[DType, float] = Field(default_factory=dict)
-    memory_bandwidth_gbps: float | None = None
+    tflops: dict[DType, DeclaredFigure] = Field(default_factory=dict)
+    memory_bandwidth_gbps: DeclaredFigure | None = None
 
 
 class _Versioned(_Frozen):

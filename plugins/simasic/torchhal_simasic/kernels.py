@@ -19,8 +19,9 @@ ledger and clock untouched), then advances the clock by exactly the workload's t
 The predicate turns down a dtype the device cannot run the op in: an array op (matmul,
 attention, linear_cross_entropy and their training ops) in a dtype without a MAC rate, or a
 rope table in a dtype the spec does not hold. The registry then runs the op on a host
-candidate, without simulated time or memory; the predicate says so in a warning, once per
-selection, as well as in the rejection `Selection.explain()` shows.
+candidate, without simulated time or memory; the predicate says so in a warning and a count
+(`torchhal.simasic.host_runs`), once per selection, as well as in the rejection
+`Selection.explain()` shows.
 """
 
 from __future__ import annotations
@@ -124,6 +125,7 @@ def _predicate(
                 device=states[caps.index].device,
                 reason=verdict.detail,
             )
+            telemetry.count("torchhal.simasic.host_runs", op=op, device=states[caps.index].device)
         return verdict
 
     return supports

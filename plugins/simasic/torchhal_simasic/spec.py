@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 from collections.abc import Mapping
@@ -90,6 +91,12 @@ class SimASICSpec(BaseModel):
                 f"macs_per_cell_per_cycle: every dtype must also be listed in dtypes "
                 f"{sorted(d.value for d in self.dtypes)}, got {extra} that are not"
             )
+        for dtype in self.macs_per_cell_per_cycle:  # each factor finite, their product may not be
+            if not math.isfinite(self.peak_flops_per_s(dtype)):
+                raise ValueError(
+                    f"clock_hz: rows x cols x MACs x clock must give a finite {dtype.value} peak, got "
+                    f"{self.rows} x {self.cols} x {self.macs_per_cell_per_cycle[dtype]} x {self.clock_hz:g}"
+                )
         return self
 
     def peak_flops_per_s(self, dtype: DType) -> float:
