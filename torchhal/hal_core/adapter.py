@@ -128,6 +128,12 @@ class VendorAdapter(abc.ABC):
         """Copy `src` into `dst` on the device (used to measure copy bandwidth)."""
         return dst.copy_(src)
 
+    def charge_collective(self, index: int, collective: str, nbytes: int, world_size: int) -> None:  # noqa: B027
+        """Account a finished collective (`all_reduce`, ..., `barrier`) whose buffer on this rank
+        held `nbytes`, over `world_size` ranks. Real devices spent real time and do nothing here;
+        a simulated device advances its clock by its model of the transfer. The Communicator
+        calls it only for simulated devices."""
+
     def supports_api(self, version: int = HAL_API_VERSION) -> bool:
         low, high = self.api_versions
         return low <= version <= high

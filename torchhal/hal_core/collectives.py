@@ -205,6 +205,8 @@ class Communicator:
         self._native: set[str] = set()  # fused collectives the backend accepted once
         self._accepted: set[tuple[torch.device, torch.dtype]] = set()  # passed the device checks
         self._destroyed = False
+        # a simulated device's clock is charged for each collective (a real one spends real time)
+        self._charge = device.adapter.charge_collective if device.simulated else None
         _LIVE.add(self)
 
     @classmethod
@@ -275,9 +277,11 @@ class Communicator:
         _check_op("all_reduce", op, tensor)
         if not telemetry.tracing():  # the span's set-up is ~1 µs, a twentieth of a 1 MiB all-reduce
             self._all_reduce(tensor, op)
-            return tensor
-        with self._span("all_reduce", tensor, op=op):
-            self._all_reduce(tensor, op)
+        else:
+            with self._span("all_reduce", tensor, op=op):
+                self._all_reduce(tensor, op)
+        if self._charge is not None:
+            self._charged("all_reduce", tensor)
         return tensor
 
     @_not_differentiable
@@ -301,6 +305,8 @@ class Communicator:
                 )
                 if self.rank == dst:
                     tensor.div_(self.world_size)
+        if self._charge is not None:
+            self._charged("reduce", tensor)
         return tensor
 
     @_not_differentiable
@@ -319,9 +325,11 @@ class Communicator:
             )
             if work is not None:
                 self._wait("all_gather", work)
-                return out
-            parts = list(out.chunk(self.world_size))
-            self._wait("all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
+            else:
+                parts = list(out.chunk(self.world_size))
+                self._wait("all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
+        if self._charge is not None:
+            self._charged("all_gather", src)
         return out
 
     @_not_differentiable
@@ -341,11 +349,13 @@ class Communicator:
             )
             if work is not None:
                 self._wait("reduce_scatter", work)
-                return out
-            # Composed: the full reduction on every rank, then this rank's slice (2x the traffic).
-            full = src.clone()
-            self._all_reduce(full, op)
-            out.copy_(full.narrow(0, self.rank * out.shape[0], out.shape[0]))
+            else:
+                # Composed: the full reduction on every rank, then this rank's slice (2x the traffic).
+                full = src.clone()
+                self._all_reduce(full, op)
+                out.copy_(full.narrow(0, self.rank * out.shape[0], out.shape[0]))
+        if self._charge is not None:
+            self._charged("reduce_scatter", src)
         return out
 
     @_not_differentiable
@@ -357,6 +367,8 @@ class Communicator:
             self._wait(
                 "broadcast", dist.broadcast(tensor, self._global(src), group=self.group, async_op=True)
             )
+        if self._charge is not None:
+            self._charged("broadcast", tensor)
         return tensor
 
     @_not_differentiable
@@ -374,18 +386,20 @@ class Communicator:
             )
             if work is not None:
                 self._wait("all_to_all", work)
-                return out
-            # Composed: one isend/irecv pair per peer, issued together so no pair waits on another.
-            sends, recvs = src.chunk(self.world_size), out.chunk(self.world_size)
-            recvs[self.rank].copy_(sends[self.rank])
-            ops = [
-                dist.P2POp(fn, buf[peer], self._global(peer), self.group)
-                for peer in range(self.world_size)
-                if peer != self.rank
-                for fn, buf in ((dist.isend, sends), (dist.irecv, recvs))
-            ]
-            for work in dist.batch_isend_irecv(ops) if ops else []:
-                self._wait("all_to_all", work)
+            else:
+                # Composed: one isend/irecv pair per peer, issued together so no pair waits on another.
+                sends, recvs = src.chunk(self.world_size), out.chunk(self.world_size)
+                recvs[self.rank].copy_(sends[self.rank])
+                ops = [
+                    dist.P2POp(fn, buf[peer], self._global(peer), self.group)
+                    for peer in range(self.world_size)
+                    if peer != self.rank
+                    for fn, buf in ((dist.isend, sends), (dist.irecv, recvs))
+                ]
+                for pending in dist.batch_isend_irecv(ops) if ops else []:
+                    self._wait("all_to_all", pending)
+        if self._charge is not None:
+            self._charged("all_to_all", src)
         return out
 
     @_not_differentiable
@@ -395,6 +409,8 @@ class Communicator:
         dst = self._check_rank("send", "dst", dst, peer=True)
         with self._span("send", tensor, dst=dst):
             self._wait("send", dist.isend(tensor.contiguous(), self._global(dst), group=self.group))
+        if self._charge is not None:
+            self._charged("send", tensor)
 
     @_not_differentiable
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -403,6 +419,8 @@ class Communicator:
         src = self._check_rank("recv", "src", src, peer=True)
         with self._span("recv", tensor, src=src):
             self._wait("recv", dist.irecv(tensor, self._global(src), group=self.group))
+        if self._charge is not None:
+            self._charged("recv", tensor)
         return tensor
 
     def barrier(self) -> None:
@@ -412,6 +430,8 @@ class Communicator:
             "torchhal.collective.barrier", backend=self.backend, bytes=0, world_size=self.world_size
         ):
             self._wait("barrier", dist.barrier(group=self.group, async_op=True))
+        if self._charge is not None:
+            self._charge(self.device.index, "barrier", 0, self.world_size)
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -657,6 +677,10 @@ class Communicator:
             dtype=str(tensor.dtype).removeprefix("torch."),
             **attributes,
         )
+
+    def _charged(self, name: str, tensor: torch.Tensor) -> None:
+        assert self._charge is not None
+        self._charge(self.device.index, name, tensor.numel() * tensor.element_size(), self.world_size)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)

@@ -30,16 +30,19 @@ from torchhal.hal_core import (
     Topology,
     UnsupportedError,
     VendorAdapter,
+    telemetry,
 )
 
 from torchhal_simasic import __version__
-from torchhal_simasic.cost import copy_time_s
+from torchhal_simasic.cost import collective_time_s, copy_time_s
 from torchhal_simasic.kernels import register_simasic_kernels
 from torchhal_simasic.spec import SimASICSpec, spec_from_env
 from torchhal_simasic.state import DeviceState, SimulatedTimer
 
 if TYPE_CHECKING:
     import torch
+
+log = telemetry.get_logger("torchhal_simasic.adapter")
 
 
 class SimASICAdapter(VendorAdapter):
@@ -58,6 +61,7 @@ class SimASICAdapter(VendorAdapter):
         self._spec = spec
         self._states: tuple[DeviceState, ...] | None = None
         self._lock = threading.Lock()
+        self._warned_no_link = False  # collectives uncharged: said once per adapter
 
     @property
     def spec(self) -> SimASICSpec:
@@ -135,6 +139,23 @@ class SimASICAdapter(VendorAdapter):
         return MemoryInfo(
             total_bytes=ledger.capacity, free_bytes=ledger.capacity - used, used_bytes=used, simulated=True
         )
+
+    def charge_collective(self, index: int, collective: str, nbytes: int, world_size: int) -> None:
+        """Advance the clock by the collective's transfer over the declared host links. A spec
+        without `host_link_bytes_per_s` has no transfer cost: said once, counted every time."""
+        state = self.state(index)
+        seconds = collective_time_s(self.spec, collective, nbytes, world_size)
+        if seconds is None:
+            if not self._warned_no_link:
+                self._warned_no_link = True
+                log.warning(
+                    "simulated collectives cost no time: the spec declares no host_link_bytes_per_s",
+                    spec=self.spec.name,
+                    device=state.device,
+                )
+            telemetry.count("torchhal.simasic.uncharged_collectives", collective=collective)
+            return
+        state.clock.advance(seconds)
 
     def health(self, index: int) -> HealthReport:
         self.state(index)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from torchhal.hal_core import DType, InvalidArgumentError, UnsupportedError
@@ -166,6 +166,38 @@ def copy_time_s(spec: SimASICSpec, nbytes: int) -> float:
     """A device copy reads and writes every byte, after one launch: 2 × bytes / bandwidth + overhead."""
     require_sizes("copy", nbytes=nbytes)
     return 2 * nbytes / spec.memory_bandwidth_bytes_per_s + spec.launch_overhead_s
+
+
+# Bytes each rank sends over its host link, per byte of its own buffer, with n ranks: ring
+# all-reduce is a reduce-scatter then an all-gather (2(n-1)/n), all-gather sends its buffer to
+# n-1 peers through the ring, reduce-scatter and all-to-all pass (n-1)/n of it, and a pipelined
+# broadcast or reduce forwards it once. A barrier moves nothing.
+_RING_TRAFFIC: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: n - 1,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0 if n > 1 else 0.0,
+    "reduce": lambda n: 1.0 if n > 1 else 0.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 1.0,
+    "barrier": lambda n: 0.0,
+}
+
+
+def collective_time_s(spec: SimASICSpec, collective: str, nbytes: int, world_size: int) -> float | None:
+    """A collective over the host links (ring algorithms), after one launch: the bytes this rank
+    sends (`_RING_TRAFFIC`) / `host_link_bytes_per_s` + overhead. None when the spec declares no
+    host link: the transfer then has no cost to charge."""
+    require_sizes(collective, nbytes=nbytes, world_size=world_size)
+    if collective not in _RING_TRAFFIC:
+        raise InvalidArgumentError(
+            f"simulated collective: no cost model for {collective!r}; known: {', '.join(_RING_TRAFFIC)}"
+        )
+    if spec.host_link_bytes_per_s is None:
+        return None
+    sent = _RING_TRAFFIC[collective](world_size) * nbytes
+    return sent / spec.host_link_bytes_per_s + spec.launch_overhead_s
 
 
 def op_cost(
