@@ -47,11 +47,34 @@ def test_unknown_device_lists_the_ids_that_exist(hal):
 @pytest.mark.parametrize("bad", [None, 3])
 def test_a_device_that_is_neither_an_id_nor_a_device_is_refused(hal, bad):
     with pytest.raises(
-        InvalidArgumentError, match=rf"a device must be a Device or an id such as 'cuda:0', got .*{bad}"
+        InvalidArgumentError,
+        match=rf"a device must be a Device, a torch.device or an id such as 'cuda:0', got .*{bad}",
     ):
         hal.device(bad)
     with pytest.raises(InvalidArgumentError, match="a device must be a Device"), hal.use(bad):
         pass
+
+
+class _Meta(FakeAdapter):
+    """Devices of a torch device type of their own (no namespace): `meta:0` and `meta:1`."""
+
+    name = "meta"
+    namespace = None
+
+
+def test_a_torch_device_gives_the_device_that_natively_owns_it(settings):
+    """`hal.device(tensor.device)` is what a PyTorch user writes; it was refused."""
+    import torch
+
+    hal = HardwareAbstractionLayer(
+        adapters=[_Meta([fake_caps(i, adapter="meta", device_type="meta") for i in range(2)]), FakeAdapter()],
+        settings=settings(disable_plugin_autoload="1"),
+    )
+    assert hal.device(torch.device("meta", 1)) is hal.device("meta:1")
+    assert hal.device(torch.device("meta")) is hal.device("meta:0")  # as the id "meta" is meta:0
+    assert hal.device(torch.empty(1).device) is hal.device("cpu")  # acme:0 is reached only by id
+    with pytest.raises(DeviceNotFoundError, match=r"no device 'meta:7'; devices found: .*meta:0, meta:1"):
+        hal.device(torch.device("meta", 7))
 
 
 def test_another_hals_device_is_refused_rather_than_charged(hal, settings):

@@ -10,6 +10,7 @@ import contextlib
 import contextvars
 import functools
 import math
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -181,10 +182,16 @@ class HardwareAbstractionLayer:
     def devices(self) -> tuple[Device, ...]:
         return self._discovered().devices
 
-    def device(self, device_id: str | Device) -> Device:
+    def device(self, device_id: str | Device | torch.device) -> Device:
         """A device by HAL id (`cuda:0`, `simasic:1`, `cpu`); `cuda` means `cuda:0`. A Device is
-        returned as it is if it is this HAL's: another HAL's would run on, and charge, that one."""
+        returned as it is if it is this HAL's: another HAL's would run on, and charge, that one.
+        A torch.device (`tensor.device`) gives the device that natively owns it."""
         state = self._discovered()
+        torch = sys.modules.get("torch")  # a torch.device exists only once torch is imported
+        if torch is not None and isinstance(device_id, torch.device):
+            if device_id.index is None and device_id.type != "cpu":  # as the id `cuda` is `cuda:0`
+                device_id = torch.device(device_id.type, 0)
+            return self._native_device(device_id)
         if isinstance(device_id, Device):
             if state.by_id.get(device_id.id) is not device_id:
                 raise InvalidArgumentError(
@@ -194,7 +201,9 @@ class HardwareAbstractionLayer:
             return device_id
         if not isinstance(device_id, str):
             seen = f"{type(device_id).__name__} {device_id!r}"
-            raise InvalidArgumentError(f"a device must be a Device or an id such as 'cuda:0', got {seen}")
+            raise InvalidArgumentError(
+                f"a device must be a Device, a torch.device or an id such as 'cuda:0', got {seen}"
+            )
         key = device_id.strip()
         dev = state.by_id.get(key) or state.by_id.get(key + ":0")
         if dev is None and key == "cpu:0":
