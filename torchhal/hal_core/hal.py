@@ -187,11 +187,12 @@ class HardwareAbstractionLayer:
         returned as it is if it is this HAL's: another HAL's would run on, and charge, that one.
         A torch.device (`tensor.device`) gives the device that natively owns it."""
         state = self._discovered()
-        torch = sys.modules.get("torch")  # a torch.device exists only once torch is imported
-        if torch is not None and isinstance(device_id, torch.device):
-            if device_id.index is None and device_id.type != "cpu":  # as the id `cuda` is `cuda:0`
-                device_id = torch.device(device_id.type, 0)
-            return self._native_device(device_id)
+        loaded = sys.modules.get("torch")  # a torch.device exists only once torch is imported
+        if loaded is not None and isinstance(device_id, loaded.device):
+            tdev: torch.device = device_id
+            if tdev.index is None and tdev.type != "cpu":  # as the id `cuda` is `cuda:0`
+                tdev = loaded.device(tdev.type, 0)
+            return self._native_device(tdev)
         if isinstance(device_id, Device):
             if state.by_id.get(device_id.id) is not device_id:
                 raise InvalidArgumentError(
