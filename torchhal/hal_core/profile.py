@@ -162,12 +162,16 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
         copy_bytes = _copy_bytes(device, (64 if small else 1024) * 2**20)
         src = _random(device, (copy_bytes // 4,), torch.float32)
         dst = device.empty(src.shape, torch.float32)
-        copy_s = _seconds(device, lambda: device.copy_(dst, src))
-        direct_copy_s = None if device.simulated else _seconds(device, lambda: dst.copy_(src))
+        plain = not device.simulated
+        copy_s, direct_copy_s = _seconds(
+            device, lambda: device.copy_(dst, src), (lambda: dst.copy_(src)) if plain else None
+        )
         one_src, one_dst = _random(device, (1,), torch.float32), device.empty((1,), torch.float32)
-        launch_s = _seconds(device, lambda: device.copy_(one_dst, one_src), reps=200)
-        direct_launch_s = (
-            None if device.simulated else _seconds(device, lambda: one_dst.copy_(one_src), reps=200)
+        launch_s, direct_launch_s = _seconds(
+            device,
+            lambda: device.copy_(one_dst, one_src),
+            (lambda: one_dst.copy_(one_src)) if plain else None,
+            reps=200,
         )
     return MeasuredProfile(
         fingerprint=fingerprint(device),
@@ -199,8 +203,13 @@ def _matmul_rates(
     with _tf32(dtype is DType.TF32):
         a, b = _sized_operands(hal, device, dtype, max_n)
         n = a.shape[0]
-        rate = _tflops(device, n, partial(hal.kernels.call, "matmul", device, a, b))
-        peer = None if device.simulated else _tflops(device, n, partial(torch.matmul, a, b))
+        seconds, peer_seconds = _seconds(
+            device,
+            partial(hal.kernels.call, "matmul", device, a, b),
+            None if device.simulated else partial(torch.matmul, a, b),
+        )
+        rate = 2 * n**3 / seconds / 1e12
+        peer = None if peer_seconds is None else 2 * n**3 / peer_seconds / 1e12
     return n, rate, peer
 
 
@@ -259,14 +268,17 @@ def _tf32(enabled: bool) -> Iterator[None]:
         torch.set_float32_matmul_precision(before)
 
 
-def _tflops(device: Device, n: int, fn: Callable[[], object]) -> float:
-    return 2 * n**3 / _seconds(device, fn) / 1e12
-
-
-def _seconds(device: Device, fn: Callable[[], object], reps: int = 0) -> float:
-    """Median seconds per call over 5 timed batches, after a warm-up call. Simulated time is a
-    deterministic function of the op, so one timed call measures it exactly."""
-    fn()
+def _seconds(
+    device: Device, fn: Callable[[], object], peer: Callable[[], object] | None = None, reps: int = 0
+) -> tuple[float, float | None]:
+    """Median seconds per call of `fn` and of its plain-torch `peer` (None: not measured) over 5
+    timed batches each, after a warm-up call, their batches interleaved: measured one after the
+    other, the first had the GPU's boost clock to itself (tf32 matmul through torchhal read 10%
+    above torch.matmul in the same run on an H100). Simulated time is a deterministic function
+    of the op, so one timed call measures it exactly, and a simulated device has no peer."""
+    fns = [fn] if peer is None else [fn, peer]
+    for f in fns:
+        f()
     timer = device.timer()
     start = timer.mark()
     fn()
@@ -276,13 +288,15 @@ def _seconds(device: Device, fn: Callable[[], object], reps: int = 0) -> float:
             raise TorchHALError(
                 f"{device.id} charged no simulated time for it (it ran outside the simulation)"
             )
-        return first_ms / 1e3
+        return first_ms / 1e3, None
     first_ms = max(first_ms, 1e-6)
     reps = reps or max(1, min(50, int(50.0 / first_ms)))  # about 50 ms per batch
-    samples = []
+    samples: list[list[float]] = [[] for _ in fns]
     for _ in range(5):
-        start = timer.mark()
-        for _ in range(reps):
-            fn()
-        samples.append(timer.elapsed_ms(start, timer.mark()) / reps / 1e3)
-    return statistics.median(samples)
+        for f, taken in zip(fns, samples, strict=True):
+            start = timer.mark()
+            for _ in range(reps):
+                f()
+            taken.append(timer.elapsed_ms(start, timer.mark()) / reps / 1e3)
+    medians = [statistics.median(taken) for taken in samples]
+    return medians[0], (medians[1] if peer is not None else None)
