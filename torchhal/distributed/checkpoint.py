@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
 
 from torchhal.hal_core import ConfigurationError, InvalidArgumentError, TorchHALError, telemetry
 
@@ -200,8 +200,19 @@ class Checkpointer:
         return CheckpointInfo(step, final, self.world_size)
 
     def _prune(self, newest: int) -> None:
+        """Keep the checkpoint just committed and the `keep - 1` before it. Checkpoints of later
+        steps (left by a run that resumed from an earlier one) are counted apart and never make
+        the one just written the first to go: with keep=1 that deleted it as soon as it was made."""
         steps = sorted(_steps(self.directory), reverse=True)
-        for step, path in steps[self.keep :]:
+        later = [step for step, _ in steps if step > newest]
+        if later:
+            log.warning(
+                "checkpoints of later steps than the one just committed remain; latest_valid prefers them",
+                committed=newest,
+                later=later,
+            )
+            telemetry.count("torchhal.checkpoint.later_steps_kept")
+        for step, path in [(s, p) for s, p in steps if s <= newest][self.keep :]:
             shutil.rmtree(path)
             log.info("old checkpoint removed", step=step, path=str(path), keep=self.keep)
         for child in self.directory.iterdir():
@@ -232,6 +243,7 @@ class Checkpointer:
         if info is None:
             log.info("no valid checkpoint to resume from", directory=str(self.directory))
             return None
+        _check_fits(info.path, get_model_state_dict(model))  # before get_state_dict steps a fresh optimizer
         state = _training_state(model, optimizer, scaler, info.step)
         with telemetry.span("torchhal.checkpoint.load", step=info.step, rank=self.rank):
             dcp.load(state, checkpoint_id=info.path, process_group=self._group, no_dist=self._alone)
@@ -305,6 +317,41 @@ def _training_state(
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     return state
+
+
+def _check_fits(path: Path, model_state: dict[str, Any]) -> None:
+    """Refuse a checkpoint of another model before anything is loaded, naming the keys and shapes
+    that differ. DCP loads only the keys the model asks for, so a checkpoint holding more (a bigger
+    model) would load in part, silently; a shape mismatch was DCP's traceback inside another.
+    Every rank reads the same metadata, so every rank refuses alike."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = {
+        key.removeprefix("model."): tuple(meta.size)
+        for key, meta in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+    }
+    here = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
+    shapes = [
+        f"{k!r}: saved {saved[k]}, model {here[k]}"
+        for k in sorted(here.keys() & saved.keys())
+        if saved[k] != here[k]
+    ]
+    only_model, only_saved = (
+        [repr(k) for k in sorted(a.keys() - b.keys())] for a, b in ((here, saved), (saved, here))
+    )
+    if not (shapes or only_model or only_saved):
+        return
+    problems = [
+        f"{len(items)} {what} ({'; '.join(items[:5])}{'; ...' if len(items) > 5 else ''})"
+        for what, items in (
+            ("shape(s) differ", shapes),
+            ("key(s) only in the model", only_model),
+            ("key(s) only in the checkpoint", only_saved),
+        )
+        if items
+    ]
+    raise CheckpointError(f"checkpoint {path} does not fit the model: {', '.join(problems)}")
 
 
 def _steps(directory: Path) -> list[tuple[int, Path]]:

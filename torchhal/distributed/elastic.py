@@ -32,7 +32,7 @@ from torch import nn
 
 from torchhal.distributed.checkpoint import Checkpointer
 from torchhal.distributed.health import HealthMonitor
-from torchhal.distributed.init import DistContext, init
+from torchhal.distributed.init import DistContext, env_int, init
 from torchhal.hal_core import CollectiveError, ConfigurationError, InvalidArgumentError, telemetry
 
 if TYPE_CHECKING:
@@ -198,7 +198,7 @@ def _rendezvous_store(timeout: timedelta) -> Store:
         raise ConfigurationError(
             f"ElasticJob.start needs torchrun's environment; missing {', '.join(missing)}"
         )
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = env_int("RANK", default=None), env_int("WORLD_SIZE", default=None)
     try:
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     except (RuntimeError, ValueError) as exc:
@@ -208,7 +208,7 @@ def _rendezvous_store(timeout: timedelta) -> Store:
 
 def _join(store: Store, prefix: str, timeout: timedelta) -> None:
     """Wait (up to `timeout`) until every rank of the generation reached the store."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = env_int("WORLD_SIZE", default=1)
     joined = dist.PrefixStore(prefix + "/", store)
     count = joined.add("torchhal_joined", 1)
     if count == world:

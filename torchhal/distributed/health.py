@@ -90,20 +90,24 @@ class HealthMonitor:
         max_scaler_skips: int = 20,
         on_failure: Callable[[CollectiveError], None] | None = None,
     ) -> None:
-        if not 0 < interval < deadline:
+        # comparisons with NaN or inf are never true: a NaN factor or skip limit turned the check
+        # off, and an infinite deadline made diagnose() wait for a hung peer forever
+        if not (0 < interval < deadline and math.isfinite(deadline)):
             raise InvalidArgumentError(
-                f"HealthMonitor: need 0 < interval < deadline, got interval {interval}, deadline {deadline}"
+                f"HealthMonitor: need 0 < interval < deadline, got interval {interval}, deadline "
+                f"{deadline} (both finite)"
             )
         if not 0 <= rank < world_size:
             raise InvalidArgumentError(f"HealthMonitor: rank {rank} outside world of size {world_size}")
-        if straggler_factor <= 1:
-            raise InvalidArgumentError(f"HealthMonitor: straggler_factor must be > 1, got {straggler_factor}")
-        if window < 1:
-            raise InvalidArgumentError(f"HealthMonitor: window must be >= 1, got {window}")
-        if max_scaler_skips < 1:
+        if not (math.isfinite(straggler_factor) and straggler_factor > 1):
             raise InvalidArgumentError(
-                f"HealthMonitor: max_scaler_skips must be >= 1, got {max_scaler_skips}"
+                f"HealthMonitor: straggler_factor must be > 1, got {straggler_factor} (and finite)"
             )
+        for name, value in (("window", window), ("max_scaler_skips", max_scaler_skips)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(
+                    f"HealthMonitor: {name} must be >= 1, got {value!r} (a whole number of steps)"
+                )
         self.store = dist.PrefixStore("torchhal_health/", store)
         self.rank, self.world_size = rank, world_size
         self.interval, self.deadline = interval, deadline

@@ -43,15 +43,7 @@ def split_batch(global_batch: int, throughputs: Sequence[float]) -> tuple[int, .
     n = len(throughputs)
     if n == 0:
         raise InvalidArgumentError("split_batch: needs at least one rank's throughput, got none")
-    bad = [
-        (r, t)
-        for r, t in enumerate(throughputs)
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0)
-    ]
-    if bad:
-        raise InvalidArgumentError(
-            f"split_batch: throughputs must be finite and > 0, got {bad} (rank, value)"
-        )
+    _check_throughputs("split_batch", throughputs)
     if not isinstance(global_batch, int) or global_batch < n:
         raise InvalidArgumentError(
             f"split_batch: global_batch must be an integer >= the number of ranks ({n}), got {global_batch!r}"
@@ -66,6 +58,17 @@ def split_batch(global_batch: int, throughputs: Sequence[float]) -> tuple[int, .
         r = max(range(n), key=lambda r: (quota[r] - sizes[r], -r))
         sizes[r] += 1
     return tuple(sizes)
+
+
+def _check_throughputs(what: str, throughputs: Sequence[float]) -> None:
+    """Rates divide batches and FLOPs: zero, negative or NaN ones give nonsense, not an error."""
+    bad = [
+        (r, t)
+        for r, t in enumerate(throughputs)
+        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0)
+    ]
+    if bad:
+        raise InvalidArgumentError(f"{what}: throughputs must be finite and > 0, got {bad} (rank, value)")
 
 
 def rebalanced_split(
@@ -96,6 +99,7 @@ def modelled_step_times(
         raise InvalidArgumentError(
             f"modelled_step_times: {len(batch_sizes)} batch sizes for {len(throughputs)} throughputs"
         )
+    _check_throughputs("modelled_step_times", throughputs)
     return tuple(b * flop_per_sample / (t * 1e12) for b, t in zip(batch_sizes, throughputs, strict=True))
 
 

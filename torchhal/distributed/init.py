@@ -90,9 +90,9 @@ def init(
         from torchhal.ops import default_hal
 
         hal = default_hal()
-    local = local_rank if local_rank is not None else _env_int("LOCAL_RANK", default=0)
-    if local < 0:
-        raise ConfigurationError(f"local_rank must be >= 0, got {local}")
+    local = local_rank if local_rank is not None else env_int("LOCAL_RANK", default=0)
+    if isinstance(local, bool) or not isinstance(local, int) or local < 0:
+        raise ConfigurationError(f"local_rank must be >= 0, got {local!r} (an integer)")
     dev = local_device(hal, local, requirements) if device is None else hal.device(device)
     if prefix is not None:
         store, init_method = _prefixed_store(prefix, store, init_method, rank, world_size, timeout), None
@@ -164,8 +164,15 @@ def _prefixed_store(
         raise ConfigurationError("init_method and store: give one, not both")
     if store is None:
         url = init_method or "env://"
-        r = rank if rank is not None else _env_int("RANK", default=-1)
-        w = world_size if world_size is not None else _env_int("WORLD_SIZE", default=-1)
+        r = rank if rank is not None else env_int("RANK", default=None)
+        w = world_size if world_size is not None else env_int("WORLD_SIZE", default=None)
+        # checked before the rendezvous: a rank outside the world waited there for the whole
+        # timeout (300 s by default) and then reported only a socket timeout
+        if not (isinstance(w, int) and isinstance(r, int) and w >= 1 and 0 <= r < w):
+            raise ConfigurationError(
+                f"rendezvous for prefix {prefix!r}: need 0 <= rank < world_size, given as arguments or "
+                f"RANK/WORLD_SIZE as torchrun sets them; got rank {r!r}, world size {w!r} (None: not given)"
+            )
         try:
             store, _, _ = next(dist.rendezvous(url, r, w, timeout=timeout))
         except (RuntimeError, ValueError) as exc:
@@ -175,7 +182,8 @@ def _prefixed_store(
     return dist.PrefixStore(prefix + "/", store)
 
 
-def _env_int(name: str, *, default: int) -> int:
+def env_int(name: str, *, default: int | None) -> int | None:
+    """An integer environment variable as torchrun sets them; a malformed one is named."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default

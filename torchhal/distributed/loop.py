@@ -72,6 +72,10 @@ def train(
     A batch is a tensor or a tuple of tensors on `ctx.device`; `loss_fn(model, batch)` returns
     the scalar loss (default: `model(*batch)`). `grad_sync(model)` runs after backward, for
     gradients synchronised outside DDP/FSDP. `first_step` numbers the steps of a resumed run.
+    Every rank must get `steps` batches. Where steps synchronise ranks (DDP, FSDP, a grad_sync),
+    the ranks agree before each step that each has a batch (an all-gather of one number), so a
+    rank whose batches ran out stops every rank with an error naming it, instead of leaving its
+    peers waiting in the step's collectives until the process-group timeout.
     """
     if steps < 0:
         raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
@@ -79,6 +83,7 @@ def train(
         raise InvalidArgumentError(f"train: clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
     if log_every < 1:
         raise InvalidArgumentError(f"train: log_every must be >= 1, got {log_every}")
+    policy.check_device(ctx.device, "train")
     if policy.uses_grad_scaler and scaler is None:
         raise InvalidArgumentError(
             f"train: precision policy {policy.name!r} needs a gradient scaler (pass prepared.scaler)"
@@ -86,15 +91,14 @@ def train(
     compute_loss = loss_fn or _call_model
     stats: list[StepStats] = []
     source = iter(batches)
+    agree = ctx.world_size > 1 and (grad_sync is not None or policy.strategy != "local")
     model.train()
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
-            try:
-                batch = next(source)
-            except StopIteration:
-                raise InvalidArgumentError(
-                    f"train: batches ran out after {step - first_step} of {steps} steps"
-                ) from None
+            batch = next(source, _EXHAUSTED)
+            short = _ranks_without_batch(ctx, batch is not _EXHAUSTED) if agree else []
+            if batch is _EXHAUSTED or short:
+                raise InvalidArgumentError(_ran_out(short, step - first_step, steps))
             _check_batch(batch, ctx)
             with telemetry.span("torchhal.train.step", step=step, rank=ctx.rank) as span:
                 result = _step(
@@ -122,6 +126,25 @@ def train(
             if on_step is not None:
                 on_step(result)
     return stats
+
+
+_EXHAUSTED = object()
+"""What `next` gives once a rank's batches ran out."""
+
+
+def _ranks_without_batch(ctx: DistContext, have: bool) -> list[int]:
+    """The ranks whose batches ran out before this step (collective: every rank calls it)."""
+    flags = ctx.communicator.all_gather(torch.full((1,), float(have), device=ctx.device.torch_device))
+    return [rank for rank, flag in enumerate(flags.tolist()) if not flag]
+
+
+def _ran_out(short: list[int], done: int, steps: int) -> str:
+    if not short:  # one rank alone, or steps that synchronise nothing
+        return f"train: batches ran out after {done} of {steps} steps"
+    return (
+        f"train: batches ran out after {done} of {steps} steps on rank(s) {short}; every rank must "
+        "get the same number of batches, so every rank stops here rather than wait in a collective"
+    )
 
 
 def _step(

@@ -95,13 +95,19 @@ class Mesh:
 
         shape = tuple(shape) if shape is not None else (ctx.world_size,)
         names = tuple(names) if names is not None else _default_names(len(shape))
-        if math.prod(shape) != ctx.world_size or any(s < 1 for s in shape):
+        sizes_ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
+        if not shape or not sizes_ok or math.prod(shape) != ctx.world_size:  # () was an IndexError
             raise ConfigurationError(
-                f"mesh shape {shape}: sizes must be >= 1 and multiply to the world size {ctx.world_size}"
+                f"mesh shape {shape}: needs at least one dimension, and integer sizes >= 1 that multiply "
+                f"to the world size {ctx.world_size}"
             )
-        if len(names) != len(shape) or len(set(names)) != len(names):
+        if (
+            len(names) != len(shape)
+            or len(set(names)) != len(names)
+            or not all(isinstance(n, str) and n for n in names)
+        ):
             raise ConfigurationError(
-                f"mesh names {names}: need {len(shape)} distinct names for shape {shape}"
+                f"mesh names {names}: need {len(shape)} distinct non-empty names (str) for shape {shape}"
             )
         topo = topology if topology is not None else ctx.hal.topology()
         mine = placement(topo, ctx.device.id, ctx.host)

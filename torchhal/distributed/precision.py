@@ -75,6 +75,18 @@ class PrecisionPolicy:
             return None
         return torch.amp.GradScaler(self.device_type)
 
+    def check_device(self, device: Device, what: str) -> None:
+        """Refuse a policy made for another kind of device: autocast for another device type
+        leaves this device's forward in fp32 (torch only warns), and a format the device does not
+        declare would be substituted by whatever torch does with it."""
+        if self.device_type != device.torch_device.type:
+            raise UnsupportedError(
+                f"{what}: precision policy {self.name!r} is for {self.device_type} tensors, but "
+                f"{device.id} holds {device.torch_device.type} tensors; make it with "
+                "choose_precision(ctx.device)"
+            )
+        _require_format(device, self.name, what)
+
     def report(self) -> dict[str, Any]:
         return {
             "policy": self.name,
@@ -100,15 +112,20 @@ def choose_precision(device: Device, *, prefer: PolicyName | None = None) -> Pre
 def _requested(device: Device, name: str) -> PrecisionPolicy:
     if name not in _FORMATS:
         raise UnsupportedError(f"precision must be one of {sorted(_FORMATS)}, got {name!r}")
+    fmt = _require_format(device, name, "choose_precision")
+    return _policy(device, name, f"requested; {device.id} declares {fmt.value}")
+
+
+def _require_format(device: Device, name: str, what: str) -> DType:
     fmt = _FORMATS[name][0]
     caps = device.capabilities
     if fmt not in caps.dtypes:
         declared = ", ".join(sorted(d.value for d in caps.dtypes))
         raise UnsupportedError(
-            f"precision {name!r} on {device.id}: the device does not declare {fmt.value} "
+            f"{what}: precision {name!r} on {device.id}: the device does not declare {fmt.value} "
             f"(declared dtypes: {declared})"
         )
-    return _policy(device, name, f"requested; {device.id} declares {fmt.value}")
+    return fmt
 
 
 def _from_capabilities(device: Device) -> PrecisionPolicy:

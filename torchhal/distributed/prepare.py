@@ -72,7 +72,10 @@ def prepare(
     """
     if strategy not in STRATEGIES:
         raise UnsupportedError(f"prepare: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if policy is not None:
+        policy.check_device(ctx.device, "prepare")
     policy = (policy or choose_precision(ctx.device)).for_strategy(strategy)
+    _check_not_wrapped(model)
     names = _parameter_names(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_optimizer_covers(optimizer, names)
@@ -141,6 +144,17 @@ def _fsdp(
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model, len(blocks)
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    """A DDP model wrapped again would reduce every gradient twice and nest its state-dict keys."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        raise InvalidArgumentError(
+            "prepare: the model is already wrapped in DistributedDataParallel; pass the module it "
+            "wraps (model.module), which prepare wraps for the strategy asked"
+        )
 
 
 def _parameter_names(model: nn.Module) -> dict[int, str]:
