@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -52,5 +53,7 @@ def benjamini_hochberg(pvalues: Sequence[float] | np.ndarray, alpha: float = 0.0
     alpha = _checks.probability(alpha, "alpha")
     order = np.argsort(p, kind="stable")
     m = p.size
-    scaled = p[order] * m / np.arange(1, m + 1)
+    # m·p/j rounded once: in floats (p·m)/j rounds twice, and p = 0.05 at rank j = m came out
+    # 0.05000000000000001, not rejected at alpha = 0.05 although p_(j) <= j·alpha/m holds.
+    scaled = np.array([float(Fraction(v) * m / j) for j, v in enumerate(p[order].tolist(), start=1)])
     return _result(order, np.minimum.accumulate(scaled[::-1])[::-1], alpha, "benjamini-hochberg")

@@ -39,6 +39,14 @@ def _stirling_remainder(x: float) -> float:
     return total
 
 
+def log_gamma_excess(a: float) -> float:
+    """a·log(a) − a − log Γ(a): by Stirling's series at large a, where the three terms cancel
+    (lgamma(5e11) ≈ 1.3e13 leaves 1e-3 of absolute error in the difference)."""
+    if a < _STIRLING_FROM:
+        return a * math.log(a) - a - math.lgamma(a)
+    return 0.5 * math.log(a) - _HALF_LOG_2PI - _stirling_remainder(a)
+
+
 def log_beta(a: float, b: float) -> float:
     """log B(a, b) without the cancellation of lgamma(a) + lgamma(b) − lgamma(a + b) at large a or b.
 
