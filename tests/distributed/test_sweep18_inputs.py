@@ -21,7 +21,7 @@ from torchhal_nvidia.recorded import RecordedCudaProbe
 from tests.plugins.facts import load
 from torchhal import HardwareAbstractionLayer
 from torchhal import distributed as thd
-from torchhal.distributed.checkpoint import Checkpointer, CheckpointError, latest_valid, step_dir, verify
+from torchhal.distributed.checkpoint import Checkpointer, CheckpointError, latest_valid, verify
 from torchhal.distributed.elastic import ElasticJob
 from torchhal.distributed.health import HealthMonitor
 from torchhal.hal_core import ConfigurationError, InvalidArgumentError, UnsupportedError, telemetry
@@ -229,21 +229,44 @@ def test_a_model_with_keys_the_checkpoint_lacks_is_refused_naming_them(tmp_path)
     assert_refused_untouched(tmp_path, widths, r"2 key\(s\) only in the model \('1\.bias'; '1\.weight'\)")
 
 
-def test_the_checkpoint_just_committed_is_never_pruned(tmp_path):
-    """Resumed from an older step (here after rolling back) with keep=1, the save deleted the
-    checkpoint it had just written and returned its path; only the later one was left."""
+def test_a_rollback_sets_the_abandoned_later_checkpoints_aside(tmp_path):
+    """Resumed from an older step (a rollback) with keep=1, the save deleted the checkpoint it had
+    just written; kept, the later one was what the next crash resumed from, undoing the rollback."""
     model = nn.Linear(3, 2)
     optimizer = sgd(model.parameters())
     later, earlier = random.randint(5, 9), random.randint(1, 4)
     ckpt = Checkpointer(tmp_path, keep=1)
     ckpt.save(later, model, optimizer)
-    before = telemetry.counts().get("torchhal.checkpoint.later_steps_kept", 0)
+    before = telemetry.counts().get("torchhal.checkpoint.superseded", 0)
     info = ckpt.save(earlier, model, optimizer)
     assert info is not None and verify(info.path) == info
-    assert telemetry.counts()["torchhal.checkpoint.later_steps_kept"] == before + 1
+    assert telemetry.counts()["torchhal.checkpoint.superseded"] == before + 1
+    assert latest_valid(tmp_path).step == earlier  # a crash now resumes the rolled-back timeline
     ckpt.save(earlier + 1, model, optimizer)  # keep=1 still removes the older one of this run
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"step_{earlier + 1}", f"step_{later}"])
-    assert latest_valid(tmp_path).step == later and step_dir(tmp_path, earlier + 1).is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"step_{earlier + 1}", f"superseded_step_{later}_by_{earlier}"]
+    )
+    assert latest_valid(tmp_path).step == earlier + 1
+    assert verify(tmp_path / f"superseded_step_{later}_by_{earlier}").step == later  # kept whole
+
+
+def test_python_and_numpy_generators_resume_where_they_were(tmp_path):
+    """Data pipelines draw from random and numpy (shuffles, crops): only torch's were restored."""
+    import numpy as np
+
+    model = nn.Linear(3, 2)
+    optimizer = sgd(model.parameters())
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(1, model, optimizer)
+    expected = (random.random(), np.random.random(), np.random.standard_normal(), torch.rand(1).item())
+    random.random(), np.random.random(), torch.rand(1)  # drift past the saved point
+    ckpt.load(model, optimizer)
+    assert (
+        random.random(),
+        np.random.random(),
+        np.random.standard_normal(),
+        torch.rand(1).item(),
+    ) == expected
 
 
 # -- mesh ------------------------------------------------------------------------------------------

@@ -9,9 +9,11 @@ what makes a checkpoint safe to resume from after a crash:
 - `latest_valid(dir)` walks back from the newest step to the newest one whose manifest verifies,
   logging and counting every one it skips (truncated, edited, incomplete);
 - each rank's RNG states (torch's CPU generator and its device's, asked through the device type
-  the HAL reports) sit beside the shards in `rng_rank<r>.pt`, so a resumed run draws the same
-  random numbers as an uninterrupted one;
-- only the newest `keep` checkpoints are kept.
+  the HAL reports, and Python's and NumPy's) sit beside the shards in `rng_rank<r>.pt`, so a
+  resumed run draws the same random numbers as an uninterrupted one;
+- only the newest `keep` checkpoints are kept, and checkpoints of later steps than one just
+  committed (a run resumed from an earlier step) are set aside, so a crash never resumes the
+  abandoned timeline.
 `step` is the number of optimizer steps completed: resume with `train(first_step=step)`. The
 directory must be storage every rank sees (DCP's file writer and the commit both assume it).
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import re
 import shutil
 from concurrent.futures import Future
@@ -28,6 +31,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -201,17 +205,24 @@ class Checkpointer:
 
     def _prune(self, newest: int) -> None:
         """Keep the checkpoint just committed and the `keep - 1` before it. Checkpoints of later
-        steps (left by a run that resumed from an earlier one) are counted apart and never make
-        the one just written the first to go: with keep=1 that deleted it as soon as it was made."""
+        steps belong to a timeline this run abandoned when it resumed from an earlier one (a
+        rollback past a loss spike): they are set aside as `superseded_step_<n>_by_<newest>`,
+        kept for inspection but never resumed from, since `latest_valid` would have preferred
+        them after the next crash and silently undone the rollback."""
         steps = sorted(_steps(self.directory), reverse=True)
-        later = [step for step, _ in steps if step > newest]
-        if later:
-            log.warning(
-                "checkpoints of later steps than the one just committed remain; latest_valid prefers them",
-                committed=newest,
-                later=later,
-            )
-            telemetry.count("torchhal.checkpoint.later_steps_kept")
+        for step, path in steps:
+            if step > newest:
+                aside = path.with_name(f"superseded_step_{step}_by_{newest}")
+                if aside.exists():
+                    shutil.rmtree(aside)
+                path.rename(aside)
+                log.warning(
+                    "checkpoint of a later step set aside: this run resumed from an earlier one",
+                    committed=newest,
+                    step=step,
+                    moved_to=str(aside),
+                )
+                telemetry.count("torchhal.checkpoint.superseded")
         for step, path in [(s, p) for s, p in steps if s <= newest][self.keep :]:
             shutil.rmtree(path)
             log.info("old checkpoint removed", step=step, path=str(path), keep=self.keep)
@@ -288,8 +299,20 @@ class Checkpointer:
 
 
 def rng_state(device: Device | None) -> dict[str, Any]:
-    """torch's CPU generator state, plus `device`'s generator when its tensors live off the host."""
-    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    """torch's CPU generator state, `device`'s generator when its tensors live off the host, and
+    Python's and NumPy's global generators, which data pipelines draw from (shuffles, crops)."""
+    numpy_state = np.random.get_state(legacy=False)
+    state: dict[str, Any] = {
+        "cpu": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": {  # weights_only loading takes tensors and plain values, not ndarrays
+            "bit_generator": numpy_state["bit_generator"],
+            "key": torch.from_numpy(numpy_state["state"]["key"].astype(np.int64)),
+            "pos": numpy_state["state"]["pos"],
+            "has_gauss": numpy_state["has_gauss"],
+            "gauss": numpy_state["gauss"],
+        },
+    }
     if device is not None and device.torch_device.type != "cpu":
         module = torch.get_device_module(device.torch_device.type)
         state["device_type"] = device.torch_device.type
@@ -299,6 +322,17 @@ def rng_state(device: Device | None) -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any], device: Device | None) -> None:
     torch.set_rng_state(state["cpu"])
+    if "python" in state:  # checkpoints of earlier versions hold torch's generators only
+        random.setstate(state["python"])
+        saved = state["numpy"]
+        np.random.set_state(
+            {
+                "bit_generator": saved["bit_generator"],
+                "state": {"key": saved["key"].numpy().astype(np.uint32), "pos": saved["pos"]},
+                "has_gauss": saved["has_gauss"],
+                "gauss": saved["gauss"],
+            }
+        )
     saved = state.get("device_type")
     here = device.torch_device.type if device is not None and device.torch_device.type != "cpu" else None
     if saved != here:
