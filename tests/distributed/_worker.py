@@ -3,7 +3,8 @@
 Run as a script (never collected by pytest):
     python _worker.py SCENARIO RANK WORLD OUT_DIR SEED
 "train" (world 2, CPU, gloo): process groups under store prefixes, DDP and FSDP2 against a
-single-process reference trained on the whole batch, FSDP2's bf16 policy, the 1-D mesh.
+single-process reference trained on the whole batch, FSDP2's bf16 policy, the 1-D mesh, and
+last a rank given fewer batches than the others.
 "hetero" (world 4): ranks 0 and 2 on simulated ASICs of different specs, 1 and 3 on the CPU
 (the device comes from WORKER_DEVICE): islands, hierarchical vs flat all-reduce, the
 throughput split, weighted gradient sync against the whole-batch reference, the 2-D mesh.
@@ -31,7 +32,7 @@ from torch import nn
 
 from torchhal import distributed as thd
 from torchhal.distributed.health import HealthMonitor
-from torchhal.hal_core import telemetry
+from torchhal.hal_core import InvalidArgumentError, telemetry
 
 TIMEOUT = timedelta(seconds=20)
 DIM, DEPTH, GLOBAL_BATCH, STEPS = 12, 3, 12, 3
@@ -390,6 +391,32 @@ def check_mesh_keeps_islands_on_the_inner_dimension(state: State) -> None:
     assert telemetry.counts()[key] == before + 1
 
 
+def check_a_rank_with_fewer_batches_stops_every_rank_naming_it(state: State) -> None:
+    """Rank 1 gets fewer batches than `steps` (last in its world: every rank then stops). Both
+    ranks raise naming rank 1 within seconds; before, rank 0 waited in DDP's all-reduce until the
+    collective timeout, or until rank 1 left, and failed with gloo's error naming no rank."""
+    steps, short_by = 3, 1 + state.seed % 2
+    prepared = thd.prepare(nn.Linear(DIM, 1), lambda p: torch.optim.SGD(p, lr=0.1), ctx=state.ctx)
+    batches = [(torch.randn(3, DIM),) for _ in range(steps - short_by if state.rank == 1 else steps)]
+    began = time.monotonic()
+    try:
+        thd.train(
+            prepared.model,
+            prepared.optimizer,
+            batches,
+            steps=steps,
+            ctx=state.ctx,
+            policy=prepared.policy,
+            loss_fn=lambda model, batch: model(batch[0]).square().mean(),
+        )
+    except InvalidArgumentError as exc:
+        want = f"batches ran out after {steps - short_by} of {steps} steps on rank(s) [1]"
+        assert want in str(exc), str(exc)
+        assert time.monotonic() - began < TIMEOUT.total_seconds() / 2, "the error waited on a timeout"
+        return
+    raise AssertionError("train finished although rank 1 had too few batches")
+
+
 SCENARIOS: dict[str, list[Callable[[State], None]]] = {
     "train": [
         check_prefix_generations,
@@ -398,6 +425,7 @@ SCENARIOS: dict[str, list[Callable[[State], None]]] = {
         check_a_slow_rank_is_flagged_by_its_forward_time,
         check_fsdp_matches_whole_batch_reference,
         check_fsdp_bf16_policy_computes_in_bf16_and_keeps_fp32_state,
+        check_a_rank_with_fewer_batches_stops_every_rank_naming_it,
     ],
     "hetero": [
         check_init_on_assigned_device,

@@ -8,7 +8,6 @@ import itertools
 import math
 import random
 import time
-from datetime import timedelta
 
 import pytest
 import torch
@@ -35,20 +34,6 @@ class Net(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return F.mse_loss(self.head(x).squeeze(-1).float(), y)
-
-
-@pytest.fixture
-def ctx(tmp_path, monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    assert not dist.is_initialized(), "an earlier test left a process group behind"
-    hal = HardwareAbstractionLayer(settings=NO_AUTOLOAD)
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    context = thd.init(hal, device="cpu", rank=0, world_size=1, store=store, timeout=timedelta(seconds=10))
-    try:
-        yield context
-    finally:
-        context.shutdown()
 
 
 def batches(n: int, rows: int = 6, dim: int = 10) -> list[tuple[torch.Tensor, torch.Tensor]]:

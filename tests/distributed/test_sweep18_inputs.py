@@ -37,18 +37,6 @@ def _no_rendezvous_env(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.fixture
-def ctx(tmp_path):
-    assert not dist.is_initialized(), "an earlier test left a process group behind"
-    hal = HardwareAbstractionLayer(settings=NO_AUTOLOAD)
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    context = thd.init(hal, device="cpu", rank=0, world_size=1, store=store, timeout=timedelta(seconds=10))
-    try:
-        yield context
-    finally:
-        context.shutdown()
-
-
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
 
