@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -230,20 +230,41 @@ class HealthReport(_Frozen):
     messages: tuple[str, ...] = ()
 
     @classmethod
-    def judged(
+    def from_readings(
         cls,
-        problems: Sequence[str],
-        passed: Sequence[str],
-        unread: Sequence[str],
         source: str,
-        **readings: Any,
+        *,
+        temperature: tuple[str, float | None],
+        limit: tuple[str, float | None],
+        ecc: tuple[str, int | None],
+        utilization_pct: float | None,
     ) -> HealthReport:
-        """A report from an adapter's checks: DEGRADED on any problem, OK only when some check
-        passed, UNKNOWN when none could be made, so a reading that never came is never taken as
-        a good one; the messages name what `source` did not report."""
+        """A GPU's report from what its management library (`source`) read: each reading is
+        (name, value or None). DEGRADED at or above the temperature limit or on ECC errors, OK
+        only when some check could be made, UNKNOWN when none could, so a reading that never came
+        is never taken as a good one; the messages name what `source` did not report."""
+        (t_name, t), (l_name, lim), (e_name, errors) = temperature, limit, ecc
+        problems, passed = [], []
+        if t is not None and lim is not None:
+            if t >= lim:
+                problems.append(f"{t_name} {t:g} C is at or above the {l_name} {lim:g} C")
+            else:
+                passed.append(f"{t_name} {t:g} C, below the {l_name} {lim:g} C")
+        if errors:
+            problems.append(f"{errors} {e_name} error(s)")
+        elif errors is not None:
+            passed.append(f"no {e_name} errors")
+        named = ((t_name, t), (l_name, lim), (f"{e_name} count", errors))
+        unread = [name for name, value in named if value is None]
         status = HealthStatus.DEGRADED if problems else (HealthStatus.OK if passed else HealthStatus.UNKNOWN)
         missing = (f"{source} did not report: {', '.join(unread)}",) if unread else ()
-        return cls(status=status, messages=(*(problems or passed), *missing), **readings)
+        return cls(
+            status=status,
+            temperature_c=t,
+            ecc_errors=errors,
+            utilization_pct=utilization_pct,
+            messages=(*(problems or passed), *missing),
+        )
 
 
 FAST_LINKS = frozenset({LinkType.NVLINK, LinkType.XGMI, LinkType.XE_LINK})

@@ -171,34 +171,11 @@ class AmdAdapter(VendorAdapter):
             )
             return HealthReport(status=HealthStatus.UNKNOWN, messages=(f"no health readings: {reason}",))
         static = self.runtime_probe.amdsmi_device(index) or {}
-        temperature = _celsius(readings["temperature_hotspot"])
-        critical = _celsius(static.get("temperature_hotspot_critical"))
-        ecc = readings["ecc_uncorrectable"]
-        named = (
-            ("hotspot temperature", temperature),
-            ("critical temperature", critical),
-            ("uncorrectable ECC count", ecc),
-        )
-        unread = [name for name, value in named if value is None]
-        problems, passed = [], []
-        if temperature is not None and critical is not None:
-            if temperature >= critical:
-                problems.append(
-                    f"hotspot temperature {temperature:g} C is at or above the critical {critical:g} C"
-                )
-            else:
-                passed.append(f"hotspot temperature {temperature:g} C, below the critical {critical:g} C")
-        if ecc:
-            problems.append(f"{ecc} uncorrectable ECC error(s)")
-        elif ecc is not None:
-            passed.append("no uncorrectable ECC errors")
-        return HealthReport.judged(
-            problems,
-            passed,
-            unread,
+        return HealthReport.from_readings(
             "amdsmi",
-            temperature_c=temperature,
-            ecc_errors=ecc,
+            temperature=("hotspot temperature", _celsius(readings["temperature_hotspot"])),
+            limit=("critical temperature", _celsius(static.get("temperature_hotspot_critical"))),
+            ecc=("uncorrectable ECC", readings["ecc_uncorrectable"]),
             utilization_pct=readings["gfx_activity_pct"],
         )
 

@@ -146,33 +146,11 @@ class NvidiaAdapter(VendorAdapter):
             reason = "NVML knows no device of this UUID" if nvml["available"] else nvml["reason"]
             return HealthReport(status=HealthStatus.UNKNOWN, messages=(f"no health readings: {reason}",))
         static = self.runtime_probe.nvml_device(index) or {}
-        temperature, slowdown = readings["temperature_c"], static.get("slowdown_temperature_c")
-        ecc = readings["ecc_uncorrected_volatile"]
-        named = (
-            ("temperature", temperature),
-            ("slowdown threshold", slowdown),
-            ("uncorrected ECC count", ecc),
-        )
-        unread = [name for name, value in named if value is None]
-        problems, passed = [], []
-        if temperature is not None and slowdown is not None:
-            if temperature >= slowdown:
-                problems.append(
-                    f"temperature {temperature} C is at or above the slowdown threshold {slowdown} C"
-                )
-            else:
-                passed.append(f"temperature {temperature} C, below the slowdown threshold {slowdown} C")
-        if ecc:
-            problems.append(f"{ecc} uncorrected ECC error(s) since the driver loaded")
-        elif ecc is not None:
-            passed.append("no uncorrected ECC errors")
-        return HealthReport.judged(
-            problems,
-            passed,
-            unread,
+        return HealthReport.from_readings(
             "NVML",
-            temperature_c=temperature,
-            ecc_errors=ecc,
+            temperature=("temperature", readings["temperature_c"]),
+            limit=("slowdown threshold", static.get("slowdown_temperature_c")),
+            ecc=("uncorrected ECC", readings["ecc_uncorrected_volatile"]),
             utilization_pct=readings["utilization_gpu_pct"],
         )
 
