@@ -75,16 +75,25 @@ def ab(
     except TorchHALError as exc:
         _error(console, str(exc))
         raise typer.Exit(EXIT_BAD_INPUT) from exc
-    out_dir.mkdir(parents=True, exist_ok=True)
     store_path = out_dir / "samples.sqlite"
-    if fresh:
-        for path in (store_path, *(store_path.with_name(store_path.name + s) for s in ("-wal", "-shm"))):
-            path.unlink(missing_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            for path in (store_path, *(store_path.with_name(store_path.name + s) for s in ("-wal", "-shm"))):
+                path.unlink(missing_ok=True)
+        store = SampleStore(store_path)
+    except OSError as exc:  # --out names a file, or a directory this user may not write
+        why = "exists and is not a directory" if out_dir.is_file() else str(exc)
+        _error(console, f"--out {out_dir}: {why}")
+        raise typer.Exit(EXIT_BAD_INPUT) from exc
+    except TorchHALError as exc:  # a store file that is not one (corrupt, another schema)
+        _error(console, str(exc))
+        raise typer.Exit(EXIT_BAD_INPUT) from exc
     console.print(
         f"[bold]{escape(loaded.config.name)}[/]: {len(loaded.variants)} variants, "
         f"baseline {escape(loaded.config.baseline)}"
     )
-    with SampleStore(store_path) as store, _progress(console) as progress:
+    with store, _progress(console) as progress:
         tasks: dict[str, TaskID] = {}
 
         def advance(phase: str, done: int, total: int) -> None:
@@ -94,13 +103,15 @@ def ab(
 
         try:
             result = run_experiment(loaded.variants, loaded.config, store=store, progress=advance)
-        except TorchHALError as exc:
-            _error(console, str(exc))
-            raise typer.Exit(EXIT_BAD_INPUT) from exc
-        except Exception as exc:  # a variant's own code failed: not a regression, not bad input
+        except Exception as exc:
+            where = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))  # which variant
+            if isinstance(exc, TorchHALError):
+                _error(console, f"{exc}{where}")
+                raise typer.Exit(EXIT_BAD_INPUT) from exc
+            # a variant's own code failed: not a regression, not bad input
             console.print(
                 "[red]failed:[/] "
-                + escape(f"{type(exc).__name__}: {exc} (finished samples are in {store_path})"),
+                + escape(f"{type(exc).__name__}: {exc}{where} (finished samples are in {store_path})"),
                 soft_wrap=True,
             )
             raise typer.Exit(EXIT_FAILED) from exc
@@ -134,7 +145,7 @@ def _progress(console: Console) -> Progress:
 
 def print_result(console: Console, result: ExperimentResult) -> None:
     """The comparisons as a rich table, and the cost rows."""
-    table = Table(title=f"vs baseline {result.config.baseline}")
+    table = Table(title=f"vs baseline {escape(result.config.baseline)}")  # names are text, not markup
     for col in (
         "metric",
         "variant",
@@ -152,7 +163,7 @@ def print_result(console: Console, result: ExperimentResult) -> None:
         color = _COLORS[c.verdict]
         table.add_row(
             c.metric,
-            c.variant,
+            escape(c.variant),
             f"{c.median_variant:.4g} / {c.median_baseline:.4g} {c.unit}",
             change,
             f"{c.p_corrected:.3g}",

@@ -137,17 +137,27 @@ def _as_metrics(value: Any, metrics: tuple[str, ...], variant: str, item: int) -
                 f"variant {variant!r} on item {item} returned no value for metric(s) {missing}; "
                 f"got {sorted(value)}"
             )
-        row = {m: float(value[m]) for m in metrics}
-    elif len(metrics) == 1 and isinstance(value, (int, float, np.floating, np.integer)):
-        row = {metrics[0]: float(value)}
-    elif len(metrics) == 1 and isinstance(value, torch.Tensor) and value.numel() == 1:
-        row = {metrics[0]: float(value.item())}
+        row = {m: _number(value[m], variant, item, f"metric {m!r}") for m in metrics}
+    elif len(metrics) == 1:
+        row = {metrics[0]: _number(value, variant, item, f"its one metric {metrics[0]!r}")}
     else:
         raise InvalidArgumentError(
-            f"variant {variant!r} on item {item} must return a number (one metric) or a mapping of "
-            f"{list(metrics)} to numbers, got {type(value).__name__}"
+            f"variant {variant!r} on item {item} must return a mapping of {list(metrics)} to numbers, "
+            f"got {type(value).__name__}"
         )
     bad = {m: v for m, v in row.items() if not math.isfinite(v)}
     if bad:
         raise InvalidArgumentError(f"variant {variant!r} on item {item} returned non-finite values {bad}")
     return row
+
+
+def _number(value: Any, variant: str, item: int, what: str) -> float:
+    """A value as a float: a number or a one-element tensor; None (a metric left unmeasured),
+    text or anything else is refused by name, never turned into NaN or a crash of float()."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, (int, float, np.floating, np.integer)):
+        raise InvalidArgumentError(
+            f"variant {variant!r} on item {item} must return a number for {what}, got {value!r}"
+        )
+    return float(value)

@@ -54,6 +54,12 @@ class ExperimentConfig:
     name: str = "experiment"
 
     def __post_init__(self) -> None:
+        for role in ("name", "baseline"):  # reports and the CLI print them as text
+            value = getattr(self, role)
+            if not isinstance(value, str) or not value.strip():
+                raise InvalidArgumentError(f"{role} must be a non-empty string, got {value!r}")
+        if self.reference is not None and not isinstance(self.reference, str):
+            raise InvalidArgumentError(f"reference must be a variant name (a string), got {self.reference!r}")
         if isinstance(self.metrics, str):  # tuple("latency") would be seven one-letter metrics
             raise InvalidArgumentError(
                 f"metrics must be a list of metric names, got the string {self.metrics!r}"
@@ -65,7 +71,7 @@ class ExperimentConfig:
             metric(name)
         if len(set(self.metrics)) != len(self.metrics):
             raise InvalidArgumentError(f"metrics must be distinct, got {list(self.metrics)}")
-        unknown = sorted(set(self.thresholds) - set(METRICS))
+        unknown = sorted(set(self.thresholds) - set(METRICS), key=repr)  # YAML keys may be numbers
         if unknown:
             raise InvalidArgumentError(
                 f"thresholds for unknown metric(s) {unknown}; known: {sorted(METRICS)}"

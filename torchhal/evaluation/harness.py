@@ -22,7 +22,9 @@ synchronize-then-perf-counter otherwise, simulated time on a simulated device. A
   `MemoryInfo` does not report;
 * outliers flagged with Tukey fences per variant, never dropped;
 * the environment fingerprint in every result, and, given a `SampleStore`, every finished
-  sample on disk as soon as its batch is read, so an interrupted run resumes where it stopped.
+  sample on disk as soon as its batch is read, so an interrupted run resumes where it stopped;
+* a variant whose callable raises stops the measurement: the exception propagates with a note
+  naming the variant and input set, after the samples finished before it are saved.
 """
 
 from __future__ import annotations
@@ -106,8 +108,16 @@ class Variant:
                 yield
 
     def call(self, index: int) -> Any:
-        """Call `fn` once with argument set `index` mod n (no timing; caller holds `active()`)."""
-        return self.fn(*self.inputs.for_call(index), **self.inputs.kwargs)
+        """Call `fn` once with argument set `index` mod n (no timing; caller holds `active()`).
+
+        An exception of `fn` goes on as it is, with a note (PEP 678) naming this variant and the
+        input set: the measurement stops there, its finished samples kept (see `measure`)."""
+        try:
+            return self.fn(*self.inputs.for_call(index), **self.inputs.kwargs)
+        except Exception as exc:
+            note = f"in variant {self.name!r} ({self.description}) on input set {index % len(self.inputs)}"
+            exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # add_note() from Python 3.11
+            raise
 
     def key_data(self) -> dict[str, Any]:
         """What must match for samples of two runs to be pooled."""
@@ -247,7 +257,7 @@ def measure(
 ) -> Measurement:
     """Time every variant `repetitions` times in `order`; see the module docstring."""
     group = [variants] if isinstance(variants, Variant) else list(variants)
-    _check_group(group)
+    check_group(group)
     for name, value, minimum in (
         ("warmup", warmup, 0),
         ("repetitions", repetitions, 1),
@@ -415,7 +425,8 @@ def _check_elapsed(variant: Variant, elapsed: float, inner: int) -> None:
     )
 
 
-def _check_group(group: list[Variant]) -> None:
+def check_group(group: list[Variant]) -> None:
+    """At least one Variant, each a Variant, their names distinct (results are kept by name)."""
     if not group:
         raise InvalidArgumentError("measure needs at least one Variant, got none")
     bad = [type(v).__name__ for v in group if not isinstance(v, Variant)]

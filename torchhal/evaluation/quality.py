@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from torchhal.evaluation.fingerprint import digest, environment_fingerprint
-from torchhal.evaluation.harness import Variant
+from torchhal.evaluation.harness import Variant, check_group
 from torchhal.evaluation.store import SampleStore
 from torchhal.hal_core import InvalidArgumentError, telemetry
 
@@ -71,6 +71,7 @@ def measure_quality(
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, np.ndarray]:
     """Per variant, the error of its output on each input set against the reference variant's."""
+    check_group(list(variants))  # errors are kept by name: a repeated name would overwrite one
     by_name = {v.name: v for v in variants}
     if reference not in by_name:
         raise InvalidArgumentError(

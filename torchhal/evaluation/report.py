@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -93,13 +94,13 @@ def write_json(result: ExperimentResult, path: str | Path) -> Path:
 
 def to_markdown(result: ExperimentResult) -> str:
     cfg, fp = result.config, result.fingerprint
-    lines = [f"# A/B experiment: {cfg.name}", ""]
+    lines = [f"# A/B experiment: {_text(cfg.name)}", ""]
     git = fp.get("git", {})
     commit = git.get("commit") or f"unknown ({git.get('reason', 'no git')})"
     dirty = " (uncommitted changes)" if git.get("dirty") else ""
     versions = ", ".join(f"{k} {v}" for k, v in fp.get("versions", {}).items())
     lines += [
-        f"- baseline: `{cfg.baseline}`; metrics: {', '.join(cfg.metrics)}; alpha {cfg.alpha} "
+        f"- baseline: {_code(cfg.baseline)}; metrics: {', '.join(cfg.metrics)}; alpha {cfg.alpha} "
         f"({cfg.correction} correction); {cfg.repetitions} repetitions after {cfg.warmup} warm-up, "
         f"order {cfg.order}, seed {cfg.seed}",
         "- thresholds: " + ", ".join(f"{m} {cfg.threshold(m).describe()}" for m in cfg.metrics),
@@ -123,11 +124,15 @@ def to_markdown(result: ExperimentResult) -> str:
         unit = METRICS[c.metric].unit
         power = "-" if c.power is None else f"{c.power:.2f}"
         lines.append(
-            f"| {c.metric} | `{c.variant}` | {c.median_variant:.4g} / {c.median_baseline:.4g} {unit} "
+            f"| {c.metric} | {_code(c.variant, cell=True)} | "
+            f"{c.median_variant:.4g} / {c.median_baseline:.4g} {unit} "
             f"| {_change(c)} | {c.p_corrected:.3g} | "
             f"{power} | **{c.verdict.value}** |"
         )
-    lines += ["", *[f"- `{c.variant}` {c.metric}: {c.verdict.value}: {c.reason}" for c in result.comparisons]]
+    lines += [
+        "",
+        *[f"- {_code(c.variant)} {c.metric}: {c.verdict.value}: {c.reason}" for c in result.comparisons],
+    ]
     if result.cost:
         lines += [
             "",
@@ -140,7 +145,8 @@ def to_markdown(result: ExperimentResult) -> str:
             sim = " (simulated)" if r.simulated else ""
             front = "yes" if r.variant in result.pareto else ""
             lines.append(
-                f"| `{r.variant}` | {r.device}{sim} | {r.price_per_hour:g} | {r.median_latency_ms:.4g} | "
+                f"| {_code(r.variant, cell=True)} | {r.device}{sim} | {r.price_per_hour:g} | "
+                f"{r.median_latency_ms:.4g} | "
                 f"{r.throughput:.4g} | {r.cost_per_million_items:.4g} | {front} |"
             )
     return "\n".join(lines) + "\n"
@@ -169,10 +175,29 @@ def _summary_table(result: ExperimentResult) -> str:
                 assert fences is not None
                 flagged = f"{len(fences.flagged)} ({len(fences.far_out)} far out)"
             rows.append(
-                f"| `{name}` | {info['device']} | {metric} ({METRICS[metric].unit}) | {s['n']} | "
+                f"| {_code(name, cell=True)} | {info['device']} | {metric} ({METRICS[metric].unit}) | "
+                f"{s['n']} | "
                 f"{p50['estimate']:.4g}{ci} | {p90['estimate']:.4g} | {flagged} |"
             )
     return "\n".join(rows)
+
+
+def _text(text: str) -> str:
+    """A user's string on one line of Markdown: control characters (a newline would end the
+    heading or table row it sits in) shown as escapes, as Python writes them."""
+    return "".join(ch if ch.isprintable() else repr(ch)[1:-1] for ch in text)
+
+
+def _code(text: str, *, cell: bool = False) -> str:
+    """A user's string as an inline code span that shows it verbatim: the fence is one backtick
+    longer than any run of backticks inside, and in a table cell `|` is escaped (GitHub's tables
+    split cells on it even inside code)."""
+    body = _text(text)
+    if cell:
+        body = body.replace("|", "\\|")
+    fence = "`" * (max((len(run) for run in re.findall("`+", body)), default=0) + 1)
+    pad = " " if body.startswith("`") or body.endswith("`") else ""
+    return f"{fence}{pad}{body}{pad}{fence}"
 
 
 def _change(c: Any) -> str:

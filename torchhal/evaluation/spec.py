@@ -226,7 +226,7 @@ class _Builder:
             gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{i}".encode()))
             return tuple(_argument(a, gen, f"{where}[{k}]") for k, a in enumerate(args))
 
-        return Inputs.generate(make, self.sets, **kwargs)
+        return Inputs([make(i) for i in range(self.sets)], kwargs)  # kwargs may be named `count`
 
 
 def _argument(spec: Any, gen: torch.Generator, where: str) -> Any:
@@ -287,7 +287,7 @@ def _table(data: Mapping[str, Any], key: str, where: str, *, required: bool = Fa
 
 
 def _keys(table: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(table) - allowed)
+    unknown = sorted(set(table) - allowed, key=repr)  # YAML keys may be numbers too
     if unknown:
         raise ConfigurationError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(allowed)}")
 

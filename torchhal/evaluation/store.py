@@ -38,6 +38,10 @@ CREATE TABLE IF NOT EXISTS experiments (
     created_at REAL NOT NULL
 );
 """
+_COLUMNS = {
+    "samples": ["experiment", "variant", "key", "value", "session", "written_at"],
+    "experiments": ["experiment", "config", "created_at"],
+}
 
 
 class SampleStore:
@@ -132,7 +136,24 @@ def _open(path: Path, timeout_s: float) -> tuple[sqlite3.Connection, str]:
         mode = db.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         db.execute("PRAGMA synchronous=NORMAL")
         db.executescript(_SCHEMA)
+        _check_file(db, path)
     except BaseException:
         db.close()
         raise
     return db, str(mode)
+
+
+def _check_file(db: sqlite3.Connection, path: Path) -> None:
+    """Refuse, before anything is measured, a file whose tables another program or another
+    version made (CREATE TABLE IF NOT EXISTS keeps them; the first write would fail) or whose
+    pages are damaged (reads would fail part-way through a resume)."""
+    for table, expected in _COLUMNS.items():
+        found = [row[1] for row in db.execute(f"PRAGMA table_info({table})")]
+        if found != expected:
+            raise ConfigurationError(
+                f"sample store {path}: table {table!r} has columns {found}, expected {expected}: "
+                "the file was made by another program or another version; use another file"
+            )
+    problems = [row[0] for row in db.execute("PRAGMA quick_check(5)")]
+    if problems != ["ok"]:
+        raise ConfigurationError(f"sample store {path}: the file is damaged: {'; '.join(problems)}")
