@@ -375,3 +375,20 @@ def test_cli_failure_names_the_variant(tmp_path):
         "planted failure in a variant (in variant 'slow' (callable tests.evaluation.helpers:broken"
         in result.text
     )
+
+
+@pytest.mark.parametrize(("table", "seen"), [({"relative": "abc"}, "'abc'"), ({"relative": True}, "True")])
+def test_a_threshold_table_is_held_to_the_threshold_rules(table, seen):
+    """{relative = "abc"} was a bare ValueError from float(); {relative = true} became 1.0 (100%)."""
+    with pytest.raises(InvalidArgumentError, match=rf"a threshold must be a finite number >= 0, got {seen}"):
+        Threshold.parse(table, "latency")
+    assert Threshold.parse({"absolute": 2}, "latency") == Threshold(absolute=2)
+
+
+def test_prices_that_are_not_a_table_are_named():
+    """`prices = "x"` in a spec was an AttributeError ('str' object has no attribute 'items')."""
+    from torchhal.evaluation.cost import check_prices
+
+    with pytest.raises(InvalidArgumentError, match=r"prices must be a table of device id or variant name"):
+        check_prices("x")  # type: ignore[arg-type]
+    assert check_prices({"cuda:0": 3}) == {"cuda:0": 3.0}

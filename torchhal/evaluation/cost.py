@@ -34,6 +34,10 @@ class CostRow:
 
 
 def check_prices(prices: Mapping[str, float]) -> dict[str, float]:
+    if not isinstance(prices, Mapping):  # `prices = "x"` in a spec was an AttributeError
+        raise InvalidArgumentError(
+            f"prices must be a table of device id or variant name to price per hour, got {prices!r}"
+        )
     out = {}
     for key, value in prices.items():
         if (

@@ -82,7 +82,7 @@ class Threshold:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return cls(relative=float(value))
         if isinstance(value, dict) and set(value) <= {"relative", "absolute"} and len(value) == 1:
-            return cls(**{k: float(v) for k, v in value.items()})
+            return cls(**value)  # its own checks: float() took true as 1.0 and crashed on "abc"
         raise InvalidArgumentError(
             f"threshold for {what}: give a number (relative to the baseline median) or "
             f"{{relative = x}} or {{absolute = x}}, got {value!r}"
