@@ -59,3 +59,13 @@ def test_requirement_counts_are_counts_not_bools_or_fractions(value):
     with pytest.raises(pydantic.ValidationError, match="min_memory_bytes"):
         DeviceRequirements(min_memory_bytes=value)
     assert DeviceRequirements(min_memory_bytes=16e9).min_memory_bytes == 16 * 10**9
+
+
+def test_tf32_without_fp32_is_refused_naming_the_declared_dtypes():
+    """tf32 is a mode of fp32 matmuls: declared alone, the kit's dtype check failed with an
+    allocation error far from the declaration."""
+    from torchhal.hal_core import DType
+
+    with pytest.raises(pydantic.ValidationError, match=r"tf32 is a mode of fp32 matmuls.*\['bf16', 'tf32'\]"):
+        fake_caps(dtypes=frozenset({DType.TF32, DType.BF16}))
+    assert DType.TF32 in fake_caps(dtypes=frozenset({DType.TF32, DType.FP32})).dtypes

@@ -156,6 +156,16 @@ class DeviceCapabilities(_Versioned):
     pci_bus_id: str | None = None
     driver_version: str | None = None
 
+    @field_validator("dtypes")
+    @classmethod
+    def _tf32_is_a_mode_of_fp32(cls, dtypes: frozenset[DType]) -> frozenset[DType]:
+        """tf32 is how fp32 matmuls may run, not a storage format: declared without fp32, every
+        check that allocates a tf32 tensor (there is no such torch dtype) failed far from here."""
+        if DType.TF32 in dtypes and DType.FP32 not in dtypes:
+            declared = sorted(d.value for d in dtypes)
+            raise ValueError(f"tf32 is a mode of fp32 matmuls: declaring it needs fp32 too, got {declared}")
+        return dtypes
+
     @property
     def simulated(self) -> bool:
         return Feature.SIMULATED in self.features
