@@ -28,6 +28,14 @@ def test_pocock_type_spending_matches_the_published_lan_demets_boundaries():
     assert got == pytest.approx([2.4380, 2.4268, 2.4101, 2.3966, 2.3859], abs=2e-3)
 
 
+def test_obrien_fleming_five_look_boundaries_match_the_published_ones():
+    """Five equally spaced looks, two-sided α = 0.05, O'Brien-Fleming-type spending with α/2 a
+    side: 4.877, 3.357, 2.680, 2.290, 2.031 (ld98, gsDesign's sfLDOF at one-sided 0.025, rpact's
+    asOF). Spent on the two-sided total, the first look's boundary was 4.383."""
+    got = group_boundaries(FIVE, spending="obrien-fleming")
+    assert got == pytest.approx([4.877, 3.357, 2.680, 2.290, 2.031], abs=2e-3)
+
+
 @pytest.mark.parametrize("spending", ["obrien-fleming", "pocock"])
 def test_crossing_probabilities_spend_alpha_as_planned(spending):
     """Monte Carlo of the score process at unequally spaced looks: the cumulative probability of
