@@ -1,4 +1,4 @@
-"""The `torchhal` command: info, profile, conformance, demo."""
+"""The `torchhal` command: info, profile, conformance, demo, ab."""
 
 from __future__ import annotations
 
@@ -149,7 +149,8 @@ def conformance(
 
 @app.command()
 def demo() -> None:
-    """Discovery, capabilities, device choice and kernel selection on the hardware present."""
+    """Discovery, capabilities, device choice, kernel selection, A/B comparisons and a 2-process
+    training run on the hardware present."""
     from torchhal.demo import run
 
     run(console)

@@ -1,4 +1,6 @@
-"""`torchhal demo`: discovery, capabilities, device choice and kernel selection, on whatever is here.
+"""`torchhal demo`: discovery, capabilities, device choice, kernel selection, A/B comparisons with
+statistics (torchhal.evaluation) and a 2-process training run (torchhal.distributed; from a source
+checkout, which has the example it trains), on whatever is here.
 
 Uses only the HAL's public interfaces, so the same walk-through runs on a GPU host, a
 CPU-only laptop or a simulated ASIC.

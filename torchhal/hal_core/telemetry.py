@@ -5,7 +5,8 @@ application set one) and logs below TORCHHAL_LOG_LEVEL (default WARNING) cost a 
 `configure(exporter=...)` gives torchhal its own provider: "console", "otlp" (extra `otlp`) or
 "memory" (an InMemorySpanExporter, which tests read). structlog is imported on the first line
 actually emitted, so importing torchhal stays cheap. Spans are coarse: discovery, plugin
-loading, kernel selection and fallback, collectives, training steps, inference requests.
+loading and adapter discovery, kernel selection and fallback, collectives, profiling,
+distributed set-up, training steps and checkpoints, evaluation runs, conformance runs.
 """
 
 from __future__ import annotations
