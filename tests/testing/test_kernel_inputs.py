@@ -208,3 +208,12 @@ def test_inputs_of_ops_still_to_come_fit_design_md(op: str, core_registry: Kerne
     for case in cases:
         outputs = _tensors(DESIGN_FORMULAS[op](*case.args, **case.kwargs))
         assert all(bool(t.isfinite().all()) for t in outputs), case.label
+
+
+def test_an_exact_answer_is_no_part_of_the_allowed_error_even_where_none_was_allowed() -> None:
+    """error 0 against bound 0 (an exactly right all-zero output) was ratio inf: reported as the
+    worst case of a passing check, hiding the real one."""
+    exact = tolerance.Comparison(error=0.0, reference_error=0.0, bound=0.0)
+    assert exact.ok and exact.ratio == 0.0
+    assert tolerance.Comparison(error=1e-9, reference_error=0.0, bound=0.0).ratio == float("inf")
+    assert tolerance.Comparison(error=1.0, reference_error=1.0, bound=4.0).ratio == 0.25

@@ -37,6 +37,11 @@ class Comparison:
 
     @property
     def ratio(self) -> float:
+        """The error as a fraction of the allowed one: 0 for an exact answer, even where nothing
+        was allowed (an all-zero output), which read "inf of the allowed error" and, as the
+        worst case, hid the candidate's real worst."""
+        if self.error == 0:
+            return 0.0
         return self.error / self.bound if self.bound > 0 else float("inf")
 
     def __str__(self) -> str:
