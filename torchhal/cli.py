@@ -94,7 +94,7 @@ def info(
 def profile(
     device: Annotated[str | None, typer.Argument(help="Device id; default: the best device.")] = None,
     refresh: Annotated[bool, typer.Option(help="Measure again instead of reading the cache.")] = False,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the profile as JSON.")] = False,
 ) -> None:
     """Measure matmul TFLOP/s per dtype, copy bandwidth and launch latency (cached on disk)."""
     hal = HardwareAbstractionLayer()

@@ -62,7 +62,7 @@ def test_profile_of_the_simulated_asic_is_labelled_and_cached(tmp_path):
         (
             ["conformance", "warp9"],
             {},
-            "conformance: no adapter named 'warp9' is loaded (loaded: simasic, cpu)",
+            "conformance: no adapter named 'warp9' (adapters, their hardware present or not: simasic, cpu)",
         ),
         (["info"], {"TORCHHAL_STRICT_PLUGINS": "perhaps"}, "TORCHHAL_STRICT_PLUGINS='perhaps'"),
         (

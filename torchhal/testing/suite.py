@@ -268,7 +268,9 @@ def resolve_adapter(
         for d in hal.diagnostics
         if d.name == adapter
     )
-    raise ConfigurationError(f"conformance: no adapter named {adapter!r} is loaded (loaded: {known}){notes}")
+    raise ConfigurationError(
+        f"conformance: no adapter named {adapter!r} (adapters, their hardware present or not: {known}){notes}"
+    )
 
 
 def run_conformance(
