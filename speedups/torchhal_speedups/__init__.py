@@ -7,4 +7,5 @@ even where they are installed.
 from torchhal_speedups._guards import Guard, first_admitted
 
 __version__ = "0.1.0"
-__all__ = ["Guard", "first_admitted"]
+GUARD_API = 1  # what torchhal checks before using Guard and first_admitted: bump on any change to them
+__all__ = ["GUARD_API", "Guard", "first_admitted"]

@@ -106,8 +106,9 @@ Guard_new(PyTypeObject *type, PyObject *posargs, PyObject *kwargs)
 {
     static char *names[] = {"route", "args", "tensor_at", "check", NULL};
     PyObject *route, *args, *tensor_at, *check;
-    if (!PyArg_ParseTupleAndKeywords(posargs, kwargs, "OO!OO:Guard", names, &route, &PyTuple_Type,
-                                     &args, &tensor_at, &check))
+    if (!PyArg_ParseTupleAndKeywords(posargs, kwargs, "OOOO:Guard", names, &route, &args, &tensor_at,
+                                     &check) ||
+        need_tuple(args, "args") < 0)  /* a subclass's __len__ would go unread, as in `admits` */
         return NULL;
     State *st = PyType_GetModuleState(type);
     Py_ssize_t arity = PyTuple_Size(args);

@@ -286,3 +286,16 @@ def test_without_the_accelerator_the_python_guards_are_logged_once(unbound, hal,
     assert kernels.guard_implementation() == "python"
     lines = [line for line in capsys.readouterr().err.splitlines() if "torchhal_speedups" in line]
     assert len(lines) == 1 and "guards run in Python" in lines[0], lines
+
+
+def test_speedups_of_another_guard_api_are_not_used(unbound, hal, capsys):
+    """torchhal_speedups is its own distribution, upgraded apart from torchhal: one whose Guard or
+    first_admitted changed would have raised AttributeError or misread its arguments on every
+    dispatch. Another GUARD_API keeps the Python guards, warned and counted."""
+    unbound.setattr(torchhal_speedups, "GUARD_API", kernels.SPEEDUPS_GUARD_API + 1)
+    before = telemetry.counts().get("torchhal.kernel.speedups_mismatch", 0)
+    for _ in range(2):
+        torch.testing.assert_close(hal.dispatch("rms_norm", X, W, 1e-6), torch.rms_norm(X, (32,), W, 1e-6))
+    assert hal.report()["kernel_guards"] == "python"
+    assert telemetry.counts()["torchhal.kernel.speedups_mismatch"] == before + 1
+    assert "torchhal_speedups speaks another guard API" in capsys.readouterr().err

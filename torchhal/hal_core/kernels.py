@@ -622,6 +622,9 @@ def guard_implementation() -> str:
     return "python" if (_GUARD or _guard_type()) is _Guard else "torchhal_speedups"
 
 
+SPEEDUPS_GUARD_API = 1  # torchhal_speedups.GUARD_API this torchhal's memo calls
+
+
 def _guard_type() -> Any:
     """The guard type, bound on first use with the loop over guards (`_first_admitted`): the C ones
     of the optional torchhal_speedups distribution where it imports, unless
@@ -638,6 +641,17 @@ def _guard_type() -> Any:
                 "(0.2 to 0.5 µs more per op call on the GPU hosts measured, 0.6 to 1.6 µs on a 2-core VM)",
                 error=repr(exc),
             )
+        else:
+            found = getattr(speedups, "GUARD_API", None)
+            if found != SPEEDUPS_GUARD_API:  # a separate distribution: upgraded apart from torchhal
+                log.warning(
+                    "torchhal_speedups speaks another guard API: the dispatch memo's guards run in Python",
+                    installed=getattr(speedups, "__version__", None),
+                    guard_api=found,
+                    expected=SPEEDUPS_GUARD_API,
+                )
+                telemetry.count("torchhal.kernel.speedups_mismatch")
+                speedups = None
     # the loop before the type: the C loop takes no Python guard, and a guard exists only once
     # the type is bound
     if speedups is None:
