@@ -26,6 +26,7 @@ from torchhal.hal_core import (
     ProbeResult,
     Topology,
     VendorAdapter,
+    telemetry,
 )
 from torchhal.hal_core.collectives import Communicator
 
@@ -198,3 +199,21 @@ def test_wrapping_checks_the_group_serves_the_device(
     assert wrapper.backend == "gloo" and wrapper.rank == 0
     wrapper.destroy()
     assert dist.is_initialized(), "a wrapper does not destroy the group it wrapped"
+
+
+def test_a_timeout_given_for_an_existing_group_is_said_not_applied(
+    no_group: None, hal: HardwareAbstractionLayer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A group's timeout is fixed when it is made: wrapping one with another timeout ignored it
+    without a word, and `comm.timeout` then named the group's."""
+    made = timedelta(seconds=37)
+    dist.init_process_group(
+        "gloo", init_method=(tmp_path / "rendezvous").as_uri(), rank=0, world_size=1, timeout=made
+    )
+    counted = "torchhal.collective.timeout_not_applied"
+    before = telemetry.counts().get(counted, 0)
+    same = Communicator.create(hal, timeout=made)
+    assert same.timeout == made and telemetry.counts().get(counted, 0) == before
+    other = Communicator.create(hal, timeout=timedelta(seconds=5))
+    assert other.timeout == made and telemetry.counts()[counted] == before + 1
+    assert "timeout given for a process group that exists" in capsys.readouterr().err

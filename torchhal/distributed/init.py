@@ -75,7 +75,7 @@ def init(
     init_method: str | None = None,
     store: Store | None = None,
     prefix: str | None = None,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: timedelta | None = None,
 ) -> DistContext:
     """Initialise (or wrap) the default process group for this rank and return its context.
 
@@ -95,7 +95,8 @@ def init(
         raise ConfigurationError(f"local_rank must be >= 0, got {local!r} (an integer)")
     dev = local_device(hal, local, requirements) if device is None else hal.device(device)
     if prefix is not None:
-        store, init_method = _prefixed_store(prefix, store, init_method, rank, world_size, timeout), None
+        rendezvous = DEFAULT_TIMEOUT if timeout is None else timeout
+        store, init_method = _prefixed_store(prefix, store, init_method, rank, world_size, rendezvous), None
     with telemetry.span("torchhal.distributed.init", device=dev.id, prefix=prefix):
         comm = Communicator.create(
             hal,

@@ -219,7 +219,7 @@ class Communicator:
         world_size: int | None = None,
         init_method: str | None = None,
         store: Store | None = None,
-        timeout: timedelta = DEFAULT_TIMEOUT,
+        timeout: timedelta | None = None,
         group: dist.ProcessGroup | None = None,
         fused: bool = True,
     ) -> Communicator:
@@ -232,18 +232,21 @@ class Communicator:
         serves the device. `device` defaults to `hal.best_device()` (the device of index
         LOCAL_RANK among that adapter's devices when LOCAL_RANK is set). `fused=False`
         composes all_gather, reduce_scatter, all_to_all and avg from simpler collectives.
+        `timeout` is that of a group made here (default 300 s): a group that exists keeps the one
+        it was made with, and a different one given for it is logged and counted.
         """
         rank, world_size = _check_create_arguments(rank, world_size, timeout)
         dev = _resolve_device(hal, device)
         backend = backend_for([dev])
         if group is None and not dist.is_initialized():
-            _init_default_group(dev, backend, rank, world_size, init_method, store, timeout)
+            made_with = DEFAULT_TIMEOUT if timeout is None else timeout
+            _init_default_group(dev, backend, rank, world_size, init_method, store, made_with)
             return cls(
                 hal,
                 _world(),
                 dev,
                 backend=backend,
-                timeout=timeout,
+                timeout=made_with,
                 owns_default_group=True,
                 owns_group=False,
                 fused=fused,
@@ -253,12 +256,20 @@ class Communicator:
         _check_wrap_arguments(rank, world_size, init_method, store, group)
         pg = group if group is not None else _world()
         _check_group_serves(pg, dev, backend)
+        own = _group_timeout(pg, dev)
+        if timeout is not None and timeout != own:  # fixed when the group was made
+            log.warning(
+                "timeout given for a process group that exists: it keeps the one it was made with",
+                given_s=timeout.total_seconds(),
+                group_s=None if own is None else own.total_seconds(),
+            )
+            telemetry.count("torchhal.collective.timeout_not_applied")
         comm = cls(
             hal,
             pg,
             dev,
             backend=backend,
-            timeout=_group_timeout(pg, dev),
+            timeout=own,
             owns_default_group=False,
             owns_group=False,
             fused=fused,
@@ -936,7 +947,7 @@ def _check_create_arguments(
     from a comparison, and timedelta(seconds=-1) a gloo enforce failure inside CollectiveError.
     Returns rank and world_size as ints: integers of any type are taken, as ranks are elsewhere."""
     ints = _create_int("rank", rank), _create_int("world_size", world_size)
-    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
         raise ConfigurationError(
             f"Communicator.create: timeout must be a positive datetime.timedelta, got {timeout!r}"
         )
