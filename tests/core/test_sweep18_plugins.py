@@ -157,3 +157,12 @@ def test_entry_points_sharing_a_name_load_one_the_same_whatever_the_path_order(
     finally:
         for module in ("aa_shared", "zz_shared"):
             sys.modules.pop(module, None)
+
+
+def test_an_adapters_diagnostics_name_the_distribution_it_came_from(plugin_dist, settings):
+    """`torchhal info --json` showed "distribution": null for every adapter, installed wheels too."""
+    plugin_dist("good", adapter_plugin("good"))
+    hal = HardwareAbstractionLayer(settings=settings(plugins="good"))
+    d = diag(hal, "good")
+    assert (d.status, d.stage, d.distribution) == (Status.LOADED, "discover", "torchhal-test-good")
+    assert diag(hal, "cpu").distribution is None  # built into the core

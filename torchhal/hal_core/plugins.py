@@ -72,6 +72,7 @@ class PluginLoader:
         self.manager.add_hookspecs(hookspecs)
         self._core: set[str] = set()  # plugins of the torchhal distribution itself
         self._distributions: dict[str, str | None] = {}  # plugin name -> its distribution
+        self._adapter_distributions: dict[str, str | None] = {}  # adapter name -> its plugin's
 
     def record(self, diag: Diagnostic, span: trace.Span | None = None) -> None:
         """Keep `diag`, and put it on `span` (the plugin's or adapter's own, an error status when it
@@ -265,6 +266,7 @@ class PluginLoader:
                 self._refuse(plugin, *refusal)
                 continue
             taken.update(a.name for a in adapters)
+            self._adapter_distributions.update((a.name, self._distributions.get(plugin)) for a in adapters)
             offered[plugin] = adapters
         return offered
 
@@ -278,6 +280,7 @@ class PluginLoader:
         active = []
         taken_ids: set[str] = set()
         for adapter in adapters:
+            dist = self._adapter_distributions.get(adapter.name)  # None: built in or handed to the HAL
             with telemetry.span(
                 "torchhal.adapter.discover", adapter=adapter.name, vendor=adapter.vendor
             ) as span:
@@ -285,28 +288,35 @@ class PluginLoader:
                     probe = adapter.probe()
                 except Exception as exc:
                     self.record(
-                        Diagnostic(adapter.name, Status.FAILED, "probe", f"{type(exc).__name__}: {exc}"), span
+                        Diagnostic(
+                            adapter.name, Status.FAILED, "probe", f"{type(exc).__name__}: {exc}", dist
+                        ),
+                        span,
                     )
                     continue
                 if not probe.available:
-                    self.record(Diagnostic(adapter.name, Status.ABSENT, "probe", probe.reason), span)
+                    self.record(Diagnostic(adapter.name, Status.ABSENT, "probe", probe.reason, dist), span)
                     continue
                 try:
                     devices = tuple(adapter.discover())
                 except Exception as exc:
                     self.record(
-                        Diagnostic(adapter.name, Status.FAILED, "discover", f"{type(exc).__name__}: {exc}"),
+                        Diagnostic(
+                            adapter.name, Status.FAILED, "discover", f"{type(exc).__name__}: {exc}", dist
+                        ),
                         span,
                     )
                     continue
                 span.set_attribute("torchhal.devices", len(devices))
                 wrong = _wrong_records(adapter, devices, taken_ids)
                 if wrong is not None:
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "discover", wrong), span)
+                    self.record(Diagnostic(adapter.name, Status.FAILED, "discover", wrong, dist), span)
                     continue
                 if not devices:
                     self.record(
-                        Diagnostic(adapter.name, Status.ABSENT, "discover", f"{probe.reason}; no devices"),
+                        Diagnostic(
+                            adapter.name, Status.ABSENT, "discover", f"{probe.reason}; no devices", dist
+                        ),
                         span,
                     )
                     continue
@@ -314,11 +324,17 @@ class PluginLoader:
                     with registry.all_or_nothing():
                         adapter.register_kernels(registry)
                 except Exception as exc:
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "kernels", _describe(exc)), span)
+                    self.record(
+                        Diagnostic(adapter.name, Status.FAILED, "kernels", _describe(exc), dist), span
+                    )
                     continue
                 self.record(
                     Diagnostic(
-                        adapter.name, Status.LOADED, "discover", f"{len(devices)} device(s); {probe.reason}"
+                        adapter.name,
+                        Status.LOADED,
+                        "discover",
+                        f"{len(devices)} device(s); {probe.reason}",
+                        dist,
                     ),
                     span,
                 )
