@@ -300,3 +300,18 @@ def test_modelled_step_times_refuse_rates_that_are_not_positive_and_finite(bad):
         match=rf"modelled_step_times: throughputs must be finite and > 0, got \[\({rank}, {bad}\)\]",
     ):
         thd.modelled_step_times([4, 4, 4], rates, 1e9)
+
+
+def test_only_steps_that_wait_on_other_ranks_make_them_agree_on_batches(ctx):
+    """A policy that never went through prepare counted as synchronising: ranks training models
+    of their own (an ensemble, a sweep) with different step counts then failed in the agreement."""
+    from torchhal.distributed.loop import steps_synchronise
+
+    policy = thd.choose_precision(ctx.device)
+    assert policy.strategy is None
+    assert not steps_synchronise(2, policy, None)
+    assert not steps_synchronise(2, policy.for_strategy("local"), None)
+    assert steps_synchronise(2, policy.for_strategy("local"), grad_sync=lambda model: None)
+    assert steps_synchronise(2, policy.for_strategy("ddp"), None)
+    assert steps_synchronise(2, policy.for_strategy("fsdp"), None)
+    assert not steps_synchronise(1, policy.for_strategy("ddp"), None)

@@ -91,7 +91,7 @@ def train(
     compute_loss = loss_fn or _call_model
     stats: list[StepStats] = []
     source = iter(batches)
-    agree = ctx.world_size > 1 and (grad_sync is not None or policy.strategy != "local")
+    agree = steps_synchronise(ctx.world_size, policy, grad_sync)
     model.train()
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
@@ -126,6 +126,13 @@ def train(
             if on_step is not None:
                 on_step(result)
     return stats
+
+
+def steps_synchronise(world_size: int, policy: PrecisionPolicy, grad_sync: object | None) -> bool:
+    """Whether a step's collectives make the ranks wait on each other (DDP's and FSDP's gradient
+    reductions, a grad_sync), so that they must agree each has a batch. Ranks training models of
+    their own (a policy that never went through prepare, or `local`) may run different counts."""
+    return world_size > 1 and (grad_sync is not None or policy.strategy in ("ddp", "fsdp"))
 
 
 _EXHAUSTED = object()
