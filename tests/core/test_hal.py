@@ -62,8 +62,10 @@ class _Meta(FakeAdapter):
     namespace = None
 
 
-def test_a_torch_device_gives_the_device_that_natively_owns_it(settings):
-    """`hal.device(tensor.device)` is what a PyTorch user writes; it was refused."""
+def test_a_torch_device_gives_the_device_that_natively_owns_it(settings, monkeypatch):
+    """`hal.device(tensor.device)` is what a PyTorch user writes; it was refused. Without an index
+    it is the type's current device, as in torch: torch.cuda.set_device(r) then
+    torch.device("cuda") is device r, never silently device 0."""
     import torch
 
     hal = HardwareAbstractionLayer(
@@ -71,10 +73,23 @@ def test_a_torch_device_gives_the_device_that_natively_owns_it(settings):
         settings=settings(disable_plugin_autoload="1"),
     )
     assert hal.device(torch.device("meta", 1)) is hal.device("meta:1")
-    assert hal.device(torch.device("meta")) is hal.device("meta:0")  # as the id "meta" is meta:0
     assert hal.device(torch.empty(1).device) is hal.device("cpu")  # acme:0 is reached only by id
+    assert hal.device(torch.device("cpu", 0)) is hal.device("cpu")
     with pytest.raises(DeviceNotFoundError, match=r"no device 'meta:7'; devices found: .*meta:0, meta:1"):
         hal.device(torch.device("meta", 7))
+    with pytest.raises(
+        InvalidArgumentError, match=r"torch.device\('meta'\) has no index and torch keeps no current"
+    ):
+        hal.device(torch.device("meta"))  # torch has no current meta device
+
+    class CurrentIsOne:
+        @staticmethod
+        def current_device() -> int:
+            return 1
+
+    real = torch.get_device_module
+    monkeypatch.setattr(torch, "get_device_module", lambda t: CurrentIsOne if t == "meta" else real(t))
+    assert hal.device(torch.device("meta")) is hal.device("meta:1")
 
 
 def test_another_hals_device_is_refused_rather_than_charged(hal, settings):

@@ -185,14 +185,13 @@ class HardwareAbstractionLayer:
     def device(self, device_id: str | Device | torch.device) -> Device:
         """A device by HAL id (`cuda:0`, `simasic:1`, `cpu`); `cuda` means `cuda:0`. A Device is
         returned as it is if it is this HAL's: another HAL's would run on, and charge, that one.
-        A torch.device (`tensor.device`) gives the device that natively owns it."""
+        A torch.device (`tensor.device`) gives the device that natively owns it; one without an
+        index means the current device of its type, as in torch (`torch.cuda.set_device(r)` then
+        `torch.device("cuda")` is device r)."""
         state = self._discovered()
         loaded = sys.modules.get("torch")  # a torch.device exists only once torch is imported
         if loaded is not None and isinstance(device_id, loaded.device):
-            tdev: torch.device = device_id
-            if tdev.index is None and tdev.type != "cpu":  # as the id `cuda` is `cuda:0`
-                tdev = loaded.device(tdev.type, 0)
-            return self._native_device(tdev)
+            return self._native_device(_indexed(loaded, device_id))
         if isinstance(device_id, Device):
             if state.by_id.get(device_id.id) is not device_id:
                 raise InvalidArgumentError(
@@ -376,6 +375,25 @@ def _json_number(value: float) -> float | str:
     """value, or its name where JSON has no number for it (the reference's priority is -inf, and
     `-Infinity`, which Python's json writes, is refused by JSON.parse and other strict parsers)."""
     return value if math.isfinite(value) else str(value)
+
+
+def _indexed(loaded: Any, tdev: torch.device) -> torch.device:
+    """`tdev` with the index torch means by it (`loaded` is the torch module): the host has one
+    (`cpu`, also `cpu:0`), and an accelerator without an index is its type's current device."""
+    if tdev.type == "cpu":
+        host: torch.device = loaded.device("cpu")
+        return host
+    if tdev.index is not None:
+        return tdev
+    try:
+        current = loaded.get_device_module(tdev.type).current_device()
+    except (AttributeError, RuntimeError) as exc:
+        raise InvalidArgumentError(
+            f"torch.device({tdev.type!r}) has no index and torch keeps no current {tdev.type} device "
+            f"({exc}); give one, e.g. torch.device({tdev.type!r}, 0)"
+        ) from None
+    indexed: torch.device = loaded.device(tdev.type, current)
+    return indexed
 
 
 def _rank_key(dev: Device) -> tuple[tuple[Any, ...], tuple[str, ...]]:
