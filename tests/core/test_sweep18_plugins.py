@@ -166,3 +166,16 @@ def test_an_adapters_diagnostics_name_the_distribution_it_came_from(plugin_dist,
     d = diag(hal, "good")
     assert (d.status, d.stage, d.distribution) == (Status.LOADED, "discover", "torchhal-test-good")
     assert diag(hal, "cpu").distribution is None  # built into the core
+
+
+def test_a_hook_of_a_later_torchhal_marked_optional_is_not_a_misspelling(plugin_dist, settings):
+    """pluggy's optionalhook lets a plugin implement a hook a later core adds; the misspelt-hook
+    check refused such a plugin whole."""
+    source = adapter_plugin("ahead") + (
+        "\n\nfrom torchhal.hal_core import hookimpl as _impl\n\n"
+        "@_impl(optionalhook=True)\ndef torchhal_future_hook():\n    raise AssertionError('never called')\n"
+    )
+    plugin_dist("ahead", source)
+    hal = HardwareAbstractionLayer(settings=settings(plugins="ahead"))
+    assert [a.name for a in hal.adapters] == ["ahead", "cpu"]
+    assert diag(hal, "ahead").status is Status.LOADED

@@ -180,8 +180,15 @@ class PluginLoader:
             )
             return
         callers = self.manager.get_hookcallers(plugin) or []
-        unknown = sorted(c.name for c in callers if c.spec is None)
-        if not callers or unknown:
+        # a hook this torchhal does not define is a misspelling, unless marked optionalhook: pluggy's
+        # way for a plugin to implement a hook of a later torchhal, which this one never calls
+        optional = {
+            c.name
+            for c in callers
+            if c.spec is None and all(i.optionalhook for i in c.get_hookimpls() if i.plugin is plugin)
+        }
+        unknown = sorted(c.name for c in callers if c.spec is None and c.name not in optional)
+        if len(callers) == len(optional) or unknown:
             self.manager.unregister(plugin)
             reason = "implements no torchhal hook"
             if unknown:  # a misspelt hook would never run: its kernels or adapters silently missing
