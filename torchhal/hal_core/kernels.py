@@ -649,6 +649,7 @@ def _guard_type() -> Any:
                     installed=getattr(speedups, "__version__", None),
                     guard_api=found,
                     expected=SPEEDUPS_GUARD_API,
+                    hint="install the speedups of this torchhal's source: pip install ./speedups",
                 )
                 telemetry.count("torchhal.kernel.speedups_mismatch")
                 speedups = None
