@@ -164,3 +164,21 @@ def test_launch_latency_stands_beside_a_plain_torch_copy(settings, tmp_path, mon
     # both are one-element copies on the host: the same order of magnitude, not a constant
     assert 0.1 < prof.launch_latency_us / prof.direct_launch_latency_us < 10
     assert prof.direct_copy_bandwidth_gbps is not None and not prof.matmul_tflops
+
+
+def test_a_peer_that_fails_leaves_the_hals_figure_with_a_note(settings, tmp_path, monkeypatch):
+    """A dtype only a plugin's kernel multiplies: torch.matmul raising lost the HAL's figure too."""
+    import torch
+
+    from torchhal.hal_core import DType
+
+    hal = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1", cache_dir=str(tmp_path)))
+    hal.kernels.register("matmul", "operator", lambda a, b: a @ b, provider="test", priority=1e9)
+
+    def refuses(*args, **kwargs):
+        raise RuntimeError("no matmul for this dtype here")
+
+    monkeypatch.setattr(torch, "matmul", refuses)
+    n, rate, peer, problem = profile_module._matmul_rates(hal, hal.device("cpu"), DType.FP32, max_n=64)
+    assert n > 0 and rate > 0 and peer is None
+    assert problem == "RuntimeError: no matmul for this dtype here"

@@ -151,9 +151,11 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
                 continue
             try:
                 max_n = 512 if device.simulated else 1024 if small else 8192
-                sizes[dtype], matmul[dtype], peer = _matmul_rates(hal, device, dtype, max_n)
+                sizes[dtype], matmul[dtype], peer, problem = _matmul_rates(hal, device, dtype, max_n)
                 if peer is not None:
                     direct[dtype] = peer
+                if problem is not None:
+                    notes.append(f"matmul {dtype.value} through torch.matmul not measured: {problem}")
             except Exception as exc:  # a declared dtype without a matmul path is reported, not hidden
                 notes.append(f"matmul {dtype.value} not measured: {type(exc).__name__}: {exc}")
                 log.warning(
@@ -194,23 +196,27 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
 
 def _matmul_rates(
     hal: HardwareAbstractionLayer, device: Device, dtype: DType, max_n: int
-) -> tuple[int, float, float | None]:
-    """(n, TFLOP/s through the HAL, through torch.matmul or None when simulated) of n×n×n
-    products: all or nothing, so a dtype has a size only beside its figure, and the operands
-    are freed before the next dtype's."""
+) -> tuple[int, float, float | None, str | None]:
+    """(n, TFLOP/s through the HAL, through torch.matmul, why torch.matmul was not measured) of
+    n×n×n products: a dtype has a size only beside its figure, and the operands are freed before
+    the next dtype's. torch.matmul failing (a dtype only a plugin's kernel multiplies) leaves the
+    HAL's figure standing, without its peer; a simulated device has no peer."""
     import torch
 
     with _tf32(dtype is DType.TF32):
         a, b = _sized_operands(hal, device, dtype, max_n)
         n = a.shape[0]
-        seconds, peer_seconds = _seconds(
-            device,
-            partial(hal.kernels.call, "matmul", device, a, b),
-            None if device.simulated else partial(torch.matmul, a, b),
-        )
+        peer_fn: Callable[[], object] | None = None if device.simulated else partial(torch.matmul, a, b)
+        problem = None
+        if peer_fn is not None:
+            try:
+                peer_fn()
+            except Exception as exc:
+                problem, peer_fn = f"{type(exc).__name__}: {exc}", None
+        seconds, peer_seconds = _seconds(device, partial(hal.kernels.call, "matmul", device, a, b), peer_fn)
         rate = 2 * n**3 / seconds / 1e12
         peer = None if peer_seconds is None else 2 * n**3 / peer_seconds / 1e12
-    return n, rate, peer
+    return n, rate, peer, problem
 
 
 def _copy_bytes(device: Device, most: int) -> int:
