@@ -315,3 +315,13 @@ def test_only_steps_that_wait_on_other_ranks_make_them_agree_on_batches(ctx):
     assert steps_synchronise(2, policy.for_strategy("ddp"), None)
     assert steps_synchronise(2, policy.for_strategy("fsdp"), None)
     assert not steps_synchronise(1, policy.for_strategy("ddp"), None)
+
+
+def test_set_aside_timelines_are_kept_keep_at_most(tmp_path):
+    """Each set-aside checkpoint is a whole one: rollbacks kept every one of them, without bound."""
+    model = nn.Linear(3, 2)
+    optimizer = sgd(model.parameters())
+    ckpt = Checkpointer(tmp_path, keep=1)
+    for step in (9, 2, 8, 3):  # two rollbacks: 9 set aside by 2, then 8 by 3
+        ckpt.save(step, model, optimizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_3", "superseded_step_8_by_3"]

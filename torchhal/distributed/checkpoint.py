@@ -51,6 +51,7 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.step_(\d+)\.tmp$")
+_SUPERSEDED = re.compile(r"^superseded_step_(\d+)_by_(\d+)$")
 
 
 class CheckpointError(TorchHALError, RuntimeError):
@@ -213,7 +214,8 @@ class Checkpointer:
         for step, path in steps:
             if step > newest:
                 aside = path.with_name(f"superseded_step_{step}_by_{newest}")
-                if aside.exists():
+                if aside.exists():  # a second rollback to the same step: the newer copy stays
+                    log.warning("superseded checkpoint replaced", path=str(aside))
                     shutil.rmtree(aside)
                 path.rename(aside)
                 log.warning(
@@ -226,6 +228,19 @@ class Checkpointer:
         for step, path in [(s, p) for s, p in steps if s <= newest][self.keep :]:
             shutil.rmtree(path)
             log.info("old checkpoint removed", step=step, path=str(path), keep=self.keep)
+        # set-aside timelines are kept for inspection, `keep` of them, newest rollback first:
+        # each is a whole checkpoint, and rollbacks would otherwise fill the disk without a word
+        aside = sorted(
+            (
+                (int(m.group(2)), int(m.group(1)), p)
+                for p in self.directory.iterdir()
+                if (m := _SUPERSEDED.match(p.name))
+            ),
+            reverse=True,
+        )
+        for _, _, path in aside[self.keep :]:
+            shutil.rmtree(path)
+            log.info("old superseded checkpoint removed", path=str(path), keep=self.keep)
         for child in self.directory.iterdir():
             match = _TMP_DIR.match(child.name)
             if match and int(match.group(1)) < newest:
