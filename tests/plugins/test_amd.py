@@ -210,7 +210,8 @@ def test_uncorrectable_ecc_or_critical_temperature_degrade_health():
     )
     hot = with_amdsmi(load("amd-mi300x"), temperature=105 + random.randint(0, 5), critical=105, ecc=0)
     report = adapter(hot).health(0)
-    assert report.status is HealthStatus.DEGRADED and "at or above the critical temperature 105 C" in report.messages[0]
+    assert report.status is HealthStatus.DEGRADED
+    assert "at or above the critical temperature 105 C" in report.messages[0]
 
 
 def test_amdsmi_identity_replaces_torch_facts():
