@@ -6,6 +6,9 @@
 #                                            # GPU tests, profile (launch latency's plain-torch peer),
 #                                            # conformance, the logits probe
 #   bash benchmarks/gpu_session18.sh ab      # bench_attention, old and new builds alternately
+#   bash benchmarks/gpu_session18.sh final   # the final commit: real-GPU adapter and guard tests,
+#                                            # bench_dispatch against the session's first commit
+#                                            # (47ea2d4, in .whl_old/) alternately
 set -uo pipefail
 phase=${1:?checks or ab}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -22,6 +25,34 @@ if [ "$phase" = checks ]; then
   timeout 120 python3 -m torchhal conformance nvidia --json > "$OUT/conformance_nvidia.json"; echo "conformance rc=$?"
   timeout 150 python3 benchmarks/probe_attention_logits.py --out "$OUT/probe_logits.json" > "$OUT/probe_logits.log" 2>&1
   echo "probe rc=$?"; tail -31 "$OUT/probe_logits.log"
+elif [ "$phase" = final ]; then
+  export PYTHONPATH=/tmp/site
+  timeout 200 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/gpu tests/plugins \
+    tests/core/test_guards.py tests/core/test_sweep18_guards.py tests/core/test_hal.py 2>&1 | tee "$OUT/gpu_tests_final.log" | tail -4
+  cp -r /tmp/site /tmp/old
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
+  for run in old_1 new_1 old_2 new_2; do
+    site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
+    PYTHONPATH=$site timeout 100 python3 benchmarks/bench_dispatch.py --pin 3 --rounds 21 --calls 5000 \
+      --no-layers --modes unconfigured --out "$OUT/dispatch_$run.json" > "$OUT/dispatch_$run.log" 2>&1
+    echo "dispatch $run rc=$?"
+  done
+  python3 - "$OUT" <<'PY'
+import json, sys
+rows, runs = {}, ("old_1", "new_1", "old_2", "new_2")
+for run in runs:
+    try:
+        data = json.load(open(f"{sys.argv[1]}/dispatch_{run}.json"))
+    except (OSError, ValueError) as exc:
+        print(run, "no result:", exc)
+        continue
+    for key, row in data.items():
+        if isinstance(row, dict) and "overhead_us" in row:
+            rows.setdefault(key, {})[run] = row["overhead_us"]
+print(f"{'overhead us, median':36s} " + " ".join(f"{r:>7s}" for r in runs))
+for key, by_run in rows.items():
+    print(f"{key:36s} " + " ".join(f"{by_run.get(r, float('nan')):7.2f}" for r in runs))
+PY
 else
   cp -r /tmp/site /tmp/old
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
