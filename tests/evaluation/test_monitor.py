@@ -69,8 +69,14 @@ def test_higher_is_better_metric_reads_the_sign_the_other_way():
 
 
 def test_sample_ratio_mismatch_rolls_back():
+    """2000 : 1700 against 50:50. The anytime-valid check needs more units than a one-look test:
+    1000 : 850 (one-look p = 5e-4) gives p = 0.014, and no prior could flag it at 0.001 (the
+    likelihood ratio at the best split is 440); the same ratio is flagged from ~2,700 units."""
     monitor = _monitor()
     rng = np.random.default_rng(9)
+    monitor.observe_many("old", rng.normal(10.0, 1.0, 1000))
+    monitor.observe_many("new", rng.normal(10.0, 1.0, 850))
+    assert monitor.status().srm_p_value == pytest.approx(0.0137, abs=1e-4)
     monitor.observe_many("old", rng.normal(10.0, 1.0, 1000))
     monitor.observe_many("new", rng.normal(10.0, 1.0, 850))
     status = monitor.status()
@@ -78,9 +84,9 @@ def test_sample_ratio_mismatch_rolls_back():
     assert "sample ratio mismatch" in status.reason and status.srm_p_value < 0.001
     # the same counts fit a 1000 : 850 design
     matched = _monitor(weights=(1000, 850))
-    matched.observe_many("old", rng.normal(10.0, 1.0, 1000))
-    matched.observe_many("new", rng.normal(10.0, 1.0, 850))
-    assert matched.status().srm_p_value > 0.5
+    matched.observe_many("old", rng.normal(10.0, 1.0, 2000))
+    matched.observe_many("new", rng.normal(10.0, 1.0, 1700))
+    assert matched.status().srm_p_value == 1.0
 
 
 def test_budget_exhausted_stops_as_inconclusive():

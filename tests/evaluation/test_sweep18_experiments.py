@@ -21,6 +21,7 @@ from typer.testing import CliRunner
 import torchhal
 from tests.evaluation.helpers import Counting, cpu_hal, sim_hal
 from tests.evaluation.test_cli import CALLABLES
+from tests.evaluation.test_stats_assignment import polya_log_bayes_factor
 from torchhal.evaluation.cli import EXIT_BAD_INPUT, EXIT_FAILED, app
 from torchhal.evaluation.distributed import evaluate_sharded
 from torchhal.evaluation.experiment import ExperimentConfig, run_experiment
@@ -30,6 +31,8 @@ from torchhal.evaluation.metrics import Threshold
 from torchhal.evaluation.monitor import LiveMonitor, MonitorDecision
 from torchhal.evaluation.report import to_markdown, write_json
 from torchhal.evaluation.spec import load_spec
+from torchhal.evaluation.stats import sequential_sample_ratio_mismatch
+from torchhal.evaluation.stats.assignment import SRM_CONCENTRATION
 from torchhal.evaluation.store import SampleStore
 from torchhal.evaluation.variants import dtype_variants
 from torchhal.hal_core import ConfigurationError, InvalidArgumentError
@@ -250,29 +253,63 @@ def test_bad_weights_are_refused_before_any_traffic(weights, message):
 
 def test_an_arm_that_gets_no_traffic_is_a_sample_ratio_mismatch():
     """A broken router sending every request to the control was never flagged: the check
-    needed units in both arms, so the monitor said 'continue' forever."""
+    needed units in both arms, so the monitor said 'continue' forever. The p-value is 1/BF,
+    the Bayes factor built as Pólya's urn predicts each unit."""
     monitor = _monitor()
     monitor.observe_many("old", np.random.default_rng().normal(10.0, 1.0, 200))
     status = monitor.status()
     assert status.decision is MonitorDecision.ROLL_BACK and "sample ratio mismatch" in status.reason
-    assert status.srm_p_value == pytest.approx(2 * 0.5**200, rel=1e-9)
+    expected = -polya_log_bayes_factor([0] * 200, [0.5, 0.5], SRM_CONCENTRATION)
+    assert status.srm_p_value == pytest.approx(math.exp(expected), rel=1e-9, abs=0.0)
+
+
+def _flags_at(weights, n_control: int, n_candidate: int) -> bool:
+    """Whether one look at these counts, the first the monitor takes, rolls the split back."""
+    monitor = _monitor(weights=weights)
+    monitor.observe_many("old", [1.0] * n_control)
+    monitor.observe_many("new", [1.0] * n_candidate)
+    srm = monitor.status().srm_p_value
+    return srm is not None and srm < monitor.srm_alpha
 
 
 @pytest.mark.parametrize("weights", [(0.5, 0.5), (0.9, 0.1), (0.99, 0.01)])
-def test_a_sound_split_rolls_back_at_most_srm_alpha_of_the_time(weights):
-    """Exactly, over every count at each total up to 200: Pearson's chi-square rolled back 6.8% of
-    sound 99:1 canaries at 7 units (and 2.3% of 95:5 ones at 5)."""
-    monitor = _monitor(weights=weights)
+def test_a_sound_split_looked_at_after_every_unit_rolls_back_at_most_srm_alpha(weights):
+    """Exactly, by enumerating the counts, with a look after each of 100 units: the per-look exact
+    binomial test rolled back 0.0071 of sound 50:50 splits (0.0040 at 90:10, 0.0017 at 99:1)
+    against srm_alpha = 0.001, and 0.028 by 10,000 units. The monitor keeps the smallest p of
+    its looks, so a path is rolled back at its first flagged count: the enumeration absorbs there."""
     share = weights[1] / sum(weights)
-    worst = 0.0
-    for n in range(1, 201):
-        k = np.arange(n + 1)
-        pmf = np.array([math.comb(n, int(j)) for j in k], dtype=float) * share**k * (1 - share) ** (n - k)
-        fires = np.array([monitor._srm(n - int(j), int(j)) < monitor.srm_alpha for j in k])
-        worst = max(worst, float(pmf[fires].sum()))
-    assert worst <= monitor.srm_alpha
-    # and it still fires where it should: 1000 : 850 is far from 1 : 1 (p about 5e-4 by chi-square)
-    assert _monitor()._srm(1000, 850) < 1e-3
+    alive, rolled_back = np.array([1.0]), 0.0
+    for n in range(1, 101):
+        step = np.zeros(n + 1)
+        step[:-1] += alive * (1.0 - share)
+        step[1:] += alive * share
+        hit = np.array([_flags_at(weights, n - k, k) for k in range(n + 1)])
+        rolled_back += step[hit].sum()
+        step[hit] = 0.0
+        alive = step
+    assert rolled_back <= 0.001
+
+
+def test_the_monitor_keeps_the_smallest_srm_p_value_of_its_looks():
+    """The p-value is anytime-valid only as the minimum over looks; a split flagged once stays
+    flagged when later units even it out."""
+    rng = np.random.default_rng()
+    monitor = _monitor(weights=(0.8, 0.2))
+    smallest, counts = 1.0, [0, 0]
+    for _ in range(300):
+        arm = int(rng.uniform() < 0.2)
+        monitor.observe(("old", "new")[arm], float(rng.normal(10.0, 1.0)))
+        counts[arm] += 1
+        smallest = min(smallest, sequential_sample_ratio_mismatch(counts, [0.8, 0.2]).p_value)
+        assert monitor.status().srm_p_value == smallest
+    monitor.observe_many("new", rng.normal(10.0, 1.0, 400))  # broken: flagged
+    flagged = monitor.status()
+    assert flagged.decision is MonitorDecision.ROLL_BACK and flagged.srm_p_value < 1e-6
+    monitor.observe_many("old", rng.normal(10.0, 1.0, 4 * flagged.n_candidate - flagged.n_control))  # 80:20
+    later = monitor.status()
+    assert later.decision is MonitorDecision.ROLL_BACK and later.srm_p_value == flagged.srm_p_value
+    assert sequential_sample_ratio_mismatch([later.n_control, later.n_candidate], [0.8, 0.2]).p_value == 1.0
 
 
 def test_assignment_is_the_same_in_another_process_and_follows_the_weights():

@@ -12,10 +12,17 @@ frozen dataclass. One module per family:
 - `power`: power of Welch's test, sample size, minimum detectable effect
 - `sequential`: always-valid monitoring (mSPRT confidence sequence)
 - `group_sequential`: alpha-spending looks up to a planned size (spends exactly α there)
-- `assignment`: deterministic variant assignment and the sample-ratio-mismatch check
+- `assignment`: deterministic variant assignment and the sample-ratio-mismatch checks (one look,
+  and anytime-valid)
 """
 
-from torchhal.evaluation.stats.assignment import SampleRatioMismatch, assign, sample_ratio_mismatch
+from torchhal.evaluation.stats.assignment import (
+    SampleRatioMismatch,
+    SequentialSampleRatioMismatch,
+    assign,
+    sample_ratio_mismatch,
+    sequential_sample_ratio_mismatch,
+)
 from torchhal.evaluation.stats.bootstrap import BootstrapRatioResult, bootstrap_ratio_of_medians
 from torchhal.evaluation.stats.corrections import CorrectedPValues, benjamini_hochberg, holm
 from torchhal.evaluation.stats.group_sequential import GroupSequentialState, GroupSequentialTest
@@ -57,6 +64,7 @@ __all__ = [
     "QuantileInterval",
     "SampleRatioMismatch",
     "SampleSizeResult",
+    "SequentialSampleRatioMismatch",
     "SequentialState",
     "SequentialTest",
     "TostResult",
@@ -73,6 +81,7 @@ __all__ = [
     "quantile_ci",
     "sample_ratio_mismatch",
     "sample_size",
+    "sequential_sample_ratio_mismatch",
     "tost",
     "welch_t_test",
 ]

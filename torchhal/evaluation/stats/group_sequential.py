@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from torchhal.evaluation.stats import _checks
-from torchhal.evaluation.stats.distributions import norm_ppf, norm_sf
+from torchhal.evaluation.stats.distributions import norm_cdf, norm_ppf, norm_sf
 from torchhal.evaluation.stats.sequential import Decision, _RunningMoments
 from torchhal.hal_core.errors import InvalidArgumentError
 
@@ -70,11 +70,18 @@ class _Boundaries:
         collapse: 38% false positives with a look after each of 3000 values). Such a look gets
         an infinite boundary and spends nothing; its α goes to the next look, which measures
         its step from the last look taken. Looks at least 0.09% of the information so far
-        apart are all taken; the error stays <= α.
+        apart are all taken; the error stays <= α. The planned end (fraction >= 1) is never
+        deferred, or the final analysis could not reject: a close one is solved without the
+        grid (`_close_final_boundary`), and no look follows it.
         """
-        if self._x is not None and fraction - self.fraction < grid_spacing(self.fraction) ** 2:
+        close = self._x is not None and fraction - self.fraction < grid_spacing(self.fraction) ** 2
+        if close and fraction < 1.0:
             return math.inf
         target = spent_alpha(min(fraction, 1.0), self.alpha, self.spending)
+        if close:
+            b = self._close_final_boundary(fraction - self.fraction, target)
+            self.fraction, self.spent = fraction, target
+            return b / math.sqrt(fraction)
         width = GRID_HALF_WIDTH * math.sqrt(fraction)
         y = np.linspace(-width, width, GRID_POINTS)
         if self._x is None:
@@ -106,6 +113,46 @@ class _Boundaries:
         self._density = np.concatenate(([edge], density[mask], [edge]))
         self.fraction, self.spent = fraction, target
         return b / math.sqrt(fraction)
+
+    def _close_final_boundary(self, step: float, target: float) -> float:
+        """The B-scale boundary of a final look `step` after the last, too close for the grid.
+
+        The kernel is integrated, not sampled: the last look's density, linear between its grid
+        points (the trapezoid rule's own model), is convolved with N(0, step) in closed form,
+        so no mass is lost however narrow the kernel. The crossing probability falls as b
+        grows; bisection finds where it is the α newly spent, target − spent.
+        """
+        assert self._x is not None and self._density is not None
+        x, density, spend = self._x, self._density, target - self.spent
+        if 1.0 - spend / 2.0 == 1.0:
+            return math.inf  # nothing (representable) to spend at this look: it cannot reject
+        sd = math.sqrt(step)
+
+        def crossing(b: float) -> float:  # P(|B + N(0, step)| >= b, B inside the last region)
+            return _beyond(x, density, b, sd) + _beyond(-x[::-1], density[::-1], b, sd)
+
+        lo, hi = 0.0, float(x[-1]) + 40.0 * sd  # nothing crosses beyond 40 sd of the region
+        while lo < (mid := 0.5 * (lo + hi)) < hi:
+            lo, hi = (mid, hi) if crossing(mid) > spend else (lo, mid)
+        return hi
+
+
+_NORM_CDF = np.frompyfunc(norm_cdf, 1, 1)
+
+
+def _beyond(x: np.ndarray, density: np.ndarray, b: float, sd: float) -> float:
+    """P(X + N(0, sd²) >= b) for X with the sub-density linear between (x_i, density_i).
+
+    On each segment, with u = (x − b)/sd, the integral of (f_0 + slope·(u − u_0))·Φ(u) has the
+    antiderivatives ∫Φ = uΦ + φ and ∫uΦ = ((u² − 1)Φ + uφ)/2.
+    """
+    u = (x - b) / sd
+    cdf = np.asarray(_NORM_CDF(u), dtype=np.float64)
+    pdf = np.exp(-0.5 * u * u) / math.sqrt(2.0 * math.pi)
+    g = u * cdf + pdf
+    h = 0.5 * ((u * u - 1.0) * cdf + u * pdf)
+    slope = np.diff(density) / np.diff(u)
+    return sd * float(np.sum(density[:-1] * np.diff(g) + slope * (np.diff(h) - u[:-1] * np.diff(g))))
 
 
 def _trapezoid_weights(x: np.ndarray) -> np.ndarray:
@@ -157,7 +204,8 @@ class GroupSequentialTest:
     size are refused (the design has spent its α there; use the always-valid `SequentialTest`
     for open-ended monitoring). `higher_is_better` says which sign of the difference improves.
     A look less than 0.09% of the information after the last one taken (one value in a
-    large design) is deferred: its state has an infinite boundary and spends nothing.
+    large design) is deferred: its state has an infinite boundary and spends nothing. The look
+    at max_samples is never deferred: it spends what is left of α.
     """
 
     def __init__(
