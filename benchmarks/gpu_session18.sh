@@ -37,22 +37,7 @@ elif [ "$phase" = final ]; then
       --no-layers --modes unconfigured --out "$OUT/dispatch_$run.json" > "$OUT/dispatch_$run.log" 2>&1
     echo "dispatch $run rc=$?"
   done
-  python3 - "$OUT" <<'PY'
-import json, sys
-rows, runs = {}, ("old_1", "new_1", "old_2", "new_2")
-for run in runs:
-    try:
-        data = json.load(open(f"{sys.argv[1]}/dispatch_{run}.json"))
-    except (OSError, ValueError) as exc:
-        print(run, "no result:", exc)
-        continue
-    for key, row in data.items():
-        if isinstance(row, dict) and "overhead_us" in row:
-            rows.setdefault(key, {})[run] = row["overhead_us"]
-print(f"{'overhead us, median':36s} " + " ".join(f"{r:>7s}" for r in runs))
-for key, by_run in rows.items():
-    print(f"{key:36s} " + " ".join(f"{by_run.get(r, float('nan')):7.2f}" for r in runs))
-PY
+  python3 benchmarks/dispatch_ab_table.py "$OUT"
 else
   cp -r /tmp/site /tmp/old
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
