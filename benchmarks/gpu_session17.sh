@@ -18,10 +18,4 @@ PYTHONPATH=/tmp/site timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider
   "tests/kernels/gpu/test_attention_gpu.py::test_compile_with_inductor" \
   "tests/kernels/gpu/test_attention_gpu.py::test_sdpa_backend_candidates" \
   "tests/kernels/gpu/test_attention_gpu.py::test_transposed_layout" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
-for run in old_1 new_1 old_2 new_2; do
-  site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
-  PYTHONPATH=$site timeout 100 python3 benchmarks/bench_dispatch.py --pin 3 --rounds 21 --calls 5000 \
-    --no-layers --modes unconfigured --out "$OUT/dispatch_$run.json" > "$OUT/dispatch_$run.log" 2>&1
-  echo "dispatch $run rc=$?"
-done
-python3 benchmarks/dispatch_ab_table.py "$OUT"
+bash benchmarks/dispatch_ab.sh

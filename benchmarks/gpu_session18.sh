@@ -31,13 +31,7 @@ elif [ "$phase" = final ]; then
     tests/core/test_guards.py tests/core/test_sweep18_guards.py tests/core/test_hal.py 2>&1 | tee "$OUT/gpu_tests_final.log" | tail -4
   cp -r /tmp/site /tmp/old
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
-  for run in old_1 new_1 old_2 new_2; do
-    site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
-    PYTHONPATH=$site timeout 100 python3 benchmarks/bench_dispatch.py --pin 3 --rounds 21 --calls 5000 \
-      --no-layers --modes unconfigured --out "$OUT/dispatch_$run.json" > "$OUT/dispatch_$run.log" 2>&1
-    echo "dispatch $run rc=$?"
-  done
-  python3 benchmarks/dispatch_ab_table.py "$OUT"
+  bash benchmarks/dispatch_ab.sh
 else
   cp -r /tmp/site /tmp/old
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
