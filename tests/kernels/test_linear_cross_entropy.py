@@ -619,25 +619,28 @@ def _small_chunks(min_rows):
     label_smoothing=st.sampled_from([0.0, 0.1, 1.0]),
     reduction=st.sampled_from(["mean", "sum", "none"]),
     min_rows=st.sampled_from([None, 1, 4]),
+    seed=st.integers(0, 2**31 - 1),  # torch's generator: hypothesis does not seed it
 )
 @example(  # two vocabulary blocks of 2048 with the last partial, 3-row chunks across the batch rows
     lead=(2,), tokens=7, width=23, vocab=2100, hidden_layout="transposed", weight_layout="sliced",
     bias_layout="strided", target_layout="strided", target_dtype=torch.int64, ignore_index="a class",
-    ignored="first-row", label_smoothing=0.1, reduction="mean", min_rows=4,
+    ignored="first-row", label_smoothing=0.1, reduction="mean", min_rows=4, seed=1,
 )  # fmt: skip
 @example(  # nothing to average: NaN loss and zero gradients, as torch; per-token "none" gradients
     lead=(1, 3), tokens=5, width=9, vocab=13, hidden_layout="seq-first", weight_layout="transposed",
     bias_layout=None, target_layout="seq-first", target_dtype=torch.int32, ignore_index=-1,
-    ignored="all", label_smoothing=0.0, reduction="mean", min_rows=1,
+    ignored="all", label_smoothing=0.0, reduction="mean", min_rows=1, seed=2,
 )  # fmt: skip
-@example(  # a single token, hidden unit and a two-class vocabulary, all smoothed
+@example(  # a single token, hidden unit and a two-class vocabulary, all smoothed. Fixed inputs: here
+    # softmax - 1/2 cancels and about 1 draw in 800 has PyTorch's own error ~1e-9 by luck of its
+    # formula, under the kernel's one ulp of 0.5 and the rule's floor (docs/decisions.md)
     lead=(), tokens=1, width=1, vocab=2, hidden_layout="contiguous", weight_layout="row-strided",
     bias_layout="contiguous", target_layout="contiguous", target_dtype=torch.int64, ignore_index=-100,
-    ignored="none", label_smoothing=1.0, reduction="none", min_rows=None,
+    ignored="none", label_smoothing=1.0, reduction="none", min_rows=None, seed=0,
 )  # fmt: skip
 def test_shapes_strides_and_arguments_property(
     on_triton, check_error, lead, tokens, width, vocab, hidden_layout, weight_layout, bias_layout,
-    target_layout, target_dtype, ignore_index, ignored, label_smoothing, reduction, min_rows,
+    target_layout, target_dtype, ignore_index, ignored, label_smoothing, reduction, min_rows, seed,
 ):  # fmt: skip
     """torchhal.ops.linear_cross_entropy on views (hidden transposed, sliced, row-strided or
     sequence-first; weight transposed, sliced or row-strided; a strided bias; strided or transposed
@@ -646,6 +649,7 @@ def test_shapes_strides_and_arguments_property(
     base tensor (zero where the views do not reach) against the fp64 reference under the rule, and
     the Triton candidate selected for every call (conftest's guard fails a test whose kernel raised
     and fell back, so selected is what ran)."""
+    torch.manual_seed(seed)
     ignore_index = vocab // 2 if ignore_index == "a class" else ignore_index  # a class that is ignored
     shape = (*lead, tokens)
     bases = {
