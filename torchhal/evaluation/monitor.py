@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from torchhal.evaluation.metrics import Threshold
 from torchhal.evaluation.stats import Decision, SequentialTest, assign, sequential_sample_ratio_mismatch
 from torchhal.hal_core import InvalidArgumentError, telemetry
+from torchhal.hal_core.kernels import is_finite_number
 
 log = telemetry.get_logger("torchhal.evaluation.monitor")
 
@@ -79,7 +80,7 @@ class LiveMonitor:
             raise InvalidArgumentError(f"weights: one per arm (control, candidate), got {list(weights)}")
         # checked here, not at the first request or look: both arms must get traffic to be compared
         for arm, w in zip(("control", "candidate"), weights, strict=True):
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w > 0):
+            if not (is_finite_number(w) and w > 0):
                 raise InvalidArgumentError(f"weight of the {arm} must be a finite number > 0, got {w!r}")
         if not 0 < srm_alpha < 1:
             raise InvalidArgumentError(f"srm_alpha must lie strictly between 0 and 1, got {srm_alpha!r}")

@@ -96,7 +96,7 @@ MeasuredFigure = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 MeasuredSize = Annotated[int, Field(gt=0)]
 # A datasheet figure is held to the same rule: a spec's clock of 1e308 gave an infinite peak that
 # ranked its device first and made its op times 0.
-DeclaredFigure = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+DeclaredFigure = MeasuredFigure
 
 
 class _Frozen(BaseModel):

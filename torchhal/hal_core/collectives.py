@@ -291,8 +291,7 @@ class Communicator:
         else:
             with self._span("all_reduce", tensor, op=op):
                 self._all_reduce(tensor, op)
-        if self._charge is not None:
-            self._charged("all_reduce", tensor)
+        self._charged("all_reduce", tensor)
         return tensor
 
     @_not_differentiable
@@ -316,8 +315,7 @@ class Communicator:
                 )
                 if self.rank == dst:
                     tensor.div_(self.world_size)
-        if self._charge is not None:
-            self._charged("reduce", tensor)
+        self._charged("reduce", tensor)
         return tensor
 
     @_not_differentiable
@@ -339,8 +337,7 @@ class Communicator:
             else:
                 parts = list(out.chunk(self.world_size))
                 self._wait("all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
-        if self._charge is not None:
-            self._charged("all_gather", src)
+        self._charged("all_gather", src)
         return out
 
     @_not_differentiable
@@ -365,8 +362,7 @@ class Communicator:
                 full = src.clone()
                 self._all_reduce(full, op)
                 out.copy_(full.narrow(0, self.rank * out.shape[0], out.shape[0]))
-        if self._charge is not None:
-            self._charged("reduce_scatter", src)
+        self._charged("reduce_scatter", src)
         return out
 
     @_not_differentiable
@@ -378,8 +374,7 @@ class Communicator:
             self._wait(
                 "broadcast", dist.broadcast(tensor, self._global(src), group=self.group, async_op=True)
             )
-        if self._charge is not None:
-            self._charged("broadcast", tensor)
+        self._charged("broadcast", tensor)
         return tensor
 
     @_not_differentiable
@@ -409,8 +404,7 @@ class Communicator:
                 ]
                 for pending in dist.batch_isend_irecv(ops) if ops else []:
                     self._wait("all_to_all", pending)
-        if self._charge is not None:
-            self._charged("all_to_all", src)
+        self._charged("all_to_all", src)
         return out
 
     @_not_differentiable
@@ -420,8 +414,7 @@ class Communicator:
         dst = self._check_rank("send", "dst", dst, peer=True)
         with self._span("send", tensor, dst=dst):
             self._wait("send", dist.isend(tensor.contiguous(), self._global(dst), group=self.group))
-        if self._charge is not None:
-            self._charged("send", tensor)
+        self._charged("send", tensor)
 
     @_not_differentiable
     def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
@@ -430,8 +423,7 @@ class Communicator:
         src = self._check_rank("recv", "src", src, peer=True)
         with self._span("recv", tensor, src=src):
             self._wait("recv", dist.irecv(tensor, self._global(src), group=self.group))
-        if self._charge is not None:
-            self._charged("recv", tensor)
+        self._charged("recv", tensor)
         return tensor
 
     def barrier(self) -> None:
@@ -441,8 +433,7 @@ class Communicator:
             "torchhal.collective.barrier", backend=self.backend, bytes=0, world_size=self.world_size
         ):
             self._wait("barrier", dist.barrier(group=self.group, async_op=True))
-        if self._charge is not None:
-            self._charge(self.device.index, "barrier", 0, self.world_size)
+        self._charged("barrier", None)
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -689,9 +680,12 @@ class Communicator:
             **attributes,
         )
 
-    def _charged(self, name: str, tensor: torch.Tensor) -> None:
-        assert self._charge is not None
-        self._charge(self.device.index, name, tensor.numel() * tensor.element_size(), self.world_size)
+    def _charged(self, name: str, tensor: torch.Tensor | None) -> None:
+        """A simulated device's adapter charges the finished collective (`tensor`: this rank's
+        buffer, None for a barrier); a real device's is not called."""
+        if self._charge is not None:
+            nbytes = 0 if tensor is None else tensor.numel() * tensor.element_size()
+            self._charge(self.device.index, name, nbytes, self.world_size)
 
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank)
