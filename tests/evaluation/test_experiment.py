@@ -291,6 +291,12 @@ def test_config_refuses_bad_counts_and_seeds_before_any_run(field, value, minimu
     assert str(info.value) == f"{field} must be an integer >= {minimum}, got {value!r}"
 
 
+def test_config_refuses_more_resamples_than_the_comparison_holds_before_any_run():
+    """A count above the bootstrap's cap once ran every phase and failed only in the comparison."""
+    with pytest.raises(InvalidArgumentError, match=r"n_resamples must be at most 10,000,000, got 20,000,000"):
+        ExperimentConfig(baseline="a", n_resamples=20_000_000)
+
+
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [

@@ -22,6 +22,7 @@ from torchhal.evaluation.fingerprint import environment_fingerprint
 from torchhal.evaluation.harness import ORDERS, Measurement, Variant, measure
 from torchhal.evaluation.metrics import DEFAULT_THRESHOLDS, METRICS, Threshold, metric
 from torchhal.evaluation.quality import ERRORS, measure_quality
+from torchhal.evaluation.stats.bootstrap import MAX_RESAMPLES
 from torchhal.evaluation.store import SampleStore
 from torchhal.hal_core import InvalidArgumentError, telemetry
 
@@ -111,6 +112,10 @@ class ExperimentConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if self.n_resamples > MAX_RESAMPLES:  # the comparison would refuse it after measuring
+            raise InvalidArgumentError(
+                f"n_resamples must be at most {MAX_RESAMPLES:,}, got {self.n_resamples:,}"
+            )
         if self.quality_error not in ERRORS:
             raise InvalidArgumentError(f"quality_error must be one of {ERRORS}, got {self.quality_error!r}")
         if self.prices is not None:

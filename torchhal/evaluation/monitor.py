@@ -17,7 +17,10 @@ it after every observation does not inflate the false-positive rate. `status()` 
 * stop: the candidate is significantly better beyond the threshold, or the confidence
   sequence lies within ± the threshold (equivalent), or `max_samples` were seen without a
   decision (inconclusive, said so);
-* continue: otherwise.
+* continue: otherwise, the reason saying why. A relative threshold has no scale while the
+  control's mean is exactly 0 (an error rate with no errors yet in the control): the effect is
+  then not judged at all (no roll-back, improvement or equivalence on a ratio to 0) until the
+  control's mean moves off 0; the sample-ratio check and `max_samples` still apply.
 `assign(unit_id)` gives the deterministic variant for a request (`stats.assign`).
 """
 
@@ -29,12 +32,25 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from torchhal.evaluation.metrics import Threshold
-from torchhal.evaluation.stats import Decision, SequentialTest, assign, sequential_sample_ratio_mismatch
+from torchhal.evaluation.stats import (
+    Decision,
+    SequentialTest,
+    _checks,
+    assign,
+    sequential_sample_ratio_mismatch,
+)
 from torchhal.hal_core import InvalidArgumentError, telemetry
 from torchhal.hal_core.kernels import is_finite_number
 
 log = telemetry.get_logger("torchhal.evaluation.monitor")
+
+# Observations beyond this magnitude are refused: the running variance sums their squares, and
+# at 1e160 these overflowed, so every later status() raised OverflowError. No metric's unit
+# comes near it (bytes, ms, error rates); such a value is a bug upstream.
+MAX_MAGNITUDE = 1e100
 
 
 class MonitorDecision(str, enum.Enum):
@@ -50,7 +66,8 @@ class MonitorStatus:
     difference: float  # mean(candidate) − mean(control); NaN until both arms have data
     interval: tuple[float, float]  # always-valid, for the difference
     p_value: float  # always-valid
-    threshold: float  # absolute, in the metric's unit; NaN until the control has data
+    threshold: float  # absolute, in the metric's unit; NaN until the control has data, and
+    # while a relative threshold scales a control mean of 0 (the reason says so)
     n_control: int
     n_candidate: int
     srm_p_value: float | None  # anytime-valid: the smallest over all looks so far; None before any unit
@@ -113,12 +130,19 @@ class LiveMonitor:
             raise InvalidArgumentError(
                 f"unknown variant {variant!r}; this monitor compares {self.candidate!r} with {self.control!r}"
             )
-        batch = [float(v) for v in values]
-        bad = [i for i, v in enumerate(batch) if not math.isfinite(v)]
-        if bad:
+        # a generator is read once, here; the check names the variant, the index and the value
+        array = _checks.sample(
+            values if isinstance(values, np.ndarray) else list(values),
+            variant,
+            min_size=0,
+        )
+        huge = np.flatnonzero(np.abs(array) > MAX_MAGNITUDE)
+        if huge.size:
             raise InvalidArgumentError(
-                f"observations of {variant!r} must be finite; index {bad[0]} is {batch[bad[0]]}"
+                f"observations of {variant!r} must lie within ± {MAX_MAGNITUDE:g}; index {huge[0]} is "
+                f"{float(array[huge[0]])!r}"
             )
+        batch = array.tolist()
         with self._lock:
             self._pending[variant] += batch
             self._count[variant] += len(batch)
@@ -129,19 +153,24 @@ class LiveMonitor:
         """Feed what arrived since the last look to the sequential test, and decide."""
         with self._lock:
             a, b = self._pending[self.candidate], self._pending[self.control]
-            if a or b:
-                self._test.update(a, b)
+            if a or b:  # taken out first: a look that raised fed them again at the next one
                 self._pending = {self.control: [], self.candidate: []}
+                self._test.update(a, b)
             state = self._test.state
             n_control, n_candidate = self._count[self.control], self._count[self.candidate]
             control_mean = self._control_sum / n_control if n_control else math.nan
             srm = self._srm(n_control, n_candidate)
-        threshold = (
-            self.threshold.absolute_for(control_mean, f"monitor of {self.candidate!r}")
-            if n_control
-            else math.nan
+        threshold, undefined = math.nan, None
+        if n_control and self.threshold.relative and control_mean == 0.0:
+            undefined = (
+                f"the relative effect is undefined while the control's mean is 0: the threshold is "
+                f"{self.threshold.relative:g} of it, judged once that mean moves off 0"
+            )
+        elif n_control:
+            threshold = self.threshold.absolute_for(control_mean, f"monitor of {self.candidate!r}")
+        decision, reason = self._decide(
+            state.decision, state.difference, state.interval, threshold, srm, undefined
         )
-        decision, reason = self._decide(state.decision, state.difference, state.interval, threshold, srm)
         status = MonitorStatus(
             decision,
             reason,
@@ -173,7 +202,9 @@ class LiveMonitor:
         interval: tuple[float, float],
         threshold: float,
         srm: float | None,
+        undefined: str | None,
     ) -> tuple[MonitorDecision, str]:
+        """`undefined` says why the effect cannot be judged yet (then threshold is NaN)."""
         if srm is not None and srm < self.srm_alpha:
             return MonitorDecision.ROLL_BACK, (
                 f"sample ratio mismatch (p = {srm:.3g} < {self.srm_alpha:g}): the split departs from "
@@ -199,6 +230,7 @@ class LiveMonitor:
         if self.max_samples is not None and seen >= self.max_samples:
             return (
                 MonitorDecision.STOP,
-                f"inconclusive: {seen} observations reached max_samples without a decision",
+                f"inconclusive: {seen} observations reached max_samples without a decision"
+                + (f" ({undefined})" if undefined else ""),
             )
-        return MonitorDecision.CONTINUE, "no decision yet"
+        return MonitorDecision.CONTINUE, f"no decision yet: {undefined}" if undefined else "no decision yet"

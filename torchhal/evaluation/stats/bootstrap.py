@@ -9,8 +9,12 @@ import numpy as np
 
 from torchhal.evaluation.stats import _checks
 from torchhal.evaluation.stats.distributions import norm_cdf, norm_ppf
+from torchhal.hal_core.errors import InvalidArgumentError
 
 _VALUES_PER_CHUNK = 4_000_000  # resampled values held at once (32 MB of float64)
+# The ratios are kept for their quantiles (8 bytes each, 80 MB here). Beyond this the Monte
+# Carlo error (~1/sqrt(n_resamples)) is far below the bootstrap's own; 1e12 tried to allocate 7 TiB.
+MAX_RESAMPLES = 10_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,17 +47,24 @@ def bootstrap_ratio_of_medians(
     defined in every resample. The BCa acceleration is the one-sample jackknife formula summed
     over the samples (pairs when paired), as scipy.stats.bootstrap does; the bias correction
     counts resamples equal to the estimate as half below (scipy counts them above), since
-    resampled medians tie with the estimate often. The same `seed` gives the same intervals.
+    resampled medians tie with the estimate often. The same `seed` (an integer >= 0) gives the
+    same intervals, whatever the chunks the resamples are drawn in.
     """
     a = _checks.positive_sample(a, "a", min_size=2)
     b = _checks.positive_sample(b, "b", min_size=2)
     if paired:
         _checks.same_length(a, b, "a paired bootstrap")
     n_resamples = _checks.positive_int(n_resamples, "n_resamples", minimum=100)
+    if n_resamples > MAX_RESAMPLES:
+        raise InvalidArgumentError(
+            f"n_resamples must be at most {MAX_RESAMPLES:,} (each resampled ratio is held for the "
+            f"quantiles), got {n_resamples:,}"
+        )
     confidence = _checks.probability(confidence, "confidence")
-    rng = np.random.default_rng(seed)
+    # None would draw a fresh seed: intervals that differ on every call, silently
+    seed = _checks.positive_int(seed, "seed", minimum=0)
     ratio = float(np.median(a) / np.median(b))
-    ratios = _resampled_ratios(a, b, paired, n_resamples, rng)
+    ratios = _resampled_ratios(a, b, paired, n_resamples, seed)
     tail = 0.5 * (1.0 - confidence)
     percentile = tuple(float(v) for v in np.quantile(ratios, [tail, 1.0 - tail]))
     below = (np.count_nonzero(ratios < ratio) + 0.5 * np.count_nonzero(ratios == ratio)) / n_resamples
@@ -77,15 +88,19 @@ def bootstrap_ratio_of_medians(
     )
 
 
-def _resampled_ratios(
-    a: np.ndarray, b: np.ndarray, paired: bool, n_resamples: int, rng: np.random.Generator
-) -> np.ndarray:
+def _resampled_ratios(a: np.ndarray, b: np.ndarray, paired: bool, n_resamples: int, seed: int) -> np.ndarray:
+    """The resampled ratios, drawn in chunks of rows. Each sample draws from its own stream
+    (b's spawned from the seed), which runs on across chunks: drawing a's then b's indices
+    from one stream made the result depend on the chunk size."""
+    sequence = np.random.SeedSequence(seed)
+    rng_a = np.random.default_rng(sequence)  # = default_rng(seed): paired results are unchanged
+    rng_b = np.random.default_rng(sequence.spawn(1)[0])
     ratios = np.empty(n_resamples)
     chunk = max(1, _VALUES_PER_CHUNK // (a.size + b.size))
     for start in range(0, n_resamples, chunk):
         rows = min(chunk, n_resamples - start)
-        idx_a = rng.integers(0, a.size, size=(rows, a.size))
-        idx_b = idx_a if paired else rng.integers(0, b.size, size=(rows, b.size))
+        idx_a = rng_a.integers(0, a.size, size=(rows, a.size))
+        idx_b = idx_a if paired else rng_b.integers(0, b.size, size=(rows, b.size))
         ratios[start : start + rows] = _row_medians(a[idx_a]) / _row_medians(b[idx_b])
     return ratios
 

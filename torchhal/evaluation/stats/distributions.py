@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -20,6 +21,11 @@ _SQRT_2PI = math.sqrt(2.0 * math.pi)
 # the 0.975 quantile at df = 1e15), while the expansion's error falls as 1/df² (< 1e-7 here).
 _EXPANSION_DF = 1e9
 _erfc = np.frompyfunc(math.erfc, 1, 1)
+# Beyond |t| = this·sqrt(df) Student's t is its power-law tail: x = df/(df + t²) < 1e-18, so
+# P(T > t) = x^(df/2)/(df·B(df/2, ½))·(1 + O(x)) to double precision. It is computed from
+# sqrt(df)/|t| by a power: t² overflows past 1.3e154 and x underflows, where at df <= 2 the
+# quantiles of p >= 1e-308 still lie, and the incomplete beta's exp(a·log x) lost ~1e-14.
+_POWER_LAW_TAIL = 1e9
 
 
 def norm_cdf(z: float) -> float:
@@ -61,6 +67,11 @@ def t_sf(t: float, df: float) -> float:
     df = _check_df(df)
     if t == 0.0:
         return 0.5
+    if abs(t) > _POWER_LAW_TAIL * math.sqrt(df):
+        r = math.sqrt(df) / abs(t)  # 0 only at df < 2e-31, where the tail is near 0.5 anyway
+        power = r**df if r > 0.0 else math.exp(df * (0.5 * math.log(df) - math.log(abs(t))))
+        tail = power / math.exp(math.log(df) + log_beta(0.5 * df, 0.5))
+        return tail if t > 0 else 1.0 - tail
     if df > _EXPANSION_DF:
         return _t_sf_expansion(t, df)
     ratio = t * t / df
@@ -86,11 +97,17 @@ def t_cdf(t: float, df: float) -> float:
 
 
 def t_pdf(t: float, df: float) -> float:
-    df = _check_df(df)
+    return math.exp(_t_log_pdf(float(t), _check_df(df)))
+
+
+def _t_log_pdf(t: float, df: float) -> float:
+    """log of Student's t density; finite where the density underflows (the quantile's far tail)."""
     # Γ((df+1)/2) / (Γ(df/2)·sqrt(df·π)) = 1 / (B(df/2, ½)·sqrt(df)); the difference of two
     # lgammas would cancel away every digit at large df (lgamma(5e19) ≈ 2e21).
     log_norm = -log_beta(0.5 * df, 0.5) - 0.5 * math.log(df)
-    return math.exp(log_norm - 0.5 * (df + 1.0) * math.log1p(t * t / df))
+    if abs(t) > _POWER_LAW_TAIL * math.sqrt(df):  # log(1 + t²/df) without t², which overflows
+        return log_norm - (df + 1.0) * (math.log(abs(t)) - 0.5 * math.log(df))
+    return log_norm - 0.5 * (df + 1.0) * math.log1p(t * t / df)
 
 
 def t_ppf(p: float, df: float) -> float:
@@ -104,11 +121,15 @@ def t_ppf(p: float, df: float) -> float:
 
 
 def _t_upper_quantile(q: float, df: float) -> float:
-    """The t > 0 with P(T > t) = q, for 0 < q < 0.5.
+    """The t > 0 with P(T > t) = q, for 0 < q < 0.5 (inf where it lies beyond the largest float).
 
     Starts from the Cornish–Fisher expansion (Abramowitz & Stegun 26.7.5), then Newton steps on
-    log P(T > t) inside a bracket that falls back to bisection, so small df converges too.
+    log P(T > t) against log t inside a bracket that falls back to bisection. In those
+    coordinates the power-law tail of small df is a straight line: Newton in t itself crept
+    there (p = 1e-300 at df = 1 needed ~1,000 steps and gave up).
     """
+    if t_sf(sys.float_info.max, df) > q:  # e.g. df = 1 below p = 1.8e-309, df = 0.5 below 2.4e-155
+        return math.inf
     z = -norm_ppf(q)
     z2 = z * z
     guess = z + z * (
@@ -116,16 +137,17 @@ def _t_upper_quantile(q: float, df: float) -> float:
         + ((5.0 * z2 + 16.0) * z2 + 3.0) / (96.0 * df * df)  # not df**2: OverflowError
         + (((3.0 * z2 + 19.0) * z2 + 17.0) * z2 - 15.0) / (384.0 * df * df * df)
     )
-    log_q = math.log(q)
     lo, hi, t = 0.0, math.inf, guess if guess > 0.0 else z
     for _ in range(400):
         sf = t_sf(t, df)
         if sf == q:
             return t
         lo, hi = (t, hi) if sf > q else (lo, t)
-        density = t_pdf(t, df)
-        # In the far tail the density underflows to 0 before the tail does: bisect there.
-        candidate = t + (math.log(sf) - log_q) * sf / density if sf > 0.0 and density > 0.0 else math.nan
+        candidate = math.nan  # where the tail underflows to 0: bisect
+        if sf > 0.0:
+            elasticity = math.exp(math.log(t) + _t_log_pdf(t, df) - math.log(sf))  # −d log sf / d log t
+            # log(sf/q), not log(sf) − log(q): near the root both logs round alike at p = 1e-200
+            candidate = t * math.exp(min(math.log(sf / q) / elasticity, 700.0))
         if not lo < candidate < hi:  # bisect, geometrically while the bracket spans decades
             if math.isinf(hi):
                 candidate = 2.0 * t
