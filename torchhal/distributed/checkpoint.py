@@ -11,6 +11,9 @@ what makes a checkpoint safe to resume from after a crash:
 - each rank's RNG states (torch's CPU generator and its device's, asked through the device type
   the HAL reports, and Python's and NumPy's) sit beside the shards in `rng_rank<r>.pt`, so a
   resumed run draws the same random numbers as an uninterrupted one;
+- each rank's data loader state (`data=`: an object with `state_dict`/`load_state_dict`, as
+  torchdata's StatefulDataLoader) in `data_rank<r>.pt`, so a resumed run continues its epoch
+  where it stopped, every rank from its own position;
 - only the newest `keep` checkpoints are kept, and checkpoints of later steps than one just
   committed (a run resumed from an earlier step) are set aside, so a crash never resumes the
   abandoned timeline.
@@ -21,6 +24,7 @@ directory must be storage every rank sees (DCP's file writer and the commit both
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import random
 import re
@@ -36,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from torchhal.hal_core import ConfigurationError, InvalidArgumentError, TorchHALError, telemetry
 
@@ -149,13 +154,17 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         *,
         scaler: torch.amp.GradScaler | None = None,
+        data: Stateful | None = None,
         blocking: bool = True,
     ) -> CheckpointInfo | None:
         """Checkpoint the state after `step` optimizer steps. `blocking=False` uses `dcp.async_save`:
         the state is staged now and written in the background; the next `save`, `wait` or `load`
-        commits it. Returns the committed checkpoint (None while an async save is in flight)."""
+        commits it. Returns the committed checkpoint (None while an async save is in flight).
+        `data` is this rank's data loader, whose `state_dict()` is saved for this rank (every
+        rank passes its own, or none does)."""
         if step < 0:
             raise InvalidArgumentError(f"Checkpointer.save: step must be >= 0, got {step}")
+        data_state = None if data is None else _serialised_data_state(data)
         self.wait()
         tmp = self.directory / f".step_{step}.tmp"
         if self.rank == 0 and tmp.exists():
@@ -164,6 +173,8 @@ class Checkpointer:
         self._barrier()
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(rng_state(self.device), tmp / f"rng_rank{self.rank}.pt")
+        if data_state is not None:
+            (tmp / _data_file(self.rank)).write_bytes(data_state)
         state = _training_state(model, optimizer, scaler, step)
         with telemetry.span("torchhal.checkpoint.save", step=step, blocking=blocking, rank=self.rank):
             if blocking:
@@ -255,10 +266,16 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         *,
         scaler: torch.amp.GradScaler | None = None,
+        data: Stateful | None = None,
         path: Path | str | None = None,
     ) -> CheckpointInfo | None:
-        """Restore the newest valid checkpoint (or `path`) into `model`, `optimizer`, `scaler` and the
-        RNGs; None when there is none. Rank 0 chooses, so every rank loads the same step."""
+        """Restore the newest valid checkpoint (or `path`) into `model`, `optimizer`, `scaler`, the
+        RNGs and this rank's data loader `data`; None when there is none. Rank 0 chooses, so every
+        rank loads the same step. With `data`, a checkpoint without this rank's loader state (saved
+        without `data`, or by another world size) is refused before anything is loaded; without
+        it, a saved loader state is left unused (logged and counted)."""
+        if data is not None:
+            _check_stateful(data, "Checkpointer.load")
         self.wait()
         chosen: list[Any] = [None]
         if self.rank == 0:
@@ -269,7 +286,10 @@ class Checkpointer:
         if info is None:
             log.info("no valid checkpoint to resume from", directory=str(self.directory))
             return None
-        _check_fits(info.path, get_model_state_dict(model))  # before get_state_dict steps a fresh optimizer
+        data_state = self._data_state(info, data)
+        # before get_state_dict steps a fresh optimizer
+        wants_scaler = scaler is not None and bool(scaler.state_dict())  # a disabled scaler has none
+        _check_fits(info.path, get_model_state_dict(model), scaler=wants_scaler)
         state = _training_state(model, optimizer, scaler, info.step)
         with telemetry.span("torchhal.checkpoint.load", step=info.step, rank=self.rank):
             dcp.load(state, checkpoint_id=info.path, process_group=self._group, no_dist=self._alone)
@@ -277,14 +297,43 @@ class Checkpointer:
                 model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
             )
         if scaler is not None:
-            if "scaler" not in state:
-                raise CheckpointError(f"checkpoint {info.path} holds no gradient scaler state")
             scaler.load_state_dict(state["scaler"])
         if int(state["step"]) != info.step:
             raise CheckpointError(f"checkpoint {info.path}: holds step {state['step']}, manifest {info.step}")
         self._restore_rng(info)
+        if data is not None:
+            data.load_state_dict(data_state)
         log.info("checkpoint loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
         return info
+
+    def _data_state(self, info: CheckpointInfo, data: Stateful | None) -> Any:
+        """This rank's saved loader state for `data`, read before anything is loaded. The decision
+        rests on files every rank sees, so every rank refuses (or not) alike."""
+        saved = [r for r in range(info.world_size) if (info.path / _data_file(r)).is_file()]
+        if data is None:
+            if saved:
+                log.warning(
+                    "data loader state not restored: load got no data=, so the data starts where the "
+                    "loader is, not where the checkpoint left it",
+                    path=str(info.path),
+                    rank=self.rank,
+                )
+                telemetry.count("torchhal.checkpoint.data_not_restored")
+            return None
+        if len(saved) != info.world_size:
+            held = f"only for rank(s) {saved} of {info.world_size}" if saved else "none"
+            raise CheckpointError(
+                f"checkpoint {info.path} holds no data loader state ({held}): it was saved without "
+                "data=, so the data position cannot be restored; load without data= to resume the "
+                "model alone"
+            )
+        if info.world_size != self.world_size:
+            raise CheckpointError(
+                f"checkpoint {info.path}: its data loader states belong to the {info.world_size} ranks "
+                f"that saved them, and this job has {self.world_size}; a loader's position does not "
+                "reshard, so load without data= and position the data yourself"
+            )
+        return torch.load(info.path / _data_file(self.rank), weights_only=True)
 
     def _restore_rng(self, info: CheckpointInfo) -> None:
         file = info.path / f"rng_rank{self.rank}.pt"
@@ -358,6 +407,37 @@ def set_rng_state(state: dict[str, Any], device: Device | None) -> None:
         torch.get_device_module(here).set_rng_state(state["device"], device.index)
 
 
+def _data_file(rank: int) -> str:
+    return f"data_rank{rank}.pt"
+
+
+def _check_stateful(data: object, where: str) -> None:
+    missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(data, m, None))]
+    if missing:
+        raise InvalidArgumentError(
+            f"{where}: data must have state_dict() and load_state_dict() (as torchdata's "
+            f"StatefulDataLoader), got {type(data).__name__} without {', '.join(missing)}"
+        )
+
+
+def _serialised_data_state(data: Stateful) -> bytes:
+    """`data.state_dict()` as bytes, read back now as `load` will read it (`weights_only`), so a
+    state that could not be restored fails this save, not the resume after a crash."""
+    _check_stateful(data, "Checkpointer.save")
+    state, buffer = data.state_dict(), io.BytesIO()
+    try:
+        torch.save(state, buffer)
+        torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    except Exception as exc:
+        reason = next((line.strip() for line in str(exc).splitlines() if "Unpickler error" in line), str(exc))
+        raise InvalidArgumentError(
+            f"Checkpointer.save: the state_dict() of data ({type(data).__name__}) cannot be saved and "
+            f"read back with torch.load(weights_only=True): {reason}; keep it to tensors, numbers, "
+            "strings and containers, or allowlist its types (torch.serialization.add_safe_globals)"
+        ) from exc
+    return buffer.getvalue()
+
+
 def _training_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, step: int
 ) -> dict[str, Any]:
@@ -368,16 +448,23 @@ def _training_state(
     return state
 
 
-def _check_fits(path: Path, model_state: dict[str, Any]) -> None:
+def _check_fits(path: Path, model_state: dict[str, Any], *, scaler: bool) -> None:
     """Refuse a checkpoint of another model before anything is loaded, naming the keys and shapes
     that differ. DCP loads only the keys the model asks for, so a checkpoint holding more (a bigger
-    model) would load in part, silently; a shape mismatch was DCP's traceback inside another.
-    Every rank reads the same metadata, so every rank refuses alike."""
+    model) would load in part, silently; a shape mismatch was DCP's traceback inside another, as
+    was a gradient scaler asked for but not saved. Every rank reads the same metadata, so every
+    rank refuses alike."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if scaler and not any(key.startswith("scaler.") for key in metadata):
+        raise CheckpointError(
+            f"checkpoint {path} holds no gradient scaler state (saved without scaler=); load without "
+            "scaler= and start a fresh one"
+        )
     saved = {
         key.removeprefix("model."): tuple(meta.size)
-        for key, meta in dcp.FileSystemReader(path).read_metadata().state_dict_metadata.items()
+        for key, meta in metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
     here = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}

@@ -86,6 +86,14 @@ def init(
     group rebuilt after a failure (`prefix="gen2"`) never reads the keys of the one it replaces.
     `hal` defaults to the process's default HAL, the one `torchhal.ops` dispatches through.
     """
+    if prefix is not None and dist.is_initialized():
+        # checked before the rendezvous: it waited for peers (up to the timeout) that never
+        # came, only for Communicator.create to refuse the store it made
+        raise ConfigurationError(
+            f"prefix {prefix!r}: the default process group already exists (rank {dist.get_rank()} of "
+            f"{dist.get_world_size()}); a prefix applies only to a group torchhal makes: call init "
+            "without prefix to wrap the existing group, or destroy it first"
+        )
     if hal is None:
         from torchhal.ops import default_hal
 

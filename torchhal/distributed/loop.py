@@ -1,17 +1,19 @@
 """`train()`: a small training loop with a span per step and a structlog line every few steps.
 
-Each step: forward under the policy's autocast, backward (through the gradient scaler for
-fp16), an optional explicit gradient sync (heterogeneous runs), unscale and clip, optimizer
-step. Ops inside run with `ctx.hal.use(ctx.device)` active, so `torchhal.ops` dispatch to this
-rank's device (a simulated ASIC included). Step time is host wall time after the device
-synchronised; tokens counts this rank's tokens (the first tensor of each batch).
+Each step: for each of its micro-batches (`gradient_accumulation_steps`, default 1), forward
+under the policy's autocast and backward (through the gradient scaler for fp16); then an
+optional explicit gradient sync (heterogeneous runs), unscale and clip, optimizer step. Ops
+inside run with `ctx.hal.use(ctx.device)` active, so `torchhal.ops` dispatch to this rank's
+device (a simulated ASIC included). Step time is host wall time after the device synchronised;
+tokens counts this rank's tokens (the first tensor of each batch).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,10 +43,12 @@ class StepStats:
     scale: float | None = None  # the gradient scaler's scale after the step (fp16)
     scaler_skipped: bool = False  # the scaler found inf/nan gradients and skipped the optimizer step
     # forward and backward on the device's own timer, before the gradient sync (set when train has
-    # a grad_sync): this rank's own speed, which a blocking sync hides from step_time_s
+    # a grad_sync): this rank's own speed, which a blocking sync hides from step_time_s; with
+    # gradient accumulation, from the first micro-batch's forward to the last one's backward
     compute_s: float | None = None
-    # the forward's real elapsed time (set by train): no collective runs in it under DDP, local and
-    # heterogeneous training, so it shows a straggler that the synchronised step_time_s hides
+    # the forward's real elapsed time (set by train), summed over the step's micro-batches: no
+    # collective runs in it under DDP, local and heterogeneous training, so it shows a straggler
+    # that the synchronised step_time_s hides
     forward_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -66,16 +70,23 @@ def train(
     on_step: Callable[[StepStats], None] | None = None,
     log_every: int = 10,
     first_step: int = 0,
+    gradient_accumulation_steps: int = 1,
 ) -> list[StepStats]:
     """Run `steps` optimizer steps over `batches`; return each step's statistics.
 
     A batch is a tensor or a tuple of tensors on `ctx.device`; `loss_fn(model, batch)` returns
     the scalar loss (default: `model(*batch)`). `grad_sync(model)` runs after backward, for
     gradients synchronised outside DDP/FSDP. `first_step` numbers the steps of a resumed run.
-    Every rank must get `steps` batches. Where steps synchronise ranks (DDP, FSDP, a grad_sync),
-    the ranks agree before each step that each has a batch (an all-gather of one number), so a
-    rank whose batches ran out stops every rank with an error naming it, instead of leaving its
-    peers waiting in the step's collectives until the process-group timeout.
+    Each step consumes `gradient_accumulation_steps` batches (micro-batches): each one's loss is
+    divided by that count before backward, so the gradient is the mean over the micro-batches
+    (one batch of them all under a mean loss, when they are of equal size), and gradients are
+    reduced across ranks once per step (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`).
+    StepStats.loss is the mean of the micro-batches' losses, tokens their sum.
+    Every rank must get `steps * gradient_accumulation_steps` batches. Where steps synchronise
+    ranks (DDP, FSDP, a grad_sync), the ranks agree before each step that each has its batches
+    (an all-gather of one number), so a rank whose batches ran out stops every rank with an
+    error naming it, instead of leaving its peers waiting in the step's collectives until the
+    process-group timeout.
     """
     if steps < 0:
         raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
@@ -83,6 +94,11 @@ def train(
         raise InvalidArgumentError(f"train: clip_grad_norm must be > 0 or None, got {clip_grad_norm}")
     if log_every < 1:
         raise InvalidArgumentError(f"train: log_every must be >= 1, got {log_every}")
+    accumulate = gradient_accumulation_steps
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise InvalidArgumentError(
+            f"train: gradient_accumulation_steps must be an integer >= 1, got {accumulate!r}"
+        )
     policy.check_device(ctx.device, "train")
     if policy.uses_grad_scaler and scaler is None:
         raise InvalidArgumentError(
@@ -92,19 +108,22 @@ def train(
     stats: list[StepStats] = []
     source = iter(batches)
     agree = steps_synchronise(ctx.world_size, policy, grad_sync)
+    no_sync = _gradient_sync_off(model) if accumulate > 1 else None
     model.train()
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
-            batch = next(source, _EXHAUSTED)
-            short = _ranks_without_batch(ctx, batch is not _EXHAUSTED) if agree else []
-            if batch is _EXHAUSTED or short:
-                raise InvalidArgumentError(_ran_out(short, step - first_step, steps))
-            _check_batch(batch, ctx)
+            micro = [b for b in (next(source, _EXHAUSTED) for _ in range(accumulate)) if b is not _EXHAUSTED]
+            short = _ranks_without_batch(ctx, len(micro) == accumulate) if agree else []
+            if len(micro) < accumulate or short:
+                raise InvalidArgumentError(_ran_out(short, step - first_step, steps, len(micro), accumulate))
+            for batch in micro:
+                _check_batch(batch, ctx)
             with telemetry.span("torchhal.train.step", step=step, rank=ctx.rank) as span:
                 result = _step(
                     model,
                     optimizer,
-                    batch,
+                    micro,
+                    no_sync,
                     step,
                     ctx,
                     policy,
@@ -145,19 +164,47 @@ def _ranks_without_batch(ctx: DistContext, have: bool) -> list[int]:
     return [rank for rank, flag in enumerate(flags.tolist()) if not flag]
 
 
-def _ran_out(short: list[int], done: int, steps: int) -> str:
+def _ran_out(short: list[int], done: int, steps: int, got: int, accumulate: int) -> str:
+    where = f"after {done} of {steps} steps"
+    if accumulate > 1:
+        where += f" (gradient_accumulation_steps {accumulate}: this rank had {got} of them for the next)"
     if not short:  # one rank alone, or steps that synchronise nothing
-        return f"train: batches ran out after {done} of {steps} steps"
+        return f"train: batches ran out {where}"
     return (
-        f"train: batches ran out after {done} of {steps} steps on rank(s) {short}; every rank must "
-        "get the same number of batches, so every rank stops here rather than wait in a collective"
+        f"train: batches ran out {where} on rank(s) {short}; every rank must get the same number "
+        "of batches, so every rank stops here rather than wait in a collective"
     )
+
+
+def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """A context in which backward accumulates gradients without reducing them across ranks:
+    DDP's `no_sync`, or FSDP2's `set_requires_gradient_sync(False)` on each of its modules (the
+    root may not be one), turned back on at exit; nothing for a model that reduces nothing."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+    @contextlib.contextmanager
+    def fsdp_no_sync() -> Iterator[None]:
+        for module in sharded:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    return fsdp_no_sync
 
 
 def _step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    batch: Batch,
+    micro: Sequence[Batch],
+    no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None,
     step: int,
     ctx: DistContext,
     policy: PrecisionPolicy,
@@ -168,15 +215,13 @@ def _step(
 ) -> StepStats:
     start = time.perf_counter()
     clock = _real_time(ctx)
-    began = clock.mark()
     timer = ctx.device.timer() if grad_sync is not None else None  # compute_s, for a grad_sync
     mark = timer.mark() if timer is not None else None
-    with policy.autocast():
-        loss = compute_loss(model, batch)
-    forwarded = clock.mark()
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise InvalidArgumentError(f"train: the loss must be a scalar tensor, got {_describe(loss)}")
-    (scaler.scale(loss) if scaler is not None else loss).backward()
+    try:
+        forwards, losses = _forward_backward(model, micro, no_sync, clock, policy, scaler, compute_loss)
+    except BaseException:
+        optimizer.zero_grad(set_to_none=True)  # earlier micro-batches' gradients: a retry starts clean
+        raise
     compute_s = None if timer is None else timer.elapsed_ms(mark, timer.mark()) / 1e3
     if grad_sync is not None:
         grad_sync(model)
@@ -197,11 +242,11 @@ def _step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    value = float(loss.detach())
+    value = float(losses[0]) if len(losses) == 1 else float(torch.stack([x.float() for x in losses]).mean())
     ctx.device.synchronize()
     elapsed = time.perf_counter() - start
-    forward_s = clock.elapsed_ms(began, forwarded) / 1e3
-    tokens = _tokens(batch)
+    forward_s = sum(clock.elapsed_ms(began, done) for began, done in forwards) / 1e3
+    tokens = sum(_tokens(batch) for batch in micro)
     return StepStats(
         step=step,
         loss=value,
@@ -214,6 +259,35 @@ def _step(
         compute_s=compute_s,
         forward_s=forward_s,
     )
+
+
+def _forward_backward(
+    model: nn.Module,
+    micro: Sequence[Batch],
+    no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None,
+    clock: DeviceTimer,
+    policy: PrecisionPolicy,
+    scaler: torch.amp.GradScaler | None,
+    compute_loss: LossFn,
+) -> tuple[list[tuple[object, object]], list[torch.Tensor]]:
+    """Forward and backward of each micro-batch, its loss divided by their count so the gradients
+    are their mean; ranks reduce gradients in the last one's backward only. Returns each forward's
+    (start, end) marks on `clock` and each undivided loss."""
+    forwards: list[tuple[object, object]] = []
+    losses: list[torch.Tensor] = []
+    for index, batch in enumerate(micro):
+        last = index == len(micro) - 1
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            began = clock.mark()
+            with policy.autocast():
+                loss = compute_loss(model, batch)
+            forwards.append((began, clock.mark()))
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise InvalidArgumentError(f"train: the loss must be a scalar tensor, got {_describe(loss)}")
+            part = loss / len(micro) if len(micro) > 1 else loss
+            (scaler.scale(part) if scaler is not None else part).backward()
+        losses.append(loss.detach())
+    return forwards, losses
 
 
 def _real_time(ctx: DistContext) -> DeviceTimer:

@@ -1,0 +1,223 @@
+"""train(gradient_accumulation_steps=k) in one process (a world of one over gloo): k micro-batches per
+optimizer step give what one batch of them all gives under a mean loss. The multi-process checks
+(DDP and FSDP2 reducing once per step) are in test_accumulation_multiprocess.py."""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchhal import distributed as thd
+from torchhal.hal_core import InvalidArgumentError
+
+DIM = 9
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return F.mse_loss(self.head(x).squeeze(-1), y)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def micro_batches(steps: int, k: int, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(torch.randn(rows, DIM), torch.randn(rows)) for _ in range(steps * k)]
+
+
+def concatenated(micro: list[tuple[torch.Tensor, ...]], k: int) -> list[tuple[torch.Tensor, ...]]:
+    """Each step's k micro-batches as one batch of them all."""
+    return [
+        tuple(torch.cat(parts) for parts in zip(*micro[i : i + k], strict=True))
+        for i in range(0, len(micro), k)
+    ]
+
+
+def run(ctx, model: nn.Module, data, steps: int, strategy: str, **options) -> tuple[nn.Module, list]:
+    prepared = thd.prepare(model, sgd, ctx=ctx, strategy=strategy)
+    stats = thd.train(
+        prepared.model, prepared.optimizer, data, steps=steps, ctx=ctx, policy=prepared.policy, **options
+    )
+    inner = prepared.model.module if strategy == "ddp" else prepared.model
+    return inner, stats
+
+
+def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("strategy", ["local", "ddp"])
+def test_accumulated_micro_batches_equal_one_batch_of_them_all(ctx, strategy):
+    steps, k, rows = 3, random.randint(2, 4), random.randint(2, 4)
+    model = Net()
+    micro = micro_batches(steps, k, rows)
+    options = {"clip_grad_norm": 50.0}  # recorded before clipping: a loss not divided by k shows in it
+    accumulated, stats = run(
+        ctx, copy.deepcopy(model), micro, steps, strategy, gradient_accumulation_steps=k, **options
+    )
+    whole, reference = run(ctx, copy.deepcopy(model), concatenated(micro, k), steps, strategy, **options)
+    assert_same_parameters(accumulated, whole)
+    torch.testing.assert_close(
+        [s.grad_norm for s in stats], [s.grad_norm for s in reference], rtol=1e-5, atol=1e-7
+    )
+    torch.testing.assert_close([s.loss for s in stats], [s.loss for s in reference], rtol=1e-6, atol=1e-7)
+    assert [s.tokens for s in stats] == [s.tokens for s in reference] == [k * rows * DIM] * steps
+    assert [s.step for s in stats] == list(range(steps))
+
+
+def test_grad_sync_runs_once_per_step_on_the_accumulated_gradient(ctx):
+    """The explicit sync (heterogeneous runs) sees the mean gradient of the step's micro-batches."""
+    steps, k = 2, 3
+    model = Net()
+    micro = micro_batches(steps, k, 2)
+    seen: list[list[torch.Tensor]] = []
+
+    def record(module: nn.Module) -> None:
+        seen.append([p.grad.clone() for p in module.parameters()])
+
+    run(ctx, copy.deepcopy(model), micro, steps, "local", grad_sync=record, gradient_accumulation_steps=k)
+    expected: list[list[torch.Tensor]] = []
+    run(
+        ctx,
+        copy.deepcopy(model),
+        concatenated(micro, k),
+        steps,
+        "local",
+        grad_sync=lambda m: expected.append([p.grad.clone() for p in m.parameters()]),
+    )
+    assert len(seen) == steps
+    for got, want in zip(seen, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_gradient_scaler_scales_each_micro_batch_and_unscales_once(ctx):
+    """A scaler with clipping: unscale_ twice in a step raises in torch, one micro-loss left
+    unscaled gives a gradient off by the scale."""
+    steps, k = 3, 2
+    model = Net()
+    micro = micro_batches(steps, k, 3)
+    accumulated, stats = run(
+        ctx,
+        copy.deepcopy(model),
+        micro,
+        steps,
+        "local",
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10),
+        clip_grad_norm=50.0,
+        gradient_accumulation_steps=k,
+    )
+    whole, reference = run(
+        ctx,
+        copy.deepcopy(model),
+        concatenated(micro, k),
+        steps,
+        "local",
+        scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10),
+        clip_grad_norm=50.0,
+    )
+    assert_same_parameters(accumulated, whole)
+    torch.testing.assert_close(
+        [s.grad_norm for s in stats], [s.grad_norm for s in reference], rtol=1e-5, atol=1e-7
+    )
+    assert not any(s.scaler_skipped for s in stats)
+
+
+def test_forward_time_covers_every_micro_batch(ctx):
+    """forward_s (what the straggler check reads) sums the step's forwards."""
+    k, pause = 3, 0.02
+
+    def slow(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        time.sleep(pause)
+        return model(*batch)
+
+    _, stats = run(
+        ctx, Net(), micro_batches(1, k, 2), 1, "local", loss_fn=slow, gradient_accumulation_steps=k
+    )
+    assert k * pause <= stats[0].forward_s < stats[0].step_time_s
+
+
+def test_batches_running_out_mid_step_apply_nothing_of_that_step(ctx):
+    steps, k = 3, 2
+    model = Net()
+    micro = micro_batches(steps, k, 2)[:-1]  # the last step is one micro-batch short
+    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
+    with pytest.raises(
+        InvalidArgumentError,
+        match=r"batches ran out after 2 of 3 steps \(gradient_accumulation_steps 2: this rank had 1 of them",
+    ):
+        thd.train(
+            prepared.model,
+            prepared.optimizer,
+            micro,
+            steps=steps,
+            ctx=ctx,
+            policy=prepared.policy,
+            gradient_accumulation_steps=k,
+        )
+    two_steps, _ = run(ctx, copy.deepcopy(model), micro[: 2 * k], 2, "local", gradient_accumulation_steps=k)
+    assert_same_parameters(prepared.model, two_steps)
+    assert all(p.grad is None for p in prepared.model.parameters())
+
+
+def test_a_failing_micro_batch_leaves_no_gradient_behind(ctx):
+    """The second micro-batch's loss is not a scalar: the first one's gradients must not stay in
+    .grad, where the next train call would add them to its first step."""
+    k = 3
+    prepared = thd.prepare(Net(), sgd, ctx=ctx, strategy="ddp")
+    before = [p.detach().clone() for p in prepared.model.parameters()]
+    calls = []
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        calls.append(1)
+        loss = model(*batch)
+        return loss if len(calls) == 1 else loss.expand(2)
+
+    with pytest.raises(
+        InvalidArgumentError, match=r"the loss must be a scalar tensor, got a tensor of shape \(2,\)"
+    ):
+        thd.train(
+            prepared.model,
+            prepared.optimizer,
+            micro_batches(1, k, 2),
+            steps=1,
+            ctx=ctx,
+            policy=prepared.policy,
+            loss_fn=loss_fn,
+            gradient_accumulation_steps=k,
+        )
+    assert len(calls) == 2
+    assert all(p.grad is None for p in prepared.model.parameters())
+    for p, q in zip(prepared.model.parameters(), before, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("value", [0, -2, 1.5, True, "2", None])
+def test_bad_gradient_accumulation_steps_are_refused(ctx, value):
+    prepared = thd.prepare(Net(), sgd, ctx=ctx, strategy="local")
+    with pytest.raises(
+        InvalidArgumentError, match=rf"gradient_accumulation_steps must be an integer >= 1, got {value!r}"
+    ):
+        thd.train(
+            prepared.model,
+            prepared.optimizer,
+            micro_batches(1, 1, 2),
+            steps=1,
+            ctx=ctx,
+            policy=prepared.policy,
+            gradient_accumulation_steps=value,
+        )
