@@ -296,11 +296,56 @@ def test_bad_shapes_and_dtypes_are_refused(plain_attn, change, message):
         (None, 3, r"window must be \(left, right\), two ints >= 0, got 3"),
         (True, None, "scale must be a finite number, got True"),
         (10**400, None, "scale must be a finite number"),
+        (
+            -3.5e38,
+            None,
+            r"scale must be finite in the compute dtype torch.float32 "
+            r"\(\|scale\| <= 3.403e\+38\), got -3.5e\+38",
+        ),
     ],
 )
 def test_bad_scale_and_window_are_refused(plain_attn, scale, window, message):
     with pytest.raises(InvalidArgumentError, match=message):
         plain_attn.attention(*_qkv(1, 2, 2, 5, 5, 8), False, scale, window)
+
+
+def test_a_scale_beyond_the_compute_dtype_is_refused_by_both_layouts_and_fits_fp64(plain_attn):
+    """A scale finite as a Python float but inf in fp32 (the compute dtype of fp32, bf16 and fp16)
+    gave NaN outputs from every candidate, whatever the data; fp64 computes in fp64, where it fits."""
+    from torchhal.kernels import attention_varlen
+
+    q, k, v = _qkv(1, 2, 2, 5, 5, 8, torch.bfloat16)
+    with pytest.raises(InvalidArgumentError, match=r"attention: scale must be finite in the compute dtype"):
+        plain_attn.attention(q, k, v, False, 1e39, None)
+    cu = torch.tensor([0, 5])
+    with pytest.raises(
+        InvalidArgumentError, match=r"attention_varlen: scale must be finite in the compute dtype"
+    ):
+        attention_varlen.signature(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), cu, cu, 5, 5, False, 1e39
+        )
+    q, k, v = _qkv(1, 2, 2, 5, 5, 8, torch.float64)
+    q = q * 1e-300  # logits of a few units at a scale of 1e300
+    torch.testing.assert_close(
+        plain_attn.attention(q, k, v, False, 1e300, None),
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1e300),
+    )
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.0, 1e-45, -1.5])
+def test_zero_tiny_and_negative_scales_are_computed_as_sdpa_computes_them(attn, check_op, scale):
+    """0 averages the values (masked keys still excluded), a negative scale favours the least
+    similar keys: meaningful, so accepted (SDPA accepts them), and the Triton kernels, forward and
+    backward, agree with the reference."""
+    torch.manual_seed(0)
+    q, k, v = _qkv(1, 4, 2, 9, 13, 16)
+    check_op(
+        attn.attention,
+        attention.reference,
+        (q, k, v, True, scale, None),
+        (torch.randn(1, 4, 9, 16),),
+        (0, 1, 2),
+    )
 
 
 def test_a_tensor_causal_flag_is_refused(plain_attn):

@@ -5,6 +5,7 @@ the chunk plan, bad input, and the custom ops under torch.compile."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
@@ -14,7 +15,14 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import torchhal.ops
-from torchhal.hal_core import DeclaredPeaks, DeviceCapabilities, DType, InvalidArgumentError, UnsupportedError
+from torchhal.hal_core import (
+    DeclaredPeaks,
+    DeviceCapabilities,
+    DType,
+    InvalidArgumentError,
+    UnsupportedError,
+    telemetry,
+)
 from torchhal.kernels import linear_cross_entropy as lce
 from torchhal.kernels.autograd import DifferentiableOp
 from torchhal.kernels.triton_rows import RowLaunch
@@ -232,14 +240,76 @@ def test_hidden_only_gradient_and_no_bias(fused):
     assert weight.grad is None
 
 
-def test_out_of_range_target_is_nan_in_the_kernel_and_refused_by_the_reference(fused, plain_hal):
-    hidden, weight, target, bias = _inputs(ignored=0.0)
-    target[4] = VOCAB  # neither a class nor ignore_index
-    with torch.no_grad():
-        assert fused(hidden, weight, target, bias).isnan()
-    fused.hal = plain_hal
-    with pytest.raises(InvalidArgumentError, match=rf"target values must lie in \[0, {VOCAB}\).*got {VOCAB}"):
-        fused(hidden, weight, target, bias)
+@pytest.mark.parametrize("bad", [VOCAB, VOCAB + 5, -1, -101])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("hal", ["triton_hal", "plain_hal"])
+def test_out_of_range_target_is_refused_by_every_candidate(request, hal, reduction, bad):
+    """A target neither in [0, vocab) nor ignore_index: the Triton kernels gave that token a NaN loss
+    (so the whole "mean" loss) and NaN gradients where the references raised. Every candidate now
+    refuses it, with and without gradients, and for "none" in the backward too (a registry op of
+    its own), naming the op, the range and the value; nothing falls back (the guard counts)."""
+    _OPS.hal = request.getfixturevalue(hal)
+    try:
+        hidden, weight, target, bias = _inputs(ignored=0.2)
+        target[4] = bad
+        message = (
+            rf"linear_cross_entropy: target values must lie in \[0, {VOCAB}\) or equal ignore_index -100, "
+            rf"got {bad}"
+        )
+        with torch.no_grad(), pytest.raises(InvalidArgumentError, match=message):
+            _OPS(hidden, weight, target, bias, reduction=reduction)
+        leaf = hidden.clone().requires_grad_(True)
+        with pytest.raises(InvalidArgumentError, match=message):
+            _OPS(leaf, weight, target, bias, reduction=reduction)
+        if reduction == "none":
+            args = (hidden, weight, target, bias, -100, 0.0, "none")
+            with pytest.raises(InvalidArgumentError, match=message.replace("entropy:", "entropy_backward:")):
+                _OPS.hal.dispatch(lce.BACKWARD, torch.ones(target.shape), *lce._empty_grads(hidden), *args)
+    finally:
+        _OPS.hal = None
+
+
+def test_out_of_range_target_is_refused_under_compile(plain_fused):
+    """Inside the compiled graph the check runs in the custom op's implementation (opaque to Dynamo:
+    no graph break), with the same error."""
+    torch._dynamo.reset()
+    hidden, weight, target, bias = _inputs(tokens=9)
+    target[2] = -7
+    compiled = torch.compile(
+        lambda h: plain_fused(h, weight, target, bias), fullgraph=True, backend="aot_eager"
+    )
+    with pytest.raises(InvalidArgumentError, match=r"got -7"):
+        compiled(hidden.clone().requires_grad_(True))
+
+
+def test_target_check_off_the_cpu_is_an_asynchronous_device_assert(monkeypatch):
+    """Off the CPU the targets are not read (a host sync per call): the check is one
+    torch._assert_async, whose message names the op, the range and ignore_index. On the CPU that
+    assert raises at once, so the CPU stands in for a device here by leaving the host-read list."""
+    monkeypatch.setattr(lce, "HOST_READ", {})
+    target = torch.tensor([0, 3, -100, 11])
+    lce.check_targets("op", target, 12, -100)
+    with pytest.raises(
+        RuntimeError, match=r"^op: target values must lie in \[0, 11\) or equal ignore_index -100$"
+    ):
+        lce.check_targets("op", target, 11, -100)
+
+
+def test_without_an_asynchronous_assert_targets_are_read_on_the_host_logged_and_counted(monkeypatch):
+    def missing(*args):
+        raise NotImplementedError("no _assert_async kernel for this backend")
+
+    monkeypatch.setattr(lce, "HOST_READ", {})
+    monkeypatch.setattr(torch, "_assert_async", missing)
+    telemetry.configure(log_level="warning", log_stream=(stream := io.StringIO()))
+    before = telemetry.counts().get("torchhal.kernels.lce_host_target_checks,device_type=cpu", 0)
+    target = torch.tensor([0, 3, -100, 11])
+    lce.check_targets("op", target, 12, -100)
+    with pytest.raises(InvalidArgumentError, match=r"got 11"):
+        lce.check_targets("op", target, 11, -100)
+    assert lce.HOST_READ == {"cpu": True}
+    assert stream.getvalue().count("no asynchronous device assert for this device type") == 1
+    assert telemetry.counts()["torchhal.kernels.lce_host_target_checks,device_type=cpu"] == before + 2
 
 
 def _bad(change):

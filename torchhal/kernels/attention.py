@@ -4,7 +4,14 @@ Layout as scaled_dot_product_attention takes it: q (batch, heads_q, seq_q, dim),
 (batch, heads_kv, seq_k, dim), heads_q a multiple of heads_kv (GQA/MQA). With `causal`, query i
 sees keys j <= i + seq_k - seq_q (bottom-right aligned, as FlashAttention does);
 `window=(left, right)` further limits j to [i + seq_k - seq_q - left, i + seq_k - seq_q + right].
-A query that sees no key outputs zeros.
+A query that sees no key outputs zeros. `scale` is any number finite in the compute dtype (fp32,
+fp64 for fp64): 0 averages the values, a negative one favours the least similar keys, as SDPA
+computes them; inf and NaN are refused (SDPA returns NaN for them).
+
+Large logits (scale * q.k, whatever makes them large): the Triton backward recomputes the
+probabilities as exp(s - lse) from the fp32 lse, as FlashAttention does, so its error grows with
+|logits| * 2^-24: gradients ~10% off at logits ~1e7, inf or NaN from ~1e9 (a scale of 1e8 or
+more on unit-sized q and k). The reference divides each row by its own sum and stays accurate.
 
 Three registry ops: `attention` (no gradient needed), `attention_forward` -> (out, lse) for
 training, and `attention_backward(grad_out, q, k, v, out, lse, ...) -> (dq, dk, dv)`. `lse` is
@@ -96,6 +103,12 @@ def check_qkv(
         raise InvalidArgumentError(f"{op}: causal must be a bool, got {type(causal).__name__} {causal!r}")
     if scale is not None and not is_finite_number(scale):
         raise InvalidArgumentError(f"{op}: scale must be a finite number, got {scale!r}")
+    if scale is not None and abs(scale) > torch.finfo(ct := compute_dtype(q.dtype)).max:
+        # every candidate scales in its compute dtype, where it is inf: NaN wherever a score is not 0
+        raise InvalidArgumentError(
+            f"{op}: scale must be finite in the compute dtype {ct} (|scale| <= "
+            f"{torch.finfo(ct).max:.4g}), got {scale!r}"
+        )
     if q.shape[-1] == 0:  # the default scale is 1/sqrt(head dim)
         raise InvalidArgumentError(f"{op}: the head dim must be >= 1, got q shape {tuple(q.shape)}")
 

@@ -32,9 +32,11 @@ not each requires grad: the DifferentiableOp contract hands the forward its inpu
 of them need gradients (under torch.compile the custom op sees detached tensors). A frozen
 weight thus costs one of the three matmuls it could skip.
 
-Targets outside [0, V) that are not ignore_index: the references raise InvalidArgumentError
-(they read the targets, a host sync on a device); the Triton kernels do not sync and give that
-token a NaN loss and NaN gradients instead, so the loss turns NaN rather than silently wrong.
+Targets outside [0, V) that are not ignore_index: every candidate runs `check_targets` first. On
+the CPU it raises InvalidArgumentError naming the value; on a device it queues an asynchronous
+device assert (no host sync), which fails at the next synchronisation as torch's cross_entropy
+does there. Behind it the Triton row kernel still gives such a token a NaN loss and never reads
+out of its row.
 
 The Triton candidates (triton_cross_entropy) walk the tokens in chunks; `ChunkPlan` says how big.
 """
@@ -55,6 +57,7 @@ from torchhal.hal_core import (
     KernelRegistry,
     Unsupported,
     UnsupportedError,
+    telemetry,
 )
 from torchhal.kernels._checks import (
     PROVIDER,
@@ -78,6 +81,11 @@ FORWARD = "linear_cross_entropy_forward"
 BACKWARD = "linear_cross_entropy_backward"
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
+
+log = telemetry.get_logger("torchhal.kernels.cross_entropy")
+# Device types whose targets `check_targets` reads on the host -> whether that read costs a sync
+# (counted): the CPU's is free; a device type found without torch._assert_async is added.
+HOST_READ: dict[str, bool] = {"cpu": False}
 
 # Chunk size. Each chunk reads and writes the fp32 weight-gradient accumulator (8 * V * H bytes)
 # for the 2 * rows * V * H flops of its weight-gradient matmul, so a chunk needs
@@ -311,8 +319,32 @@ def backward_signature(
 
 
 def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Every target in [0, vocab) or ignore_index. Reads the values: a host sync on a device."""
+    """Every target in [0, vocab) or ignore_index, as torch's cross_entropy requires; every
+    candidate runs it, since validation never reads values and past it the kernels would give NaN
+    and the references index out of range. A CPU tensor's values are read: InvalidArgumentError
+    names the first bad one. Elsewhere that read would be a host sync per call, so the check is
+    queued on the device (`torch._assert_async`) and fails asynchronously, as torch's own
+    cross_entropy's device assert does; a device type without it is read on the host (logged,
+    counted)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    kind = target.device.type
+    if kind not in HOST_READ:
+        try:
+            torch._assert_async(
+                bad.logical_not().all(),
+                f"{op}: target values must lie in [0, {vocab}) or equal ignore_index {ignore_index}",
+            )
+            return
+        except NotImplementedError as exc:
+            HOST_READ[kind] = True
+            log.warning(
+                "no asynchronous device assert for this device type: targets are checked on the host "
+                "(a sync per call, counted)",
+                device_type=kind,
+                error=repr(exc),
+            )
+    if HOST_READ[kind]:
+        telemetry.count("torchhal.kernels.lce_host_target_checks", device_type=kind)
     if bool(bad.any()):
         raise InvalidArgumentError(
             f"{op}: target values must lie in [0, {vocab}) or equal ignore_index {ignore_index}, "
@@ -321,7 +353,6 @@ def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) 
 
 
 def _reference_gradients(
-    op: str,
     hidden: torch.Tensor,
     weight: torch.Tensor,
     target: torch.Tensor,
@@ -334,8 +365,8 @@ def _reference_gradients(
     """Gradients of hidden, weight (and bias) of grad_loss (default 1) times the loss, on full logits
     in fp32 (fp64 for fp64): d loss_i / d logits_i = softmax_i - (1 - eps) onehot(target_i) - eps / V,
     times 1 / (tokens not ignored) for "mean" and 0 for an ignored token. Written out rather than
-    by autograd: custom-op implementations (torch.compile's path) run with autograd switched off."""
-    check_targets(op, target, weight.shape[0], ignore_index)
+    by autograd: custom-op implementations (torch.compile's path) run with autograd switched off.
+    The caller has checked the targets."""
     ct = compute_dtype(hidden.dtype)
     h, w = hidden.reshape(-1, hidden.shape[-1]).to(ct), weight.to(ct)
     b = bias.to(ct) if has_bias(bias) else None  # type: ignore[union-attr]
@@ -404,10 +435,8 @@ def reference_forward(
     if reduction == "none":
         return (reference(hidden, weight, target, bias, ignore_index, label_smoothing, reduction),
                 *_empty_grads(hidden))  # fmt: skip
-    loss = reference(hidden, weight, target, bias, ignore_index, label_smoothing, reduction)
-    grads = _reference_gradients(
-        FORWARD, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, None
-    )
+    loss = reference(hidden, weight, target, bias, ignore_index, label_smoothing, reduction)  # checks
+    grads = _reference_gradients(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, None)
     return (loss, *_cast_grads(grads, hidden, weight, bias))
 
 
@@ -450,8 +479,9 @@ def reference_backward(
     if reduction != "none":
         return scale_gradients(grad_loss, (grad_hidden, grad_weight, grad_bias))
     assert hidden is not None and weight is not None and target is not None
+    check_targets(BACKWARD, target, weight.shape[0], ignore_index)
     grads = _reference_gradients(
-        BACKWARD, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, grad_loss
+        hidden, weight, target, bias, ignore_index, label_smoothing, reduction, grad_loss
     )
     return _cast_grads(grads, hidden, weight, bias)
 

@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from torchhal.hal_core import UnsupportedError
 from torchhal.kernels import triton_attention_interpreter
 from torchhal.kernels.triton_attention_config import LaunchConfigs
 
@@ -114,9 +113,9 @@ def make_problem(
 # Triton kernels keep their argument lists compact, one concern per line, so formatting is off here.
 # Strides travel as (batch, head, row, dim) tuples; `band` is (offset, left, right) with
 # offset = seq_k - seq_q of the current sequence.
-# Lengths, group size, band and a launch's first batch are runtime values (no recompile per
-# sequence length or batch slice).
-_RUNTIME = ("group", "dense_seq_q", "dense_seq_k", "left", "right", "batch0")
+# Lengths, group size, band and a launch's first head and batch are runtime values (no recompile
+# per sequence length or grid slice).
+_RUNTIME = ("group", "dense_seq_q", "dense_seq_k", "left", "right", "head0", "batch0")
 # fmt: off
 
 
@@ -266,15 +265,15 @@ def _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, o
 @triton.jit(do_not_specialize=_RUNTIME)
 def _attn_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K,
                      q_strides, k_strides, v_strides, o_strides, lse_strides,
-                     group, dense_seq_q, dense_seq_k, q_sign, qk_scale, left, right, batch0,
+                     group, dense_seq_q, dense_seq_k, q_sign, qk_scale, left, right, head0, batch0,
                      HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                      VARLEN: tl.constexpr, REVERSE_M: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     if REVERSE_M:  # causal: the longest query tiles first, so short ones fill the tail of the wave
         pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2) + batch0  # a launch takes at most MAX_GRID_YZ batches (`_batch_slices`)
+    h = tl.program_id(1) + head0  # a launch takes at most MAX_GRID_YZ heads and batches (`_grid_slices`)
+    b = tl.program_id(2) + batch0
     q_start, seq_q = _sequence(CU_Q, b, dense_seq_q, VARLEN)
     k_start, seq_k = _sequence(CU_K, b, dense_seq_k, VARLEN)
     start_m = pid_m * BLOCK_M
@@ -334,13 +333,13 @@ def _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, k_strides, v_strides, offs
 @triton.jit(do_not_specialize=_RUNTIME)
 def _attn_bwd_dq_kernel(Q, K, V, Out, DO, LSE, Delta, DQ, CU_Q, CU_K,
                         q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides, lse_strides,
-                        group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right, batch0,
+                        group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right, head0, batch0,
                         HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         VARLEN: tl.constexpr, PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    h = tl.program_id(1)
-    b = tl.program_id(2) + batch0  # a launch takes at most MAX_GRID_YZ batches (`_batch_slices`)
+    h = tl.program_id(1) + head0  # a launch takes at most MAX_GRID_YZ heads and batches (`_grid_slices`)
+    b = tl.program_id(2) + batch0
     q_start, seq_q = _sequence(CU_Q, b, dense_seq_q, VARLEN)
     k_start, seq_k = _sequence(CU_K, b, dense_seq_k, VARLEN)
     if start_m < seq_q:
@@ -402,13 +401,13 @@ def _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_row, Delta_row, q_strides, do
 @triton.jit(do_not_specialize=_RUNTIME)
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
                           q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, lse_strides,
-                          group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right, batch0,
+                          group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right, head0, batch0,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                           VARLEN: tl.constexpr, PRECISION: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
-    hk = tl.program_id(1)
-    b = tl.program_id(2) + batch0  # a launch takes at most MAX_GRID_YZ batches (`_batch_slices`)
+    hk = tl.program_id(1) + head0  # kv heads, sliced as the other kernels' query heads (`_grid_slices`)
+    b = tl.program_id(2) + batch0
     q_start, seq_q = _sequence(CU_Q, b, dense_seq_q, VARLEN)
     k_start, seq_k = _sequence(CU_K, b, dense_seq_k, VARLEN)
     if start_n < seq_k:
@@ -449,7 +448,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
 
 # --------------------------------------------------------------------------- launchers
 
-MAX_GRID_YZ = 65535  # heads and batch run on grid axes 1 and 2, which CUDA caps at this
+MAX_GRID_YZ = 65535  # heads and batch run on grid axes 1 and 2, which CUDA caps at this (`_grid_slices`)
 
 
 def _strides(t: torch.Tensor, varlen: bool) -> tuple[int, int, int, int]:
@@ -470,18 +469,17 @@ def _row_strides(lse: torch.Tensor, varlen: bool) -> tuple[int, int, int]:
     return b, h, s
 
 
-def _check_grid(problem: Problem) -> None:
-    if problem.heads_q > MAX_GRID_YZ:
-        raise UnsupportedError(
-            f"triton attention: heads must be <= {MAX_GRID_YZ} (grid axis 1), got {problem.heads_q}"
-        )
-
-
-def _batch_slices(problem: Problem) -> list[tuple[int, int]]:
-    """(first batch, batches) of each launch, at most MAX_GRID_YZ batches (grid axis 2) apiece. A
-    larger batch (axial attention folds image rows into it; varlen's is its sequence count) used to
-    raise after validation: it fell back, and the kernel was demoted for its signature's later calls."""
-    return [(b, min(MAX_GRID_YZ, problem.batch - b)) for b in range(0, problem.batch, MAX_GRID_YZ)]
+def _grid_slices(heads: int, batch: int) -> list[tuple[int, int, int, int]]:
+    """(first head, heads, first batch, batches) of each launch: at most MAX_GRID_YZ of each (grid
+    axes 1 and 2). The kernels add the firsts to their program ids, so a query head keeps its kv
+    head (h // group) whichever slice it lands in. More batches (axial attention folds image rows
+    into it; varlen's is its sequence count) or heads used to raise after validation: the call
+    fell back, and the kernel was demoted for its signature's later calls."""
+    return [
+        (h, min(MAX_GRID_YZ, heads - h), b, min(MAX_GRID_YZ, batch - b))
+        for h in range(0, heads, MAX_GRID_YZ)
+        for b in range(0, batch, MAX_GRID_YZ)
+    ]
 
 
 def _common(problem: Problem, q: torch.Tensor) -> tuple[object, object, dict[str, object]]:
@@ -512,7 +510,6 @@ def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, configs: LaunchConfigs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse), contiguous. Packed outputs start at zero: tokens outside any sequence read 0, lse -inf."""
-    _check_grid(problem)
     varlen, device = problem.varlen, q.device
     if varlen:
         out = torch.zeros(q.shape, dtype=q.dtype, device=device)
@@ -525,14 +522,14 @@ def forward(
     cu_q, cu_k, flags = _common(problem, q)
     reverse_m = problem.has_right and not problem.has_left
     with _on_device_of(q):
-        for batch0, batches in _batch_slices(problem):
-            _attn_fwd_kernel[(triton.cdiv(problem.seq_q, tile.block_m), problem.heads_q, batches)](
+        for head0, heads, batch0, batches in _grid_slices(problem.heads_q, problem.batch):
+            _attn_fwd_kernel[(triton.cdiv(problem.seq_q, tile.block_m), heads, batches)](
                 q, k, v, out, lse, cu_q, cu_k,
                 _strides(q, varlen), _strides(k, varlen), _strides(v, varlen), _strides(out, varlen),
                 _row_strides(lse, varlen),
                 problem.heads_q // problem.heads_kv, problem.seq_q, problem.seq_k,
                 math.copysign(1.0, problem.scale), abs(problem.scale) * LOG2E,
-                problem.window_left, problem.window_right, batch0,
+                problem.window_left, problem.window_right, head0, batch0,
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, REVERSE_M=reverse_m,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **flags,
             )  # fmt: skip
@@ -550,7 +547,6 @@ def backward(
     configs: LaunchConfigs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv), contiguous: the dq kernel (which also writes delta) first, then the dk/dv kernel."""
-    _check_grid(problem)
     varlen = problem.varlen
     lse = lse.contiguous()  # delta shares its strides; a no-op for the LSE the forwards return
     delta = torch.empty_like(lse)
@@ -565,16 +561,21 @@ def backward(
     lse_s = _row_strides(lse, varlen)
     dq_tile, kv_tile = configs.backward_dq, configs.backward_dkdv
     with _on_device_of(q):
-        for batch0, batches in _batch_slices(problem):
-            _attn_bwd_dq_kernel[(triton.cdiv(problem.seq_q, dq_tile.block_m), problem.heads_q, batches)](
+        # every dq launch first: the dk/dv launch of a kv head reads the delta rows of all its query
+        # heads, which may lie in several dq launches
+        for head0, heads, batch0, batches in _grid_slices(problem.heads_q, problem.batch):
+            _attn_bwd_dq_kernel[(triton.cdiv(problem.seq_q, dq_tile.block_m), heads, batches)](
                 q, k, v, out, grad_out, lse, delta, dq, cu_q, cu_k,
-                q_s, k_s, v_s, _strides(out, varlen), do_s, _strides(dq, varlen), lse_s, *scalars, batch0,
+                q_s, k_s, v_s, _strides(out, varlen), do_s, _strides(dq, varlen), lse_s, *scalars,
+                head0, batch0,
                 BLOCK_M=dq_tile.block_m, BLOCK_N=dq_tile.block_n, num_warps=dq_tile.num_warps,
                 num_stages=dq_tile.num_stages, **flags,
             )  # fmt: skip
-            _attn_bwd_dkdv_kernel[(triton.cdiv(problem.seq_k, kv_tile.block_n), problem.heads_kv, batches)](
+        for head0, heads, batch0, batches in _grid_slices(problem.heads_kv, problem.batch):
+            _attn_bwd_dkdv_kernel[(triton.cdiv(problem.seq_k, kv_tile.block_n), heads, batches)](
                 q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
-                q_s, k_s, v_s, do_s, _strides(dk, varlen), _strides(dv, varlen), lse_s, *scalars, batch0,
+                q_s, k_s, v_s, do_s, _strides(dk, varlen), _strides(dv, varlen), lse_s, *scalars,
+                head0, batch0,
                 BLOCK_M=kv_tile.block_m, BLOCK_N=kv_tile.block_n, num_warps=kv_tile.num_warps,
                 num_stages=kv_tile.num_stages, **flags,
             )  # fmt: skip

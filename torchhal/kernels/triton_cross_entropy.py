@@ -6,7 +6,8 @@ inputs' dtype, then ONE Triton program per row that
   1. walks the vocabulary in blocks keeping a running max and sum of exponentials (online
      softmax), the sum of the logits (for label smoothing) and reads the target's logit, and
      writes the row's loss lse - (1 - eps) * logit[target] - eps / V * sum(logits) in fp32
-     (0 for an ignored row, NaN for a target outside [0, V));
+     (0 for an ignored row; NaN for a target outside [0, V), which `check_targets` has already
+     refused or queued a device assert for);
   2. when gradients are wanted, walks the blocks again and overwrites the logits in place with
      scale * (softmax - (1 - eps) * onehot(target) - eps / V): d loss / d logits, where scale
      is 1 / (tokens not ignored) for "mean", 1 for "sum", grad_output[row] for the backward of
@@ -36,7 +37,14 @@ import triton.language as tl
 
 from torchhal.hal_core import telemetry
 from torchhal.kernels import triton_attention_interpreter
-from torchhal.kernels.linear_cross_entropy import ChunkPlan, has_bias, scale_gradients
+from torchhal.kernels.linear_cross_entropy import (
+    BACKWARD,
+    OP,
+    ChunkPlan,
+    check_targets,
+    has_bias,
+    scale_gradients,
+)
 from torchhal.kernels.triton_rows import compute_dtype
 
 log = telemetry.get_logger("torchhal.kernels.cross_entropy")
@@ -274,6 +282,7 @@ def linear_cross_entropy(
     reduction: str = "mean",
 ) -> torch.Tensor:
     """The loss alone: the row kernel writes no gradients."""
+    check_targets(OP, target, weight.shape[0], ignore_index)
     h, t, b = _flat(hidden, target, bias)
     losses, _ = _chunked(plan, h, weight, t, b, ignore_index, label_smoothing, None)
     n_valid = _n_valid(t, ignore_index) if reduction == "mean" else None
@@ -310,6 +319,7 @@ def linear_cross_entropy_forward(
             plan, hidden, weight, target, bias, ignore_index, label_smoothing, reduction
         )
         return loss, hidden.new_empty(0), hidden.new_empty(0), hidden.new_empty(0)
+    check_targets(OP, target, weight.shape[0], ignore_index)  # the name the reference gives too
     h, t, b = _flat(hidden, target, bias)
     n_valid = _n_valid(t, ignore_index) if reduction == "mean" else None
     scale = (1.0 / n_valid).reshape(1) if n_valid is not None else torch.ones(1, device=hidden.device)
@@ -338,6 +348,7 @@ def linear_cross_entropy_backward(
     if reduction != "none":
         return scale_gradients(grad_loss, (grad_hidden, grad_weight, grad_bias))
     assert hidden is not None and weight is not None and target is not None
+    check_targets(BACKWARD, target, weight.shape[0], ignore_index)
     h, t, b = _flat(hidden, target, bias)
     scale = grad_loss.reshape(-1).to(torch.float32).contiguous()
     _, grads = _chunked(plan, h, weight, t, b, ignore_index, label_smoothing, scale)

@@ -252,3 +252,11 @@ def test_sdpa_training_candidates(
     for what, got, s, t in zip(("dq", "dk", "dv"), grads, same, truth, strict=True):
         assert got.is_contiguous()
         assert_within_pytorch_error(what, got, s, t, 3)
+
+
+@pytest.mark.parametrize(("heads_q", "heads_kv"), [(65536 + 8, 4), (2 * 65535 + 2, 2 * 65535 + 2)])
+def test_more_heads_than_cudas_grid_limit(ops, check_op, heads_q, heads_kv):
+    """65535 is CUDA's cap on grid axis 1 (query heads; kv heads in the dk/dv kernel): past it
+    the kernels launch in slices, each head keeping its kv head across them."""
+    args = (*_qkv(1, heads_q, heads_kv, 5, 7, 16, torch.bfloat16), True, None, None)
+    _check(ops, check_op, args)

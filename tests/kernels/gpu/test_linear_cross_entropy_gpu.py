@@ -172,3 +172,54 @@ def test_compile_with_inductor(fused):
     got = torch.autograd.grad(torch.compile(block, fullgraph=True)(h, w), (h, w))
     for g, e in zip(got, want, strict=True):
         torch.testing.assert_close(g, e)
+
+
+# A device assert poisons the process's CUDA context, so each bad call runs in a child process.
+_BAD_TARGET_CHILD = """
+import sys, torch, torchhal.ops
+from torchhal.kernels import linear_cross_entropy as lce
+mode = sys.argv[1]
+fn = torchhal.ops.linear_cross_entropy
+if mode == "compiled":
+    fn = torch.compile(fn, fullgraph=True)
+hidden = torch.randn(64, 32, device="cuda", requires_grad=mode != "no_grad")
+weight = torch.randn(1000, 32, device="cuda")
+target = torch.randint(0, 1000, (64,), device="cuda")
+target[::5] = -100
+torch.set_grad_enabled(mode != "no_grad")
+fn(hidden, weight, target)  # warm: compile, select, autotune outside the no-sync block
+torch.cuda.synchronize()
+target[3] = 1000
+torch.cuda.set_sync_debug_mode("error")  # any host sync in the checked call raises
+loss = fn(hidden, weight, target)
+torch.cuda.set_sync_debug_mode("default")
+print("queued without a sync", flush=True)
+try:
+    torch.cuda.synchronize()
+except RuntimeError as exc:
+    print("raised at the sync:", exc, flush=True)
+    sys.exit(3)
+print("no error", flush=True)
+"""
+
+
+@pytest.mark.parametrize("disabled", ["", "triton"], ids=["triton", "reference"])
+@pytest.mark.parametrize("mode", ["no_grad", "grad", "compiled"])
+def test_out_of_range_target_is_a_device_assert_without_a_sync(gpu_hal, tmp_path, mode, disabled):
+    """A target outside [0, vocab) that is not ignore_index: the Triton kernels gave NaN. On CUDA the
+    targets are not read (a sync per call): every candidate queues torch._assert_async, which fails
+    at the next synchronisation with the op's message, as torch's cross_entropy's device assert does."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TORCHHAL_DISABLE_KERNELS": disabled, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    child = subprocess.run(
+        [sys.executable, "-c", _BAD_TARGET_CHILD, mode], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert child.returncode == 3, f"stdout:\n{child.stdout}\nstderr:\n{child.stderr[-4000:]}"
+    assert "queued without a sync" in child.stdout
+    assert "device-side assert" in child.stdout
+    assert (
+        "linear_cross_entropy: target values must lie in [0, 1000) or equal ignore_index -100" in child.stderr
+    )
