@@ -88,8 +88,8 @@ def test_a_backward_run_inside_autocast_computes_in_the_saved_dtypes():
 
 @pytest.mark.parametrize("name", ["rms_norm", "layer_norm"])
 def test_ops_without_an_autocast_policy_compute_in_their_inputs_dtypes(name):
-    """The norms compute in fp32 and round once, what autocast's fp32 policy is for; under autocast
-    they return what they return outside it."""
+    """CPU autocast leaves the norms alone, as it leaves torch's: under it they return what they
+    return outside it (CUDA and XPU autocast run them in fp32: test_autocast_fp32.py)."""
     x, weight, bias = torch.randn(7, 48), torch.randn(48), torch.randn(48)
     args = (x, weight) if name == "rms_norm" else (x, weight, bias)
     fn = getattr(torchhal.ops, name)

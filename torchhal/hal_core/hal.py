@@ -27,7 +27,7 @@ from torchhal.hal_core.errors import (
     NoDeviceMatchesError,
     UnsupportedError,
 )
-from torchhal.hal_core.kernels import KernelRegistry, Locate, guard_implementation
+from torchhal.hal_core.kernels import REFERENCE, KernelRegistry, Locate, guard_implementation
 from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
 from torchhal.hal_core.settings import Settings
 from torchhal.hal_core.tuning import Tuner, code_versions
@@ -145,10 +145,15 @@ class HardwareAbstractionLayer:
     def _warn_unknown_disabled_kernels(self, absent: set[str]) -> None:
         """A TORCHHAL_DISABLE_KERNELS entry that names no candidate (a typo) disables nothing.
         `provider/name` entries of adapters absent here are not judged: their kernels are
-        registered only where their hardware is, and one setting may serve a whole fleet."""
+        registered only where their hardware is, and one setting may serve a whole fleet. The
+        names offered leave out the reference, which the setting may not name (Settings)."""
         registry = self._kernels
         known = {
-            n for op in registry.ops() for c in registry.candidates(op) for n in (c.name, c.qualified_name)
+            n
+            for op in registry.ops()
+            for c in registry.candidates(op)
+            if c.name != REFERENCE
+            for n in (c.name, c.qualified_name)
         }
         unknown = [
             name

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.errors import ConfigurationError
+from torchhal.hal_core.kernels import REFERENCE
 
 PREFIX = "TORCHHAL_"
 # read by name elsewhere, not settings of a HAL (torchhal.hal_core.kernels: per process)
@@ -63,6 +64,21 @@ class Settings(BaseModel):
         """An allowlist of no names (',') would load no plugin, which has a switch of its own."""
         if value == ():
             raise ValueError("names no plugin; to load none, set TORCHHAL_DISABLE_PLUGIN_AUTOLOAD=1")
+        return value
+
+    @field_validator("disable_kernels")
+    @classmethod
+    def _keeps_the_reference(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        """The reference is every op's ground truth and last fallback: disabled, an op that no other
+        candidate computes on a device failed on every call. `x/reference` names it or nothing (no
+        provider may register a candidate of that name)."""
+        refused = [name for name in value if name.rpartition("/")[2] == REFERENCE]
+        if refused:
+            raise ValueError(
+                f"names {', '.join(map(repr, refused))}: the reference implementation cannot be "
+                "disabled (it is every op's ground truth and last fallback); name the other "
+                "candidates to disable instead"
+            )
         return value
 
     @field_validator("cache_dir", mode="before")

@@ -24,10 +24,13 @@ Double backward is not supported: the backward ops are not themselves differenti
 
 Autocast, one rule for every path and candidate: inputs listed in `spec.autocast` (the ops whose
 torch counterparts autocast runs in lower precision: SDPA, matmul, lm_head's linear) are cast to
-the autocast dtype, as autocast casts them (floating, not fp64); then the candidates run with
-autocast off, so each computes in the dtypes it was given whichever candidate is chosen (an op's
-answer must not depend on its candidate: a reference meeting autocast inside would cast the fp32
-it asked for back down, where a Triton kernel would not).
+the autocast dtype, as autocast casts them (floating, not fp64); inputs listed in
+`spec.autocast_fp32` (the norms) are cast to fp32 on the device types where torch's autocast runs
+the op's aten counterpart in fp32 (CUDA and XPU, not CPU: asked of torch's dispatcher, see
+`torch_autocasts`). Then the candidates run with autocast off, so each computes in the dtypes it
+was given whichever candidate is chosen (an op's answer must not depend on its candidate: a
+reference meeting autocast inside would cast the fp32 it asked for back down, where a Triton
+kernel would not).
 """
 
 from __future__ import annotations
@@ -40,8 +43,10 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchhal.hal_core import UnsupportedError
+from torchhal.hal_core import UnsupportedError, telemetry
 from torchhal.hal_core.kernels import NOT_SEEN
+
+log = telemetry.get_logger("torchhal.kernels.autocast")
 
 _SAVED = object()  # marks a context slot whose tensor went through ctx.save_for_backward
 # Bound once: every op call runs them. `_any_requires_grad` is what torch.library's own autograd
@@ -70,6 +75,10 @@ _AUTOCAST_DEVICE_TYPES = frozenset(
     )
     if torch.amp.is_autocast_available(name)
 )
+# Where torch's dispatcher cannot be asked (a torch newer than these lines): the device types
+# whose autocast runs layer_norm and rms_norm, the ops that declare `autocast_fp32`, in fp32 as
+# of torch 2.13 (2.11's CUDA autocast still left rms_norm alone: the lists move, hence the asking).
+_DOCUMENTED_FP32_DEVICE_TYPES = frozenset({"cuda", "xpu"})
 
 Dispatch = Callable[..., Any]
 """`dispatch(op, *args)`: run registry op `op` on the device of its first tensor."""
@@ -87,6 +96,9 @@ class AutogradSpec(NamedTuple):
     context: Callable[[Sequence[Any], Sequence[torch.Tensor]], tuple[Any, ...]]  # (inputs, results)
     outputs: int = 1  # leading results of `forward` that are the op's outputs
     autocast: tuple[int, ...] = ()  # positions of the inputs autocast casts to its dtype
+    # positions of the inputs autocast casts to fp32 where torch's autocast runs `aten_op` in fp32
+    autocast_fp32: tuple[int, ...] = ()
+    aten_op: str = ""  # the torch counterpart whose autocast kernels say where: "aten::layer_norm"
 
 
 class DifferentiableOp:
@@ -108,6 +120,10 @@ class DifferentiableOp:
         self._plain = functools.partial(dispatch, spec.op)  # the no-gradient path, bound once
         self._plain_seen = functools.partial(dispatch_seen or _never_seen, spec.op)
         self._input_names = tuple(inspect.signature(spec.forward_fake).parameters)
+        # asked once here, not per call: Dynamo cannot trace the dispatcher query
+        self._fp32_device_types = (
+            autocast_fp32_device_types(spec.aten_op) if spec.autocast_fp32 else frozenset()
+        )
         self._tensor_inputs = _tensor_parameters(spec.forward_fake, self._input_names)
         if not set(spec.differentiable) <= set(self._tensor_inputs):
             raise TypeError(
@@ -154,17 +170,21 @@ class DifferentiableOp:
 
     def _autocast_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """`args` with the `spec.autocast` inputs cast as autocast would cast them, where it is on
-        for the first input's device type."""
-        if not self.spec.autocast or not isinstance(args[0], torch.Tensor):
+        for the first input's device type; the `spec.autocast_fp32` ones to fp32 where torch's
+        autocast runs the op's counterpart in fp32 on that device type."""
+        spec = self.spec
+        if not (spec.autocast or self._fp32_device_types) or not isinstance(args[0], torch.Tensor):
             return args
         device_type = args[0].device.type
         if device_type not in _AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
             return args
-        dtype = torch.get_autocast_dtype(device_type)
-        return tuple(
-            a.to(dtype) if i in self.spec.autocast and _autocast_eligible(a) else a
-            for i, a in enumerate(args)
-        )
+        if device_type in self._fp32_device_types:
+            cast, dtype = spec.autocast_fp32, torch.float32
+        elif spec.autocast:
+            cast, dtype = spec.autocast, torch.get_autocast_dtype(device_type)
+        else:
+            return args
+        return tuple(a.to(dtype) if i in cast and _autocast_eligible(a) else a for i, a in enumerate(args))
 
     def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:
         schema = torch.library.infer_schema(fake, mutates_args=())
@@ -256,6 +276,41 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
         "__doc__": _function_class.__doc__,
     }
     return type(f"{spec.op}_function", (torch.autograd.Function,), methods)
+
+
+def torch_autocasts(aten_op: str, device_type: str) -> bool:
+    """Whether torch's autocast has a kernel of its own for `aten_op` ("aten::layer_norm") on
+    `device_type`, i.e. casts its inputs there (its lists differ per device type: CUDA and XPU run
+    layer_norm in fp32, CPU autocast leaves it alone). Asked of torch's dispatcher, so it follows
+    the installed torch (and a PrivateUse1 backend's own autocast kernels) rather than a copy of
+    its lists; the dispatcher calls are private, so `autocast_fp32_device_types` guards them."""
+    key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type), None)
+    try:
+        return key is not None and bool(torch._C._dispatch_has_kernel_for_dispatch_key(aten_op, key))
+    except RuntimeError as exc:  # the dispatcher knows no such op
+        raise ValueError(f"autocast counterpart {aten_op!r}: {exc}") from None
+
+
+def autocast_fp32_device_types(aten_op: str) -> frozenset[str]:
+    """The autocast device types on which torch's autocast runs `aten_op`, which the caller's op
+    follows in fp32 (torch's "autocast to float32" policy). Where torch lacks the private
+    dispatcher calls `torch_autocasts` makes, the device types whose autocast documentation lists
+    the norms as float32 ops, logged."""
+    missing = [
+        name
+        for name in ("_dispatch_key_for_device", "_dispatch_has_kernel_for_dispatch_key")
+        if not hasattr(torch._C, name)
+    ]
+    if missing:
+        assumed = _DOCUMENTED_FP32_DEVICE_TYPES & _AUTOCAST_DEVICE_TYPES
+        log.warning(
+            "torch's dispatcher cannot say where autocast runs this op in fp32; taking the documented lists",
+            op=aten_op,
+            missing=[f"torch._C.{name}" for name in missing],
+            assumed=sorted(assumed),
+        )
+        return assumed
+    return frozenset(t for t in _AUTOCAST_DEVICE_TYPES if torch_autocasts(aten_op, t))
 
 
 def _autocast_eligible(value: Any) -> bool:

@@ -187,6 +187,8 @@ AUTOGRAD = AutogradSpec(
     backward_fake=_backward_fake,
     differentiable=(0, 1, 2),
     context=_context,
+    autocast_fp32=(0, 1, 2),  # as torch's autocast runs F.layer_norm on CUDA and XPU
+    aten_op="aten::layer_norm",
 )
 
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from torchhal import ops
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
+from torchhal.kernels.autograd import _any_autocast, _autocast_off
 
 __all__ = [
     "FALLBACK_COUNTER",
@@ -69,7 +70,10 @@ class RMSNorm(nn.Module):
     is the closer to the exact value). With x and weight in different dtypes (autocast with fp32
     weights) the op does not apply (it changes no dtype silently): the module then computes Hugging
     Face's formula in PyTorch, output in the promoted dtype, as the original would, and counts the
-    fallback (FALLBACK_COUNTER, logged once). `eps=None` means what torch.nn.RMSNorm's does: the
+    fallback (FALLBACK_COUNTER, logged once). Autocast leaves Hugging Face's module alone (it is
+    elementwise math), so this one returns under autocast what it returns outside it, where
+    ops.rms_norm and torch.nn.RMSNorm follow F.rms_norm's autocast policy (fp32 out on CUDA and
+    XPU, where torch's autocast lists it). `eps=None` means what torch.nn.RMSNorm's does: the
     epsilon of the dtype the norm computes in (fp32 for bf16/fp16 x).
     """
 
@@ -106,14 +110,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         eps = torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps if self.eps is None else self.eps
-        if self.weight is None:
-            return ops.rms_norm(x, x.new_ones(self.normalized_shape), eps)
-        if x.dtype != self.weight.dtype and x.dtype.is_floating_point:  # ops.rms_norm refuses the rest
-            _record_mixed_dtypes("rms_norm", x, self.weight, "Hugging Face's formula")
+        weight = self.weight if self.weight is not None else x.new_ones(self.normalized_shape)
+        if x.dtype != weight.dtype and x.dtype.is_floating_point:  # ops.rms_norm refuses the rest
+            _record_mixed_dtypes("rms_norm", x, weight, "Hugging Face's formula")
             x32 = x.float()
             normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-            return self.weight * normed.to(x.dtype)
-        return ops.rms_norm(x, self.weight, eps)
+            return weight * normed.to(x.dtype)
+        if _any_autocast():  # Hugging Face's dtype, not the op's autocast policy (see the docstring)
+            with _autocast_off():
+                return ops.rms_norm(x, weight, eps)
+        return ops.rms_norm(x, weight, eps)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape[0]}, eps={self.eps}, elementwise_affine={self.elementwise_affine}"
