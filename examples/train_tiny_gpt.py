@@ -1,7 +1,7 @@
 """Train a tiny GPT with torchhal.distributed on whatever devices the HAL finds, CPUs or GPUs.
 
     torchrun --nproc-per-node 2 examples/train_tiny_gpt.py --steps 20
-    torchrun --nproc-per-node 2 examples/train_tiny_gpt.py --strategy fsdp
+    torchrun --nproc-per-node 2 examples/train_tiny_gpt.py --strategy fsdp --gradient-accumulation-steps 2
     TORCHHAL_PLUGINS=simasic torchrun --nproc-per-node 2 examples/train_tiny_gpt.py \
         --strategy hetero --devices cpu,simasic:0       # a CPU and a simulated ASIC in one job
 
@@ -92,6 +92,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", help="HAL device per local rank, comma-separated (default: the HAL's choice)")
     p.add_argument("--precision", choices=("auto", "bf16", "fp16", "fp32"), default="auto")
     p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        help="micro-batches per step (split of each rank's rows)",
+    )
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--dim", type=int, default=64)
@@ -132,6 +138,10 @@ def main(argv: list[str] | None = None) -> None:
         local_batch = args.global_batch // ctx.world_size
         rows = slice(ctx.rank * local_batch, (ctx.rank + 1) * local_batch)
 
+    micro = args.gradient_accumulation_steps
+    if local_batch % micro:
+        raise SystemExit(f"this rank's batch of {local_batch} rows must divide into {micro} micro-batches")
+
     def batches():
         for step in range(args.steps):
             inputs, targets = global_batch(step, args)
@@ -139,7 +149,8 @@ def main(argv: list[str] | None = None) -> None:
                 inputs, targets = group.local_slice(inputs), group.local_slice(targets)
             else:
                 inputs, targets = inputs[rows], targets[rows]
-            yield inputs.to(ctx.device.torch_device), targets.to(ctx.device.torch_device)
+            for part in zip(inputs.chunk(micro), targets.chunk(micro), strict=True):
+                yield tuple(t.to(ctx.device.torch_device) for t in part)
 
     stats = thd.train(
         prepared.model,
@@ -151,6 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         clip_grad_norm=args.clip,
         scaler=prepared.scaler,
         grad_sync=None if group is None else group.sync_gradients,
+        gradient_accumulation_steps=micro,
     )
     first, last = stats[0], stats[-1]
     print(

@@ -44,14 +44,17 @@ def torchrun(script: str, *args: str, timeout: int) -> subprocess.CompletedProce
     return done
 
 
+@pytest.mark.parametrize("accumulate", [1, 2])
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_example_trains_on_two_gpus(tmp_path, strategy):
+def test_example_trains_on_two_gpus(tmp_path, strategy, accumulate):
     torchrun(
         "examples/train_tiny_gpt.py",
         "--steps",
         "10",
         "--strategy",
         strategy,
+        "--gradient-accumulation-steps",
+        str(accumulate),
         "--json-out",
         str(tmp_path),
         timeout=180,
@@ -65,3 +68,5 @@ def test_example_trains_on_two_gpus(tmp_path, strategy):
         assert report["prepared"]["precision"]["policy"] == "bf16"
         losses = [s["loss"] for s in report["steps"]]
         assert losses[-1] < 0.5 * losses[0], losses
+        batch = report["batch"]  # every micro-batch of a step counted
+        assert [s["tokens"] for s in report["steps"]] == [batch["local"] * batch["seq_len"]] * 10
