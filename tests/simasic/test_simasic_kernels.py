@@ -190,7 +190,7 @@ def test_each_device_charges_its_own_clock(sim_hal, tiny):
 
 
 def test_output_beyond_capacity_raises_and_leaves_clock_and_ledger(sim_hal, tiny):
-    hal = sim_hal(tiny(memory_bytes=1000))
+    hal = sim_hal(tiny(memory_bytes=1000, sram_bytes=1000))  # SRAM at most the memory
     dev = hal.device("simasic:0")
     a, b = torch.randn(16, 8), torch.randn(8, 16)  # a 1024-byte output
     kernel = hal.kernels.select("matmul", dev, a, b).fn

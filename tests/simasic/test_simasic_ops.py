@@ -252,10 +252,11 @@ IDS = [c.name for c in CASES]
 
 @pytest.fixture
 def roomy(sim_hal, tiny):
-    """A HAL over the tiny spec with SRAM for every operand and `memory_bytes` as given."""
+    """A HAL over the tiny spec with SRAM for every operand and `memory_bytes` as given (SRAM at
+    most the memory, as a spec must have it: the out-of-memory cases raise before any cost)."""
 
     def make(memory_bytes: int = 1 << 20) -> Any:
-        return sim_hal(tiny(sram_bytes=1 << 20, memory_bytes=memory_bytes))
+        return sim_hal(tiny(sram_bytes=min(1 << 20, memory_bytes), memory_bytes=memory_bytes))
 
     return make
 

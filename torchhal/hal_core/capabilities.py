@@ -339,7 +339,10 @@ class ProbeResult(_Frozen):
 
 
 class DeviceRequirements(_Frozen):
-    """What a caller needs from a device; `failures()` says which needs a device misses."""
+    """What a caller needs from a device; `failures()` says which needs a device misses.
+
+    `collective_backend` is a torch.distributed backend name (`nccl`, `xccl`, `gloo`), which an
+    AMD device meets with RCCL, or `rccl`, AMD's library, which only AMD devices meet."""
 
     device_type: str | None = None
     vendor: str | None = None
@@ -394,10 +397,33 @@ class DeviceRequirements(_Frozen):
             out.append(f"memory {caps.memory_bytes} bytes < {self.min_memory_bytes} required")
         if caps.compute_units < self.min_compute_units:
             out.append(f"compute units {caps.compute_units} < {self.min_compute_units} required")
-        if self.collective_backend is not None and self.collective_backend not in caps.collective_backends:
-            out.append(
-                f"collective backend {self.collective_backend!r} not in {list(caps.collective_backends)}"
-            )
+        if self.collective_backend is not None:
+            problem = _collective_failure(self.collective_backend, caps)
+            if problem is not None:
+                out.append(problem)
         if caps.simulated and not self.allow_simulated:
             out.append("simulated device, and allow_simulated is False")
         return out
+
+
+# Collective libraries that torch runs under another backend's name, as (the backend name, the
+# vendor whose devices run the library under it): ROCm builds of torch call RCCL "nccl", which is
+# what the AMD adapter declares, so a user asking for rccl meant AMD's devices and was refused by
+# every one. A device may also declare a library's own name, which then matches as it is.
+_LIBRARY_BACKENDS = {"rccl": ("nccl", "amd")}
+
+
+def _collective_failure(want: str, caps: DeviceCapabilities) -> str | None:
+    """Why `caps` does not offer the collective backend or library `want`, or None when it does."""
+    declared = list(caps.collective_backends)
+    if want in declared:
+        return None
+    if want not in _LIBRARY_BACKENDS:
+        return f"collective backend {want!r} not in {declared}"
+    backend, vendor = _LIBRARY_BACKENDS[want]
+    if backend in declared and caps.vendor == vendor:
+        return None
+    return (
+        f"collective backend {want!r} ({want.upper()}, torch's {backend!r} on {vendor} devices) not "
+        f"available: this {caps.vendor!r} device declares {declared}"
+    )

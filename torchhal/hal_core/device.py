@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from torchhal.hal_core.capabilities import DType
 from torchhal.hal_core.errors import UnsupportedError
 
 if TYPE_CHECKING:
@@ -60,8 +61,11 @@ class Device:
         return self.adapter.timer(self.index)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Uninitialised memory on this device; refuses dtypes the device does not declare."""
-        self.require_dtype(dtype, what="allocation")
+        """Uninitialised memory on this device. A format torchhal tracks (`DType`: what devices
+        compute in) must be declared; any other dtype (int64 labels, int32 indices, bool masks)
+        is the adapter's to store or refuse: no device could declare one, so each was refused."""
+        if DType.from_torch(dtype) is not None:
+            self.require_dtype(dtype, what="allocation")
         return self.adapter.allocate(self.index, self.torch_device, shape, dtype)
 
     def to_device(self, tensor: torch.Tensor) -> torch.Tensor:

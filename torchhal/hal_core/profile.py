@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import statistics
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
@@ -26,12 +27,20 @@ from torchhal.hal_core.capabilities import DType, MeasuredProfile
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import TorchHALError
 
+if sys.platform == "win32":
+    import msvcrt
+else:
+    import fcntl
+
 if TYPE_CHECKING:
     import torch
 
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
 log = telemetry.get_logger("torchhal.profile")
+# Said of a figure lost to out of memory, which passes (other allocations come and go): a profile
+# holding such a note is returned, never cached as the device's, so the next run measures again.
+PASSING = "out of memory passes: this profile is not cached, the next run measures again"
 
 
 def fingerprint(device: Device) -> str:
@@ -66,7 +75,13 @@ def measure_or_load(
     reason = "refresh" if refresh else "no usable profile cached"
     log.info("measuring device profile", device=device.id, reason=reason)
     profile = measure(hal, device)
-    if write_cached(path, profile.model_dump_json(indent=2)):
+    lost = [note.split()[1] for note in profile.notes if note.endswith(f"({PASSING})")]
+    if lost:
+        telemetry.count("torchhal.profile.not_cached")
+        log.warning(
+            "device profile not cached: out of memory cost it a figure", device=device.id, dtypes=lost
+        )
+    elif write_cached(path, profile.model_dump_json(indent=2)):
         log.info("device profile cached", device=device.id, path=str(path))
     return profile
 
@@ -88,14 +103,53 @@ def write_cached(path: Path, text: str) -> bool:
             os.unlink(tmp)
             raise
     except OSError as exc:
-        telemetry.count("torchhal.cache.write_failures")
-        log.warning(
-            "cache not written; check TORCHHAL_CACHE_DIR",
-            path=str(path),
-            error=f"{type(exc).__name__}: {exc}",
-        )
+        _not_written(path, exc)
         return False
     return True
+
+
+def update_cached(path: Path, render: Callable[[], str]) -> bool:
+    """Read, change and write a cache file that processes share: `render()` reads the file as it
+    is now and returns its new text, written with `write_cached`, all under an exclusive lock on
+    `<name>.lock` beside it (kept: removing a lock file races its next taker). Unlocked, a
+    writer that read before another's write replaced that write, losing what the other added.
+    A lock that cannot be taken is a file not written, logged and counted as `write_cached`'s."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(path.with_name(f"{path.name}.lock")):
+            return write_cached(path, render())
+    except OSError as exc:
+        _not_written(path, exc)
+        return False
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An advisory lock, held through this open file until it is closed: flock on POSIX (it
+    excludes two opens in one process too, where fcntl's record locks are per process), msvcrt's
+    one-byte lock on Windows (it retries for 10 s, then raises OSError)."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        if sys.platform == "win32":
+            msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
+            try:
+                yield
+            finally:
+                msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+        else:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+    finally:
+        os.close(fd)  # releases flock's lock
+
+
+def _not_written(path: Path, exc: OSError) -> None:
+    telemetry.count("torchhal.cache.write_failures")
+    log.warning(
+        "cache not written; check TORCHHAL_CACHE_DIR",
+        path=str(path),
+        error=f"{type(exc).__name__}: {exc}",
+    )
 
 
 def _load_cached(device: Device, path: Path) -> MeasuredProfile | None:
@@ -157,7 +211,8 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
                 if problem is not None:
                     notes.append(f"matmul {dtype.value} through torch.matmul not measured: {problem}")
             except Exception as exc:  # a declared dtype without a matmul path is reported, not hidden
-                notes.append(f"matmul {dtype.value} not measured: {type(exc).__name__}: {exc}")
+                passing = f" ({PASSING})" if _out_of_memory(exc) else ""
+                notes.append(f"matmul {dtype.value} not measured: {type(exc).__name__}: {exc}{passing}")
                 log.warning(
                     "profile: matmul not measured", device=device.id, dtype=dtype.value, error=str(exc)
                 )
@@ -192,6 +247,14 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
         torch_version=torch.__version__,
         notes=tuple(notes),
     )
+
+
+def _out_of_memory(exc: Exception) -> bool:
+    """A device's (DeviceOutOfMemoryError is a MemoryError) or torch's: torch.OutOfMemoryError
+    from torch 2.5 on, the same class as torch.cuda's name for it, which torch 2.4 has."""
+    import torch
+
+    return isinstance(exc, (MemoryError, torch.cuda.OutOfMemoryError))
 
 
 def _matmul_rates(

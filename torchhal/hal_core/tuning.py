@@ -66,9 +66,10 @@ class Tuner:
         self, device: Device, op: str, sig: Hashable, winner: str, contenders: Iterable[str]
     ) -> None:
         """Keep `winner` of `contenders` (those that measured), and save the table merged with the
-        file's winners, so HALs and processes sharing a cache keep each other's (best effort: two
-        writing at the same moment may still lose one winner, which is then measured again)."""
-        from torchhal.hal_core.profile import write_cached
+        file's winners, so HALs and processes sharing a cache keep each other's: the file is read,
+        merged and written under a lock (`update_cached`). A file that cannot be locked or written
+        keeps the winner in this Tuner only (logged, counted): the next process measures again."""
+        from torchhal.hal_core.profile import update_cached
 
         with self._lock:
             table = self._table(device)
@@ -77,10 +78,14 @@ class Tuner:
             if path is None:
                 return
             code = self._code_versions()
-            on_disk = _parse(_read_json(path), code) if path.exists() else None
-            if isinstance(on_disk, dict):
-                table.update({k: v for k, v in on_disk.items() if k not in table})
-            write_cached(path, json.dumps({"code": code, "winners": table}, indent=1, sort_keys=True))
+
+            def merged() -> str:
+                on_disk = _parse(_read_json(path), code) if path.exists() else None
+                if isinstance(on_disk, dict):
+                    table.update({k: v for k, v in on_disk.items() if k not in table})
+                return json.dumps({"code": code, "winners": table}, indent=1, sort_keys=True)
+
+            update_cached(path, merged)
 
     def measure(
         self,

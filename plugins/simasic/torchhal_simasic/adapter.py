@@ -131,7 +131,8 @@ class SimASICAdapter(VendorAdapter):
         self.state(index)
 
     def timer(self, index: int) -> SimulatedTimer:
-        return SimulatedTimer(self.state(index).clock)
+        state = self.state(index)
+        return SimulatedTimer(state.clock, state.device)
 
     def memory_info(self, index: int) -> MemoryInfo:
         ledger = self.state(index).ledger
@@ -190,7 +191,10 @@ class SimASICAdapter(VendorAdapter):
         self, index: int, torch_device: torch.device, shape: Sequence[int], dtype: torch.dtype
     ) -> torch.Tensor:
         """Host memory, charged to the device's ledger before it is allocated (an over-capacity
-        request fails without touching host memory) and credited back when torch frees it."""
+        request fails without touching host memory) and credited back when torch frees it. The
+        spec's dtypes are the formats the device computes in; integer and bool tensors (labels,
+        indices, masks) are stored whatever they are, as an accelerator that computes in bf16 or
+        int8 still holds its batch's int64 targets."""
         import torch
 
         ledger = self.state(index).ledger
@@ -199,10 +203,12 @@ class SimASICAdapter(VendorAdapter):
                 f"{ledger.device}: tensors live in host memory (cpu), got {torch_device}"
             )
         declared = DType.from_torch(dtype)
-        if declared is None or declared not in self.spec.dtypes:
+        stored = declared is None and not (dtype.is_floating_point or dtype.is_complex)
+        if not stored and declared not in self.spec.dtypes:
             supported = sorted(d.value for d in self.spec.dtypes)
             raise UnsupportedError(
                 f"allocation on {ledger.device}: dtype {dtype} is not in the spec's dtypes {supported}"
+                + ("" if declared is not None else ", nor integer or bool storage")
             )
         if not all(isinstance(size, int) and size >= 0 for size in shape):
             raise InvalidArgumentError(

@@ -83,6 +83,11 @@ class SimASICSpec(BaseModel):
                     f"{field}: tf32 is not modelled (fp32 tensors are charged at the fp32 MAC rate "
                     "whatever torch's float32 matmul precision), got tf32"
                 )
+        if self.sram_bytes > self.memory_bytes:  # the buffer caches panels of what memory holds
+            raise ValueError(
+                f"sram_bytes: on-chip SRAM must not exceed memory_bytes ({self.memory_bytes}), "
+                f"got {self.sram_bytes}"
+            )
         if not self.macs_per_cell_per_cycle:
             raise ValueError("macs_per_cell_per_cycle: needs at least one dtype, got an empty table")
         extra = sorted(d.value for d in self.macs_per_cell_per_cycle.keys() - self.dtypes)

@@ -90,22 +90,39 @@ class MemoryLedger:
             self.release_with(tensor, nbytes)
 
 
+class SimulatedMark(NamedTuple):
+    """A reading of one device's clock: the clock itself travels with it, so two devices' marks
+    (or two HALs' devices of one id) are never subtracted."""
+
+    device: str
+    clock: SimulatedClock
+    seconds: float
+
+
 class SimulatedTimer:
     """A DeviceTimer whose marks read the simulated clock, so elapsed time is simulated time."""
 
-    def __init__(self, clock: SimulatedClock) -> None:
+    def __init__(self, clock: SimulatedClock, device: str) -> None:
         self._clock = clock
+        self._device = device
 
     def mark(self) -> object:
-        return self._clock.now()
+        return SimulatedMark(self._device, self._clock, self._clock.now())
 
     def elapsed_ms(self, start: object, end: object) -> float:
-        if not (isinstance(start, float) and isinstance(end, float)):
+        if not (isinstance(start, SimulatedMark) and isinstance(end, SimulatedMark)):
             raise InvalidArgumentError(
-                "simulated timer: marks must come from mark(), got "
+                f"simulated timer of {self._device}: marks must come from mark(), got "
                 f"{type(start).__name__} and {type(end).__name__}"
             )
-        return (end - start) * 1e3
+        for which, mark in (("start", start), ("end", end)):
+            if mark.clock is not self._clock:
+                whose = f"another {mark.device}'s clock" if mark.device == self._device else mark.device
+                raise InvalidArgumentError(
+                    f"simulated timer of {self._device}: {which} is a mark of {whose}, not of "
+                    f"{self._device}: each device keeps its own simulated time"
+                )
+        return (end.seconds - start.seconds) * 1e3
 
 
 class DeviceState(NamedTuple):
