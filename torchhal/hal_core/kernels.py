@@ -476,41 +476,52 @@ class KernelRegistry:
         raises, the arguments are the likely cause: none that raised is demoted or counted, and
         KernelFailedError says what each raised. Bad arguments and exhausted memory are raised as
         they are (see `_not_a_kernel_fault`)."""
-        if _not_a_kernel_fault(exc):
-            raise exc
-        op, failures, raised = selection.op, [exc], []
-        failed = [r for r in selection.rejected if r.reason is RejectionReason.FAILED]
-        candidates = self._candidates[op]
-        current = selection
-        while True:
-            name = current.candidate.qualified_name
-            raised.append(name)
-            failed.append(Rejection(name, RejectionReason.FAILED, f"{type(exc).__name__}: {exc}"))
-            with telemetry.span(
-                "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
-            ):
-                log.warning(
-                    "kernel failed, falling back", op=op, device=device.id, candidate=name, error=repr(exc)
-                )
+        failures = [exc]
+        try:
+            if _not_a_kernel_fault(exc):
+                raise exc
+            op, raised = selection.op, []
+            failed = [r for r in selection.rejected if r.reason is RejectionReason.FAILED]
+            candidates = self._candidates[op]
+            current = selection
+            while True:
+                name = current.candidate.qualified_name
+                raised.append(name)
+                failed.append(Rejection(name, RejectionReason.FAILED, f"{type(exc).__name__}: {exc}"))
+                with telemetry.span(
+                    "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
+                ):
+                    log.warning(
+                        "kernel failed, falling back",
+                        op=op,
+                        device=device.id,
+                        candidate=name,
+                        error=repr(exc),
+                    )
+                    try:
+                        current = self._select(op, device, selection.signature, failed, store=False)
+                    except UnsupportedError:
+                        raise KernelFailedError(
+                            f"op {op!r} on {device.id}: every candidate failed (so no kernel was demoted: "
+                            "the arguments are the likely cause): " + "; ".join(str(r) for r in failed)
+                        ) from failures[0]
                 try:
-                    current = self._select(op, device, selection.signature, failed, store=False)
-                except UnsupportedError:
-                    raise KernelFailedError(
-                        f"op {op!r} on {device.id}: every candidate failed (so no kernel was demoted: "
-                        "the arguments are the likely cause): " + "; ".join(str(r) for r in failed)
-                    ) from failures[0]
-            try:
-                result = current.fn(*args, **kwargs)
-            except Exception as next_exc:
-                if _not_a_kernel_fault(next_exc):
-                    raise
-                exc = next_exc
-                failures.append(exc)
-                continue
-            for name in raised:
-                self._count_fallback(op, name)
-            self._store(current, candidates)
-            return result
+                    result = current.fn(*args, **kwargs)
+                except Exception as next_exc:
+                    if _not_a_kernel_fault(next_exc):
+                        raise
+                    exc = next_exc
+                    failures.append(exc)
+                    continue
+                for name in raised:
+                    self._count_fallback(op, name)
+                self._store(current, candidates)
+                return result
+        finally:
+            # an error raised from here holds this frame in its traceback, and this frame held the
+            # errors: a cycle that kept the failed calls' frames, tensors and all, alive until a
+            # garbage collection (an out-of-memory "retry smaller" then ran out again)
+            del exc, failures
 
 
 _Hit = tuple["Device", Selection]  # a memo hit: the device to run on and the selection
