@@ -168,9 +168,8 @@ class LiveMonitor:
             )
         elif n_control:
             threshold = self.threshold.absolute_for(control_mean, f"monitor of {self.candidate!r}")
-        decision, reason = self._decide(
-            state.decision, state.difference, state.interval, threshold, srm, undefined
-        )
+        why = "; ".join(r for r in (state.waiting, undefined) if r) or None
+        decision, reason = self._decide(state.decision, state.difference, state.interval, threshold, srm, why)
         status = MonitorStatus(
             decision,
             reason,
@@ -202,9 +201,10 @@ class LiveMonitor:
         interval: tuple[float, float],
         threshold: float,
         srm: float | None,
-        undefined: str | None,
+        why: str | None,
     ) -> tuple[MonitorDecision, str]:
-        """`undefined` says why the effect cannot be judged yet (then threshold is NaN)."""
+        """`why` says why the effect is not judged yet: the sequential test has not looked (too
+        few values, or both arms constant), or a relative threshold scales a control mean of 0."""
         if srm is not None and srm < self.srm_alpha:
             return MonitorDecision.ROLL_BACK, (
                 f"sample ratio mismatch (p = {srm:.3g} < {self.srm_alpha:g}): the split departs from "
@@ -231,6 +231,6 @@ class LiveMonitor:
             return (
                 MonitorDecision.STOP,
                 f"inconclusive: {seen} observations reached max_samples without a decision"
-                + (f" ({undefined})" if undefined else ""),
+                + (f" ({why})" if why else ""),
             )
-        return MonitorDecision.CONTINUE, f"no decision yet: {undefined}" if undefined else "no decision yet"
+        return MonitorDecision.CONTINUE, f"no decision yet: {why}" if why else "no decision yet"

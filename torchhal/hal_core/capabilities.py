@@ -405,6 +405,17 @@ class DeviceRequirements(_Frozen):
             out.append("simulated device, and allow_simulated is False")
         return out
 
+    def collective_match(self, caps: DeviceCapabilities) -> str | None:
+        """What meets the collective backend requirement on `caps` (None: none asked, or not
+        met), for explanations: `rccl` is met by torch's `nccl` on AMD devices, which they say."""
+        want = self.collective_backend
+        if want is None or _collective_failure(want, caps) is not None:
+            return None
+        if want in caps.collective_backends:
+            return f"collective {want!r}: declared"
+        backend, vendor = _LIBRARY_BACKENDS[want]
+        return f"collective {want!r}: {want.upper()}, torch's {backend!r} on this {vendor} device"
+
 
 # Collective libraries that torch runs under another backend's name, as (the backend name, the
 # vendor whose devices run the library under it): ROCm builds of torch call RCCL "nccl", which is

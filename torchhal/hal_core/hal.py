@@ -297,6 +297,9 @@ class HardwareAbstractionLayer:
                 rejected.append(Ranked(dev, False, tuple(failures)))
                 continue
             key, reasons = _rank_key(dev)
+            collective = req.collective_match(dev.capabilities)
+            if collective is not None:  # says how `rccl` was met by an AMD device's `nccl`
+                reasons = (*reasons, collective)
             eligible.append((key, Ranked(dev, True, reasons)))
         if not eligible:
             raise NoDeviceMatchesError(req, {r.device.id: r.reasons for r in rejected})

@@ -204,7 +204,12 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
             if dtype not in device.capabilities.dtypes:
                 continue
             try:
-                max_n = 512 if device.simulated else 1024 if small else 8192
+                most = 512 if device.simulated else 1024 if small else 8192
+                max_n, free = _matmul_n(device, dtype, most)
+                if max_n < most:
+                    notes.append(
+                        f"matmul {dtype.value} at n <= {max_n} (not {most}): fitted to {free} bytes free"
+                    )
                 sizes[dtype], matmul[dtype], peer, problem = _matmul_rates(hal, device, dtype, max_n)
                 if peer is not None:
                     direct[dtype] = peer
@@ -286,9 +291,25 @@ def _copy_bytes(device: Device, most: int) -> int:
     """The copy's size: `most`, halved (to 1 MiB at least) until its source and destination
     take at most half of the device's free memory. A fixed 64 MiB copy made the whole profile
     fail with out-of-memory on a device of 100 MiB."""
+    return _halved_to_fit(most, 2**20, lambda size: 2 * size, device.memory_info().free_bytes)
+
+
+def _matmul_n(device: Device, dtype: DType, most: int) -> tuple[int, int]:
+    """(The largest n the dtype's products may take, the free bytes it was fitted to): `most`,
+    halved (to 16 at least) until four n×n operands (a, b, the product, and the half-size pair
+    still held while the size doubles) take at most half of the free memory. A fixed n failed
+    every dtype with out-of-memory on a small device, on every run (such a profile is not cached)."""
+    import torch
+
+    itemsize = (dtype.to_torch() or torch.float32).itemsize
     free = device.memory_info().free_bytes
+    return _halved_to_fit(most, 16, lambda n: 4 * n * n * itemsize, free), free
+
+
+def _halved_to_fit(most: int, least: int, footprint: Callable[[int], int], free: int) -> int:
+    """`most`, halved down to `least` until `footprint(size)` is at most half of `free`."""
     size = most
-    while size > 2**20 and 4 * size > free:
+    while size > least and 2 * footprint(size) > free:
         size //= 2
     return size
 
@@ -296,13 +317,14 @@ def _copy_bytes(device: Device, most: int) -> int:
 def _sized_operands(
     hal: HardwareAbstractionLayer, device: Device, dtype: DType, max_n: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Square operands, doubled from 256 until one product takes about 10 ms (or max_n)."""
+    """Square operands, doubled from 256 (or max_n, if smaller) until one product takes about
+    10 ms (or max_n)."""
     import torch
 
     tdtype = dtype.to_torch() or torch.float32  # tf32 is fp32 storage in a faster matmul mode
     if dtype in (DType.FP8_E4M3, DType.FP8_E5M2, DType.FP8_E4M3_FNUZ, DType.FP8_E5M2_FNUZ):
         raise TorchHALError("fp8 matmul needs scaling factors; no vendor-neutral op measures it yet")
-    n = max_n if device.simulated else 256  # simulated time does not depend on the host's speed
+    n = max_n if device.simulated else min(256, max_n)  # simulated time: not the host's speed
     while True:
         a, b = _random(device, (n, n), tdtype), _random(device, (n, n), tdtype)
         hal.kernels.call("matmul", device, a, b)  # warm-up: compilation and handles stay out

@@ -374,6 +374,7 @@ AUTOGRAD = AutogradSpec(
     backward_fake=_backward_fake,
     differentiable=(0, 1, 2),
     autocast=(0, 1, 2),  # autocast casts them, as it does SDPA's inputs
+    aten_op="aten::scaled_dot_product_attention",
     context=_context,
 )
 

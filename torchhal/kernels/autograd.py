@@ -22,15 +22,15 @@ their inputs) with the strides its fake implementation gives: contiguous, or for
 input's layout.
 Double backward is not supported: the backward ops are not themselves differentiable.
 
-Autocast, one rule for every path and candidate: inputs listed in `spec.autocast` (the ops whose
-torch counterparts autocast runs in lower precision: SDPA, matmul, lm_head's linear) are cast to
-the autocast dtype, as autocast casts them (floating, not fp64); inputs listed in
-`spec.autocast_fp32` (the norms) are cast to fp32 on the device types where torch's autocast runs
-the op's aten counterpart in fp32 (CUDA and XPU, not CPU: asked of torch's dispatcher, see
-`torch_autocasts`). Then the candidates run with autocast off, so each computes in the dtypes it
-was given whichever candidate is chosen (an op's answer must not depend on its candidate: a
-reference meeting autocast inside would cast the fp32 it asked for back down, where a Triton
-kernel would not).
+Autocast, one rule for every path and candidate, each on the device types where torch's autocast
+has a kernel for the op's aten counterpart `spec.aten_op` (asked of torch's dispatcher, see
+`torch_autocasts`): inputs listed in `spec.autocast` (the ops whose torch counterparts autocast
+runs in lower precision: SDPA, matmul, lm_head's linear) are cast to the autocast dtype, as
+autocast casts them (floating, not fp64); inputs listed in `spec.autocast_fp32` (the norms) are
+cast to fp32 (CUDA and XPU autocast run them in fp32, CPU autocast leaves them alone). Then the
+candidates run with autocast off, so each computes in the dtypes it was given whichever candidate
+is chosen (an op's answer must not depend on its candidate: a reference meeting autocast inside
+would cast the fp32 it asked for back down, where a Triton kernel would not).
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ class AutogradSpec(NamedTuple):
     differentiable: tuple[int, ...]  # positions of the inputs that get gradients, in backward's order
     context: Callable[[Sequence[Any], Sequence[torch.Tensor]], tuple[Any, ...]]  # (inputs, results)
     outputs: int = 1  # leading results of `forward` that are the op's outputs
-    autocast: tuple[int, ...] = ()  # positions of the inputs autocast casts to its dtype
+    # positions of the inputs autocast casts to its dtype, where torch's autocast casts `aten_op`
+    autocast: tuple[int, ...] = ()
     # positions of the inputs autocast casts to fp32 where torch's autocast runs `aten_op` in fp32
     autocast_fp32: tuple[int, ...] = ()
     aten_op: str = ""  # the torch counterpart whose autocast kernels say where: "aten::layer_norm"
@@ -121,6 +122,7 @@ class DifferentiableOp:
         self._plain_seen = functools.partial(dispatch_seen or _never_seen, spec.op)
         self._input_names = tuple(inspect.signature(spec.forward_fake).parameters)
         # asked once here, not per call: Dynamo cannot trace the dispatcher query
+        self._lower_device_types = autocast_device_types(spec.aten_op) if spec.autocast else frozenset()
         self._fp32_device_types = (
             autocast_fp32_device_types(spec.aten_op) if spec.autocast_fp32 else frozenset()
         )
@@ -170,20 +172,18 @@ class DifferentiableOp:
 
     def _autocast_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """`args` with the `spec.autocast` inputs cast as autocast would cast them, where it is on
-        for the first input's device type; the `spec.autocast_fp32` ones to fp32 where torch's
-        autocast runs the op's counterpart in fp32 on that device type."""
-        spec = self.spec
-        if not (spec.autocast or self._fp32_device_types) or not isinstance(args[0], torch.Tensor):
+        for the first input's device type and torch's autocast casts the op's counterpart there;
+        the `spec.autocast_fp32` ones to fp32 where torch's autocast runs it in fp32."""
+        if not isinstance(args[0], torch.Tensor):
             return args
         device_type = args[0].device.type
-        if device_type not in _AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
+        fp32, lower = device_type in self._fp32_device_types, device_type in self._lower_device_types
+        if not (fp32 or lower) or not torch.is_autocast_enabled(device_type):
             return args
-        if device_type in self._fp32_device_types:
-            cast, dtype = spec.autocast_fp32, torch.float32
-        elif spec.autocast:
-            cast, dtype = spec.autocast, torch.get_autocast_dtype(device_type)
+        if fp32:
+            cast, dtype = self.spec.autocast_fp32, torch.float32
         else:
-            return args
+            cast, dtype = self.spec.autocast, torch.get_autocast_dtype(device_type)
         return tuple(a.to(dtype) if i in cast and _autocast_eligible(a) else a for i, a in enumerate(args))
 
     def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:
@@ -283,33 +283,55 @@ def torch_autocasts(aten_op: str, device_type: str) -> bool:
     `device_type`, i.e. casts its inputs there (its lists differ per device type: CUDA and XPU run
     layer_norm in fp32, CPU autocast leaves it alone). Asked of torch's dispatcher, so it follows
     the installed torch (and a PrivateUse1 backend's own autocast kernels) rather than a copy of
-    its lists; the dispatcher calls are private, so `autocast_fp32_device_types` guards them."""
+    its lists; a fallthrough registered for the op is no kernel (autocast passes it by). The
+    dispatcher calls are private, so `autocast_device_types` guards them."""
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type), None)
     try:
-        return key is not None and bool(torch._C._dispatch_has_kernel_for_dispatch_key(aten_op, key))
+        return (
+            key is not None
+            and bool(torch._C._dispatch_has_kernel_for_dispatch_key(aten_op, key))
+            and not torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough(aten_op, key)
+        )
     except RuntimeError as exc:  # the dispatcher knows no such op
         raise ValueError(f"autocast counterpart {aten_op!r}: {exc}") from None
 
 
+def autocast_device_types(aten_op: str) -> frozenset[str]:
+    """The autocast device types on which torch's autocast casts `aten_op`, where the caller's op
+    follows it in the autocast dtype (torch's "lower precision" policy). A device type whose
+    autocast has no kernel for it (a PrivateUse1 backend's, which casts only what it registers)
+    leaves the inputs alone, as torch does there. Where torch cannot be asked: all of them, as
+    before the asking, logged."""
+    return _asked(aten_op, _AUTOCAST_DEVICE_TYPES)
+
+
 def autocast_fp32_device_types(aten_op: str) -> frozenset[str]:
     """The autocast device types on which torch's autocast runs `aten_op`, which the caller's op
-    follows in fp32 (torch's "autocast to float32" policy). Where torch lacks the private
-    dispatcher calls `torch_autocasts` makes, the device types whose autocast documentation lists
-    the norms as float32 ops, logged."""
+    follows in fp32 (torch's "autocast to float32" policy). Where torch cannot be asked: the
+    device types whose autocast documentation lists the norms as float32 ops, logged."""
+    return _asked(aten_op, _DOCUMENTED_FP32_DEVICE_TYPES & _AUTOCAST_DEVICE_TYPES)
+
+
+def _asked(aten_op: str, documented: frozenset[str]) -> frozenset[str]:
+    """The autocast device types for which `torch_autocasts(aten_op, ...)`, or `documented` where
+    torch lacks the private dispatcher calls it makes (logged)."""
     missing = [
         name
-        for name in ("_dispatch_key_for_device", "_dispatch_has_kernel_for_dispatch_key")
+        for name in (
+            "_dispatch_key_for_device",
+            "_dispatch_has_kernel_for_dispatch_key",
+            "_dispatch_kernel_for_dispatch_key_is_fallthrough",
+        )
         if not hasattr(torch._C, name)
     ]
     if missing:
-        assumed = _DOCUMENTED_FP32_DEVICE_TYPES & _AUTOCAST_DEVICE_TYPES
         log.warning(
-            "torch's dispatcher cannot say where autocast runs this op in fp32; taking the documented lists",
+            "torch's dispatcher cannot say where autocast casts this op; taking the documented lists",
             op=aten_op,
             missing=[f"torch._C.{name}" for name in missing],
-            assumed=sorted(assumed),
+            assumed=sorted(documented),
         )
-        return assumed
+        return documented
     return frozenset(t for t in _AUTOCAST_DEVICE_TYPES if torch_autocasts(aten_op, t))
 
 

@@ -562,6 +562,7 @@ AUTOGRAD = AutogradSpec(
     backward_fake=_backward_fake,
     differentiable=(0, 1, 3),
     autocast=(0, 1, 3),  # autocast casts them, as it does lm_head's linear inputs
+    aten_op="aten::linear",
     context=_context,
 )
 

@@ -121,6 +121,7 @@ AUTOGRAD = AutogradSpec(
     backward_fake=_backward_fake,
     differentiable=(0, 1),
     autocast=(0, 1),  # autocast casts them, as it does torch.matmul's inputs
+    aten_op="aten::matmul",
     context=_context,
 )
 

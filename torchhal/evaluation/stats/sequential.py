@@ -40,7 +40,8 @@ class Decision(str, enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class SequentialState:
-    """What one look shows: the difference mean(a) − mean(b), its confidence sequence, p and decision."""
+    """What one look shows: the difference mean(a) − mean(b), its confidence sequence, p and
+    decision; `waiting` says why the test has not looked yet (None once it has)."""
 
     difference: float
     interval: tuple[float, float]
@@ -48,17 +49,24 @@ class SequentialState:
     decision: Decision
     n_a: int
     n_b: int
+    waiting: str | None = None
 
 
 class _RunningMoments:
-    """Count, mean and sum of squared deviations, merged batch by batch (Chan, Golub & LeVeque 1983)."""
+    """Count, mean and sum of squared deviations, merged batch by batch (Chan, Golub & LeVeque 1983).
+
+    While every value so far is the same, the mean is that value and m2 is 0, exactly: computed,
+    they held rounding (the mean of 300 copies of 43.1 is not 43.1), which read as a variance of
+    1e-29 gave two constant arms p = 0 and an interval 1e-14 wide, while arms of integers waited."""
 
     def __init__(self) -> None:
         self.n, self.mean, self.m2 = 0, 0.0, 0.0
+        self.low, self.high = math.inf, -math.inf
 
     def add(self, batch: np.ndarray) -> None:
         if batch.size == 0:
             return
+        self.low, self.high = min(self.low, float(batch.min())), max(self.high, float(batch.max()))
         n_b, mean_b = batch.size, float(batch.mean())
         m2_b = float(np.sum((batch - mean_b) ** 2))
         total = self.n + n_b
@@ -66,6 +74,8 @@ class _RunningMoments:
         self.mean += delta * n_b / total
         self.m2 += m2_b + delta * delta * self.n * n_b / total
         self.n = total
+        if self.low == self.high:
+            self.mean, self.m2 = self.low, 0.0
 
     @property
     def variance(self) -> float:
@@ -124,7 +134,7 @@ class SequentialTest:
         self.min_samples = _checks.positive_int(min_samples, "min_samples", minimum=2)
         self.higher_is_better = bool(higher_is_better)
         self._a, self._b = _RunningMoments(), _RunningMoments()
-        self._state = SequentialState(math.nan, (-math.inf, math.inf), 1.0, Decision.CONTINUE, 0, 0)
+        self._state = self._waiting(math.nan, self._too_few())
 
     @property
     def state(self) -> SequentialState:
@@ -158,9 +168,13 @@ class SequentialTest:
     def _look(self) -> SequentialState:
         a, b, previous = self._a, self._b, self._state
         difference = a.mean - b.mean if a.n and b.n else math.nan
-        if min(a.n, b.n) < self.min_samples or a.m2 + b.m2 == 0.0:
-            # Too few values, or both arms constant so far (no scale to test on): keep waiting.
-            return SequentialState(difference, (-math.inf, math.inf), 1.0, Decision.CONTINUE, a.n, b.n)
+        if min(a.n, b.n) < self.min_samples:
+            return self._waiting(difference, self._too_few())
+        if a.m2 + b.m2 == 0.0:  # constant arms, even of different values: the test has no scale
+            why = (
+                "both arms constant so far: the test has no variance to test on, and looks once either varies"
+            )
+            return self._waiting(difference, why)
         log_lr, half = mixture_look(
             difference, a.variance, a.n, b.variance, b.n, alpha=self.alpha, tuning_n=self.tuning_n
         )
@@ -172,6 +186,15 @@ class SequentialTest:
             decision = Decision.IMPROVED if better else Decision.REGRESSED
         return SequentialState(
             difference, self._intersect(difference - half, difference + half), p_value, decision, a.n, b.n
+        )
+
+    def _too_few(self) -> str:
+        return f"fewer than min_samples = {self.min_samples} values in an arm so far"
+
+    def _waiting(self, difference: float, why: str) -> SequentialState:
+        """No look yet: the whole real line, p = 1, and why."""
+        return SequentialState(
+            difference, (-math.inf, math.inf), 1.0, Decision.CONTINUE, self._a.n, self._b.n, why
         )
 
     def _intersect(self, low: float, high: float) -> tuple[float, float]:

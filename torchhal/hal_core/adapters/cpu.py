@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 from collections.abc import Sequence
 
+from torchhal.hal_core import telemetry
 from torchhal.hal_core.adapter import VendorAdapter
 from torchhal.hal_core.capabilities import (
     DeviceCapabilities,
@@ -17,6 +19,8 @@ from torchhal.hal_core.capabilities import (
     ProbeResult,
     Topology,
 )
+
+log = telemetry.get_logger("torchhal.cpu")
 
 
 class CPUAdapter(VendorAdapter):
@@ -43,7 +47,7 @@ class CPUAdapter(VendorAdapter):
                 arch=platform.machine(),
                 compute_units=torch.get_num_threads(),
                 simd_width=lanes,
-                memory_bytes=_physical_memory(),
+                memory_bytes=_physical_memory() or 0,  # 0: not readable here, logged
                 dtypes=frozenset({DType.FP64, DType.FP32, DType.BF16, DType.FP16, DType.INT8}),
                 features=frozenset(features),
                 collective_backends=("gloo",),
@@ -58,16 +62,22 @@ class CPUAdapter(VendorAdapter):
         """CPU ops complete before they return."""
 
     def memory_info(self, index: int) -> MemoryInfo:
-        page = os.sysconf("SC_PAGE_SIZE")
+        """A figure this platform does not give is 0 (MemoryInfo has no 'unknown'), logged."""
+        page, available = _sysconf("SC_PAGE_SIZE"), _sysconf("SC_AVPHYS_PAGES")
         return MemoryInfo(
-            total_bytes=_physical_memory(),
-            free_bytes=os.sysconf("SC_AVPHYS_PAGES") * page,
+            total_bytes=_physical_memory() or 0,
+            free_bytes=available * page if available is not None and page is not None else 0,
             used_bytes=_resident_bytes(page),
         )
 
     def health(self, index: int) -> HealthReport:
-        load1, _, _ = os.getloadavg()
+        """OK (the host runs this code) with its load as utilization, where it has one."""
         cores = os.cpu_count() or 1
+        load1 = _load_average()
+        if load1 is None:
+            return HealthReport(
+                status=HealthStatus.OK, messages=("utilization unknown: no load average on this platform",)
+            )
         return HealthReport(
             status=HealthStatus.OK,
             utilization_pct=min(100.0, 100.0 * load1 / cores),
@@ -81,12 +91,49 @@ class CPUAdapter(VendorAdapter):
         return "gloo"
 
 
-def _physical_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+def _physical_memory() -> int | None:
+    """The host's memory in bytes, or None where this platform does not say (Windows)."""
+    page, pages = _sysconf("SC_PAGE_SIZE"), _sysconf("SC_PHYS_PAGES")
+    return None if page is None or pages is None else page * pages
 
 
-def _resident_bytes(page: int) -> int:
+def _sysconf(name: str) -> int | None:
+    """os.sysconf(name), or None where this platform has no such figure: Windows has no
+    os.sysconf (it failed the CPU adapter's discovery there), macOS no SC_AVPHYS_PAGES."""
+    sysconf = getattr(os, "sysconf", None)
+    if sysconf is None or name not in getattr(os, "sysconf_names", {}):
+        _unreadable(name, "os.sysconf is absent" if sysconf is None else "os.sysconf does not know it")
+        return None
+    value: int = sysconf(name)
+    return value
+
+
+def _load_average() -> float | None:
+    """The 1-minute load average, or None: Windows has no os.getloadavg, and where it cannot
+    be obtained it raises OSError."""
+    getloadavg = getattr(os, "getloadavg", None)
+    if getloadavg is None:
+        _unreadable("load average", "os.getloadavg is absent")
+        return None
+    try:
+        load1: float = getloadavg()[0]
+    except OSError as exc:
+        _unreadable("load average", str(exc))
+        return None
+    return load1
+
+
+@functools.cache
+def _unreadable(figure: str, why: str) -> None:
+    """Say, once per process and figure, that a host figure is reported as unknown."""
+    telemetry.count("torchhal.cpu.unreadable", figure=figure)
+    log.warning("host figure not readable on this platform; reported as unknown", figure=figure, why=why)
+
+
+def _resident_bytes(page: int | None) -> int:
     """This process's resident set, from /proc (Linux); 0 where /proc is absent."""
+    if page is None:
+        return 0
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * page
