@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
+import os
+import sys
+from collections.abc import Iterator
 from typing import Annotated, Any
 
 import typer
@@ -10,6 +15,7 @@ import typer.core
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from torchhal.hal_core.errors import TorchHALError
 from torchhal.hal_core.hal import HardwareAbstractionLayer
@@ -40,53 +46,77 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
+def _table(title: str | Text, *columns: str) -> Table:
+    """Columns fold long cells rather than cut them to "…": in a pipe (140 columns) the dtype
+    lists lost their tail, and in a narrow terminal every device id was cut short."""
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    return table
+
+
+def _row(table: Table, *cells: str) -> None:
+    """Cells as plain text: device names and plugin reasons are not rich markup ("[gfx942]"
+    vanished, and a reason naming "[/opt/rocm/lib]" crashed `torchhal info` with a MarkupError)."""
+    table.add_row(*(Text(cell) for cell in cells))
+
+
+@contextlib.contextmanager
+def _stdout_for(as_json: bool) -> Iterator[None]:
+    """While a --json document is made, what plugins and adapters print goes to stderr, so that
+    stdout holds the document only (a vendor library's print broke `torchhal info --json | jq`)."""
+    if not as_json:
+        yield
+        return
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
 @app.command()
 def info(
     as_json: Annotated[bool, typer.Option("--json", help="Print the full report as JSON.")] = False,
 ) -> None:
     """Adapters, devices, capabilities, topology and plugin diagnostics."""
     hal = HardwareAbstractionLayer()
-    report = hal.report()
+    with _stdout_for(as_json):
+        report = hal.report()
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
     console.print(f"[bold]torchhal {report['torchhal_version']}[/] on torch {report['torch_version']}")
     console.print(f"dispatch guards: {report['kernel_guards']}")  # python where torchhal-speedups is missing
-    devices = Table(title="Devices")
-    for col in ("id", "name", "arch", "units", "simd", "memory", "dtypes", "collectives", "notes"):
-        devices.add_column(col)
+    devices = _table(
+        "Devices", "id", "name", "arch", "units", "simd", "memory", "dtypes", "collectives", "notes"
+    )
     for dev in hal.devices():
         caps = dev.capabilities
         notes = "simulated" if caps.simulated else ""
         if caps.declared_peaks and caps.declared_peaks.tflops:
             dtype, peak = max(caps.declared_peaks.tflops.items(), key=lambda kv: kv[1])
             notes = (notes + " " if notes else "") + f"declared peak {dtype.value} {peak:g} {dtype.rate_unit}"
-        devices.add_row(
+        _row(
+            devices,
             dev.id,
             caps.name,
             caps.arch,
             str(caps.compute_units),
             str(caps.simd_width),
             _gib(caps.memory_bytes),
-            ",".join(sorted(d.value for d in caps.dtypes)),
-            ",".join(caps.collective_backends),
+            ", ".join(sorted(d.value for d in caps.dtypes)),
+            ", ".join(caps.collective_backends),
             notes,
         )
     console.print(devices)
     links = hal.topology().links
     if links:
-        topo = Table(title="Topology")
-        for col in ("a", "b", "type", "count", "GB/s (declared)", "source"):
-            topo.add_column(col)
+        topo = _table("Topology", "a", "b", "type", "count", "GB/s (declared)", "source")
         for lk in links:
             bandwidth = f"{lk.bandwidth_gbps:g}" if lk.bandwidth_gbps else "-"
-            topo.add_row(lk.a, lk.b, lk.type.value, str(lk.count or "-"), bandwidth, lk.source)
+            _row(topo, lk.a, lk.b, lk.type.value, str(lk.count or "-"), bandwidth, lk.source)
         console.print(topo)
-    diags = Table(title="Plugins and adapters")
-    for col in ("name", "status", "stage", "reason"):
-        diags.add_column(col)
+    diags = _table("Plugins and adapters", "name", "status", "stage", "reason")
     for d in hal.diagnostics:
-        diags.add_row(d.name, d.status.value, d.stage, d.reason)
+        _row(diags, d.name, d.status.value, d.stage, d.reason)
     console.print(diags)
 
 
@@ -98,35 +128,37 @@ def profile(
 ) -> None:
     """Measure matmul TFLOP/s per dtype, copy bandwidth and launch latency (cached on disk)."""
     hal = HardwareAbstractionLayer()
-    dev = hal.best_device() if device is None else hal.device(device)  # "" is no device, not the best
-    prof = hal.profile(dev, refresh=refresh)
+    with _stdout_for(as_json):
+        dev = hal.best_device() if device is None else hal.device(device)  # "" is no device, not the best
+        prof = hal.profile(dev, refresh=refresh)
     if as_json:
         typer.echo(prof.model_dump_json(indent=2))
         return
     kind = "simulated time" if prof.simulated else "measured"
-    table = Table(title=f"{dev.id}: {prof.device_name} ({kind}, fingerprint {prof.fingerprint})")
-    for col in ("measure", "through torchhal", "plain torch, same run"):
-        table.add_column(col)
+    title = Text(f"{dev.id}: {prof.device_name} ({kind}, fingerprint {prof.fingerprint})")
+    table = _table(title, "measure", "through torchhal", "plain torch, same run")
     direct = prof.direct_matmul_tflops or {}
     for dtype, tflops in prof.matmul_tflops.items():
         peer = f"{direct[dtype]:.3g}" if dtype in direct else "-"
         label = f"matmul {dtype.value} {dtype.rate_unit} (n={prof.matmul_sizes[dtype]})"
-        table.add_row(label, f"{tflops:.3g}", peer)
+        _row(table, label, f"{tflops:.3g}", peer)
     peer_copy = prof.direct_copy_bandwidth_gbps
-    table.add_row(
+    _row(
+        table,
         f"copy GB/s (read+write, {prof.copy_bytes >> 20} MiB)",
         f"{prof.copy_bandwidth_gbps:.4g}",
         f"{peer_copy:.4g}" if peer_copy else "-",
     )
     peer_launch = prof.direct_launch_latency_us
-    table.add_row(
+    _row(
+        table,
         "launch latency µs (one-element copy)",
         f"{prof.launch_latency_us:.3g}",
         f"{peer_launch:.3g}" if peer_launch else "-",
     )
     console.print(table)
     for note in prof.notes:
-        console.print(f"note: {note}")
+        console.print(Text(f"note: {note}"))
 
 
 @app.command()
@@ -139,12 +171,28 @@ def conformance(
     ] = None,
 ) -> None:
     """Certify an adapter: every check passed, failed or not applicable, with reasons."""
-    from torchhal.testing import format_report, run_conformance
+    from torchhal.testing import ConformanceSuite, format_report, resolve_adapter
 
     limit = {} if time_limit is None else {"time_limit_s": time_limit}
-    report = run_conformance(adapter, seed=seed, **limit)
+    with _stdout_for(as_json):
+        suite = ConformanceSuite(resolve_adapter(adapter, HardwareAbstractionLayer()), seed=seed, **limit)
+        report = suite.run()
     typer.echo(report.to_json() if as_json else format_report(report))
-    raise typer.Exit(0 if report.ok else 1)
+    code = 0 if report.ok else 1
+    if suite.still_running():
+        _exit_leaving_threads(code)
+    raise typer.Exit(code)
+
+
+def _exit_leaving_threads(code: int) -> None:
+    """Exit now, without finalizing the interpreter: a call the kit left running past its time
+    limit that is still in torch code then is stopped inside C++ and aborts the process
+    (SIGABRT, exit code 134, "terminate called without an active exception") instead of
+    exiting with the report's code. Exit handlers (telemetry flushes) still run."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 @app.command()

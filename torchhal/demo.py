@@ -3,14 +3,17 @@ statistics (torchhal.evaluation) and a 2-process training run (torchhal.distribu
 checkout, which has the example it trains), on whatever is here.
 
 Uses only the HAL's public interfaces, so the same walk-through runs on a GPU host, a
-CPU-only laptop or a simulated ASIC.
+CPU-only laptop or a simulated ASIC. Names and reasons from plugins are printed as text, not rich
+markup: a reason naming "[/opt/rocm/lib]" crashed the demo with a MarkupError.
 """
 
 from __future__ import annotations
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from torchhal.hal_core import Device, DeviceRequirements, DType, NoDeviceMatchesError
 from torchhal.hal_core.hal import HardwareAbstractionLayer
@@ -24,14 +27,15 @@ def run(console: Console) -> None:
     hal = HardwareAbstractionLayer()
     console.rule("1. Discovery")
     for d in hal.diagnostics:
-        console.print(f"  {d.name:<16} {d.status.value:<8} {d.reason}")
+        console.print(f"  {d.name:<16} {d.status.value:<8} {d.reason}", markup=False)
 
     console.rule("2. Capabilities")
     for dev in hal.devices():
         caps = dev.capabilities
         kind = "simulated" if caps.simulated else "real"
         console.print(
-            f"  [bold]{dev.id}[/] {caps.name} ({kind}): {caps.arch}, {caps.compute_units} units × "
+            f"  [bold]{dev.id}[/] {escape(caps.name)} ({kind}): {escape(caps.arch)}, "
+            f"{caps.compute_units} units × "
             f"simd {caps.simd_width}, {caps.memory_bytes / 2**30:.1f} GiB, "
             f"dtypes {','.join(sorted(d.value for d in caps.dtypes))}, "
             f"features {','.join(sorted(f.value for f in caps.features)) or '-'}, "
@@ -42,9 +46,9 @@ def run(console: Console) -> None:
     try:
         choice = hal.choose_device(DeviceRequirements(dtypes=frozenset({DType.BF16})))
         for line in choice.explain().splitlines():
-            console.print(f"  {line}")
+            console.print(f"  {line}", markup=False)
     except NoDeviceMatchesError as exc:
-        console.print(f"  {exc}")
+        console.print(f"  {exc}", markup=False)
 
     console.rule("4. Kernel selection and one call per device")
     table = Table()
@@ -70,14 +74,8 @@ def run(console: Console) -> None:
                 elapsed = timer.elapsed_ms(start, timer.mark())
             rejected = "; ".join(f"{r.candidate}: {r.reason.value}" for r in sel.rejected) or "-"
             suffix = " (simulated)" if dev.simulated else ""
-            table.add_row(
-                dev.id,
-                op,
-                str(dtype).removeprefix("torch."),
-                sel.candidate.qualified_name,
-                rejected,
-                f"{elapsed:.3f}{suffix}",
-            )
+            cells = (dev.id, op, str(dtype).removeprefix("torch."), sel.candidate.qualified_name, rejected)
+            table.add_row(*(Text(cell) for cell in cells), f"{elapsed:.3f}{suffix}")
     console.print(table)
 
     from torchhal.evaluation.demo import demo_section  # section 5: A/B with statistics

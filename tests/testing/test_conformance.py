@@ -155,14 +155,20 @@ def test_a_check_past_its_time_limit_fails_naming_the_call_and_the_run_goes_on()
     assert waiting.status is CheckStatus.NOT_APPLICABLE and "it has not returned" in waiting.reason
 
 
-def test_a_check_that_exits_raises_its_exit_in_the_callers_thread() -> None:
-    """A check ending in SystemExit left no outcome in its thread, which the kit took for a
-    timeout and then failed looking up the finished thread's frame (a bare KeyError)."""
+def test_a_check_interrupted_raises_the_interrupt_in_the_callers_thread() -> None:
+    """A check ending in a BaseException left no outcome in its thread, which the kit took for a
+    timeout and then failed looking up the finished thread's frame (a bare KeyError).
+    KeyboardInterrupt stops the run; SystemExit fails the check (test_sweep19_conformance)."""
     from torchhal.testing.suite import Check, ConformanceSuite
 
+    def interrupt(ctx: object) -> str:
+        raise KeyboardInterrupt("stop")
+
     suite = ConformanceSuite(adapters.TwinHostAdapter(), time_limit_s=5)
-    with pytest.raises(SystemExit, match="3"):
-        suite.run_check(Check("x.exit", "exits", True, lambda ctx: sys.exit(3)))
+    with pytest.raises(KeyboardInterrupt, match="stop"):
+        suite.run_check(Check("x.interrupt", "interrupted", True, interrupt))
+    exited = suite.run_check(Check("x.exit", "exits", True, lambda ctx: sys.exit(3)))
+    assert exited.status is CheckStatus.FAILED and exited.reason.startswith("raised SystemExit: 3")
 
 
 @pytest.mark.parametrize("limit", [0, -1, float("nan"), float("inf"), True, "60"])

@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Any
 
 from torchhal.hal_core import DType, Unsupported
 from torchhal.testing import kernel_inputs, tolerance
-from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, describe, where
+from torchhal.testing.context import (
+    ADAPTER_ERRORS,
+    AdapterUnderTest,
+    CheckFailed,
+    NotApplicable,
+    describe,
+    where,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +41,7 @@ def check_register_kernels(ctx: AdapterUnderTest) -> str:
         candidates = ctx.kernel_candidates()
     except NotApplicable:
         raise
-    except Exception as exc:
+    except ADAPTER_ERRORS as exc:
         raise CheckFailed(f"register_kernels(registry) raised {describe(exc)}") from exc
     problems = []
     for cand in candidates:
@@ -206,6 +213,11 @@ def candidate_check(op: str, qualified_name: str) -> Callable[[AdapterUnderTest]
                     tested += 1
                     if worst is None or outcome.ratio > worst.ratio:
                         worst = outcome
+        if not host_cases:  # no case was drawn, so none was rejected either
+            raise NotApplicable(
+                "no device declares a dtype the kit runs kernels in "
+                f"({', '.join(d.value for d in CANDIDATE_DTYPES)})"
+            )
         if worst is None:
             raise NotApplicable("its predicate rejected every case the kit tried: " + "; ".join(rejected))
         return (

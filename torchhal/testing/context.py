@@ -39,12 +39,18 @@ class StepUnfinished(Exception):
     """A step asked for while an earlier call of it has not returned (its check ran out of time)."""
 
 
+# What adapter code may raise that is its failure, not the run's end: a vendor runtime calling
+# exit() is reported like any error (KeyboardInterrupt still stops the run).
+ADAPTER_ERRORS = (Exception, SystemExit)
+
+
 class _Once(Generic[T]):
     """Runs a step once and replays its value or its exception; while a first call hangs (its
     check timed out and left it running) later callers get StepUnfinished, not a second hang."""
 
-    def __init__(self, step: Callable[[], T]) -> None:
+    def __init__(self, step: Callable[[], T], name: str) -> None:
         self._step = step
+        self._name = name  # the adapter call, as reasons name it: "discover()"
         self._started = False
         self._done = False
         self._value: T | None = None
@@ -58,11 +64,11 @@ class _Once(Generic[T]):
         if first:
             try:
                 self._value = self._step()
-            except Exception as exc:
+            except ADAPTER_ERRORS as exc:
                 self._error = exc
             self._done = True
         if not self._done:
-            raise StepUnfinished("it has not returned")
+            raise StepUnfinished(f"{self._name}: it has not returned (a call left running past a time limit)")
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
@@ -70,12 +76,14 @@ class _Once(Generic[T]):
     def failed(self) -> BaseException | None:
         try:
             self.get()
-        except Exception as exc:
+        except ADAPTER_ERRORS as exc:
             return exc
         return None
 
 
 def describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: {exc} (adapter code must not exit the process)"
     return f"{type(exc).__name__}: {exc}"
 
 
@@ -87,16 +95,20 @@ def where(exc: BaseException, depth: int = 3) -> str:
 _KIT = str(Path(__file__).parent)
 
 
-def where_in(frames: traceback.StackSummary, depth: int = 3) -> str:
+def where_in(frames: Sequence[traceback.FrameSummary], depth: int = 3) -> str:
     """The innermost `depth` frames outside the kit, innermost first (all frames if none is outside)."""
     outside = [f for f in frames if not f.filename.startswith(_KIT)]
     where = " < ".join(f"{f.filename}:{f.lineno} in {f.name}" for f in reversed((outside or frames)[-depth:]))
     return f"at {where}" if outside else f"inside the conformance kit, at {where}"
 
 
-def stuck_in(frames: traceback.StackSummary) -> str:
+def stuck_in(frames: Sequence[traceback.FrameSummary]) -> str:
     """The call the kit made that has not returned (the first frame below the kit's innermost),
-    and where it is now: what a check past its time limit reports."""
+    and where it is now: what a check past its time limit reports. The check thread's start-up
+    frames (threading, above the kit's first) are left out: blocked in a C call the kit made
+    itself, they were the only frames "outside the kit" and were named as the place to look."""
+    first = next((i for i, f in enumerate(frames) if f.filename.startswith(_KIT)), 0)
+    frames = frames[first:]
     below = [i + 1 for i, f in enumerate(frames) if f.filename.startswith(_KIT) and i + 1 < len(frames)]
     entry = frames[below[-1]].name if below else frames[-1].name
     return f"in {entry}() {where_in(frames)}"
@@ -108,10 +120,12 @@ class AdapterUnderTest:
     def __init__(self, adapter: VendorAdapter, seed: int) -> None:
         self.adapter = adapter
         self.seed = seed
-        self._probe = _Once(adapter.probe)
-        self._discovered = _Once(lambda: list(adapter.discover()))
-        self._synchronized = _Once(lambda: each_device(self.devices(), lambda device: device.synchronize()))
-        self._kernels = _Once(self._register_kernels)
+        self._probe = _Once(adapter.probe, "probe()")
+        self._discovered = _Once(lambda: list(adapter.discover()), "discover()")
+        self._synchronized = _Once(
+            lambda: each_device(self.devices(), lambda device: device.synchronize()), "synchronize()"
+        )
+        self._kernels = _Once(self._register_kernels, "register_kernels()")
 
     # -- probe and discovery ------------------------------------------------------------------
 
@@ -237,7 +251,7 @@ def each_device(devices: Sequence[Device], check: Callable[[Device], str | None]
             problems.append(f"{device.id}: {exc}")
         except NotApplicable:
             raise
-        except Exception as exc:
+        except ADAPTER_ERRORS as exc:
             problems.append(f"{device.id}: raised {describe(exc)} ({where(exc)})")
         else:
             if note:

@@ -7,6 +7,7 @@ plugin turns each planned check into a test item and runs them one by one.
 from __future__ import annotations
 
 import contextvars
+import functools
 import secrets
 import sys
 import threading
@@ -26,11 +27,21 @@ from torchhal.hal_core import (
 )
 from torchhal.hal_core.kernels import is_finite_number
 from torchhal.testing import checks_adapter, checks_collectives, checks_device, checks_dtypes, checks_kernels
-from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, describe, stuck_in, where
+from torchhal.testing.context import (
+    ADAPTER_ERRORS,
+    AdapterUnderTest,
+    CheckFailed,
+    NotApplicable,
+    StepUnfinished,
+    describe,
+    stuck_in,
+    where,
+)
 from torchhal.testing.report import CheckResult, CheckStatus, ConformanceReport
 
 if TYPE_CHECKING:
     from torchhal.hal_core.hal import HardwareAbstractionLayer
+    from torchhal.hal_core.kernels import Candidate
 
 log = telemetry.get_logger("torchhal.testing")
 
@@ -131,11 +142,21 @@ def _no_candidates(ctx: AdapterUnderTest) -> str:
         ctx.kernel_candidates()
     except NotApplicable:
         raise
-    except Exception as exc:
+    except ADAPTER_ERRORS as exc:
         raise NotApplicable(
             f"blocked: register_kernels raised {describe(exc)} (see kernels.register)"
         ) from exc
     raise NotApplicable("the adapter registers no kernel candidates")
+
+
+def _unlisted(stuck: str) -> Callable[[AdapterUnderTest], str]:
+    """The plan's kernels.candidates when listing the candidates ran out of time: no candidate
+    was checked, which must not read as an adapter without kernels."""
+
+    def check(ctx: AdapterUnderTest) -> str:
+        raise CheckFailed(f"listing the kernel candidates (probe, discover, register_kernels) {stuck}")
+
+    return check
 
 
 class ConformanceSuite:
@@ -152,6 +173,7 @@ class ConformanceSuite:
         self.time_limit_s = time_limit_s
         self.context = AdapterUnderTest(adapter, self.seed)
         self._plan: tuple[Check, ...] | None = None
+        self._left: list[threading.Thread] = []  # threads of calls that ran past the time limit
 
     @property
     def adapter_name(self) -> str:
@@ -160,10 +182,7 @@ class ConformanceSuite:
     def checks(self) -> tuple[Check, ...]:
         """Every check, in order: the fixed ones, then one per kernel candidate the adapter registers."""
         if self._plan is None:
-            try:
-                candidates = self.context.kernel_candidates()
-            except Exception:  # blocked or raising: kernels.register and kernels.candidates report it
-                candidates = []
+            candidates, stuck = self._planned_candidates()
             per_candidate = tuple(
                 Check(
                     checks_kernels.candidate_id(c),
@@ -174,36 +193,72 @@ class ConformanceSuite:
                 for c in candidates
             )
             none = Check(
-                "kernels.candidates", "every kernel candidate matches its reference", False, _no_candidates
+                "kernels.candidates",
+                "every kernel candidate matches its reference",
+                False,
+                _no_candidates if stuck is None else _unlisted(stuck),
             )
             self._plan = _FIXED + (per_candidate or (none,))
         return self._plan
 
-    def run_check(self, check: Check) -> CheckResult:
-        """Run one check in a daemon thread, waiting at most `time_limit_s`. A check past the limit
-        fails naming where it is stuck, and the run goes on; Python cannot kill a thread, so the
-        stuck one is left running (the steps it holds answer StepUnfinished to later checks)."""
-        start = time.perf_counter()
-        outcome: list[tuple[CheckStatus, str]] = []
+    def _planned_candidates(self) -> tuple[list[Candidate], str | None]:
+        """The adapter's kernel candidates, listed under the time limit like a check: listing runs
+        probe, discover and register_kernels, and one that never returned hung the plan (and so
+        the kit) for good. Past the limit: no candidates, and where the listing is stuck."""
+        listed: list[list[Candidate] | BaseException] = []
+
+        def list_them() -> None:
+            try:
+                listed.append(self.context.kernel_candidates())
+            except ADAPTER_ERRORS:  # blocked or raising: kernels.register and kernels.candidates report it
+                listed.append([])
+            except BaseException as exc:  # KeyboardInterrupt: the caller's
+                listed.append(exc)
+
+        stuck = self._within_limit(list_them, "planning")
+        if stuck is not None:
+            return [], stuck
+        if isinstance(listed[0], BaseException):
+            raise listed[0]
+        return listed[0], None
+
+    def _within_limit(self, work: Callable[[], None], name: str) -> str | None:
+        """Run `work` in a daemon thread, waiting at most `time_limit_s`: None once it finished,
+        else where it is stuck. Python cannot kill a thread, so a stuck one is left running (the
+        steps it holds answer StepUnfinished to later checks)."""
         thread = threading.Thread(
             target=contextvars.copy_context().run,  # keeps the run's span for the check's logs
-            args=(self._outcome, check, outcome),
-            name=f"torchhal-conformance {check.id}",
+            args=(work,),
+            name=f"torchhal-conformance {name}",
             daemon=True,
         )
         thread.start()
         thread.join(self.time_limit_s)
         frame = sys._current_frames().get(thread.ident) if thread.is_alive() else None  # type: ignore[arg-type]
-        if frame is not None:
-            status, reason = (
-                CheckStatus.FAILED,
-                f"did not finish within the {self.time_limit_s:g} s time limit: stuck "
-                f"{stuck_in(traceback.extract_stack(frame))} (the kit left that call running and went on)",
-            )
-        else:
+        if frame is None:
             thread.join()  # it finished as the limit passed: its outcome is there
+            return None
+        self._left.append(thread)
+        return (
+            f"did not finish within the {self.time_limit_s:g} s time limit: stuck "
+            f"{stuck_in(traceback.extract_stack(frame))} (the kit left that call running and went on)"
+        )
+
+    def still_running(self) -> tuple[threading.Thread, ...]:
+        """The threads of calls left running past the time limit that have not returned yet."""
+        return tuple(thread for thread in self._left if thread.is_alive())
+
+    def run_check(self, check: Check) -> CheckResult:
+        """Run one check under the time limit (`_within_limit`). A check past the limit fails
+        naming where it is stuck, and the run goes on."""
+        start = time.perf_counter()
+        outcome: list[tuple[CheckStatus, str]] = []
+        stuck = self._within_limit(functools.partial(self._outcome, check, outcome), check.id)
+        if stuck is not None:
+            status, reason = CheckStatus.FAILED, stuck
+        else:
             status, reason = outcome[0]
-            if isinstance(reason, BaseException):  # SystemExit, KeyboardInterrupt: the caller's
+            if isinstance(reason, BaseException):  # KeyboardInterrupt: the caller's
                 raise reason
         duration = time.perf_counter() - start
         log.info(
@@ -216,11 +271,13 @@ class ConformanceSuite:
             into.append((CheckStatus.PASSED, check.run(self.context)))
         except NotApplicable as exc:
             into.append((CheckStatus.NOT_APPLICABLE, str(exc)))
-        except CheckFailed as exc:
+        except (CheckFailed, StepUnfinished) as exc:  # StepUnfinished here: the check's own step
             into.append((CheckStatus.FAILED, str(exc)))
-        except Exception as exc:
+        except ADAPTER_ERRORS as exc:
             into.append((CheckStatus.FAILED, f"raised {describe(exc)} ({where(exc)})"))
-        except BaseException as exc:  # not the check's to swallow: raised again in the caller's thread
+        except (
+            BaseException
+        ) as exc:  # KeyboardInterrupt: not the check's, raised again in the caller's thread
             into.append((CheckStatus.FAILED, exc))  # type: ignore[arg-type]
 
     def report(self, results: tuple[CheckResult, ...]) -> ConformanceReport:
