@@ -94,7 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument(
         "--gradient-accumulation-steps",
-        type=int,
+        type=_at_least_one,
         default=1,
         help="micro-batches per step (split of each rank's rows)",
     )
@@ -139,8 +139,9 @@ def main(argv: list[str] | None = None) -> None:
         rows = slice(ctx.rank * local_batch, (ctx.rank + 1) * local_batch)
 
     micro = args.gradient_accumulation_steps
-    if local_batch % micro:
-        raise SystemExit(f"this rank's batch of {local_batch} rows must divide into {micro} micro-batches")
+    sizes = group.batch_sizes if group is not None else (local_batch,)  # every rank decides alike
+    if any(size % micro for size in sizes):
+        raise SystemExit(f"every rank's batch {list(sizes)} must divide into {micro} micro-batches")
 
     def batches():
         for step in range(args.steps):
@@ -181,6 +182,13 @@ def main(argv: list[str] | None = None) -> None:
         }
         (args.json_out / f"rank{ctx.rank}.json").write_text(json.dumps(report, indent=2))
     ctx.shutdown()
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
 
 
 def _device_for_rank(devices: str | None) -> str | None:

@@ -79,3 +79,16 @@ def test_demo_section_says_why_it_cannot_run_without_the_example(monkeypatch, tm
     console = Console(record=True, width=200)
     assert demo.demo_section(console) is None
     assert "is not in this installation (needs a source checkout)" in console.export_text()
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_example_refuses_fewer_than_one_micro_batch_before_any_rendezvous(value):
+    """0 divided each rank's batch by zero after the rendezvous."""
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLE), "--gradient-accumulation-steps", value],
+        capture_output=True,
+        text=True,
+        timeout=WALL_LIMIT_S,
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"--gradient-accumulation-steps: must be an integer >= 1, got {value}" in done.stderr

@@ -179,12 +179,15 @@ def _ran_out(short: list[int], done: int, steps: int, got: int, accumulate: int)
 def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """A context in which backward accumulates gradients without reducing them across ranks:
     DDP's `no_sync`, or FSDP2's `set_requires_gradient_sync(False)` on each of its modules (the
-    root may not be one), turned back on at exit; nothing for a model that reduces nothing."""
+    root may not be one), turned back on at exit; nothing for a model that reduces nothing. The
+    DDP module may be inside `model` too: torch.compile(DDP(m)) is not one, and each micro-batch
+    reduced there (k all-reduces a step)."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel):
-        return model.no_sync
+    replicated = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+    if replicated is not None:
+        return replicated.no_sync
     sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
 
     @contextlib.contextmanager

@@ -8,6 +8,7 @@ time. The same work through plain torch calls is measured beside it in the same 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -16,7 +17,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -113,7 +114,8 @@ def update_cached(path: Path, render: Callable[[], str]) -> bool:
     is now and returns its new text, written with `write_cached`, all under an exclusive lock on
     `<name>.lock` beside it (kept: removing a lock file races its next taker). Unlocked, a
     writer that read before another's write replaced that write, losing what the other added.
-    A lock that cannot be taken is a file not written, logged and counted as `write_cached`'s."""
+    A lock that cannot be taken is a file not written, logged and counted as `write_cached`'s,
+    except on a filesystem that has no locks, where the merge goes on unlocked (`_unlocked`)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with _exclusive(path.with_name(f"{path.name}.lock")):
@@ -127,7 +129,8 @@ def update_cached(path: Path, render: Callable[[], str]) -> bool:
 def _exclusive(lock_path: Path) -> Iterator[None]:
     """An advisory lock, held through this open file until it is closed: flock on POSIX (it
     excludes two opens in one process too, where fcntl's record locks are per process), msvcrt's
-    one-byte lock on Windows (it retries for 10 s, then raises OSError)."""
+    one-byte lock on Windows (it retries for 10 s, then raises OSError). Where flock says the
+    filesystem has no locks, nothing is held (`_unlocked`)."""
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
     try:
         if sys.platform == "win32":
@@ -137,10 +140,37 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
             finally:
                 msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
         else:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as exc:
+                if exc.errno not in _NO_LOCKS:
+                    raise
+                _unlocked(str(lock_path.parent), exc)
             yield
     finally:
         os.close(fd)  # releases flock's lock
+
+
+# What flock answers where the filesystem has no locks (NFS without a lock daemon: ENOLCK; Lustre
+# mounted without `flock`: ENOSYS): failing there left every cache on it unwritten for good.
+_NO_LOCKS = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP})
+
+
+def _unlocked(directory: str, exc: OSError) -> None:
+    """A write merged without the lock, as before there was one (two writers at once may lose
+    one's additions, measured again later): counted each time, said once per directory."""
+    telemetry.count("torchhal.cache.unlocked_writes")
+    _say_unlocked(directory, f"{type(exc).__name__}: {exc}")
+
+
+@cache
+def _say_unlocked(directory: str, error: str) -> None:
+    log.warning(
+        "cache file merged without a lock: this filesystem has none, so processes writing at once "
+        "may lose each other's additions (measured again later)",
+        directory=directory,
+        error=error,
+    )
 
 
 def _not_written(path: Path, exc: OSError) -> None:
