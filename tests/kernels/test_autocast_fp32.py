@@ -44,10 +44,11 @@ def cpu_autocast_as_cuda(monkeypatch):
     try:
         lib.impl("layer_norm", _fp32_policy(torch.ops.aten.layer_norm.default), "AutocastCPU")
         lib.impl("rms_norm", _fp32_policy(torch.ops.aten.rms_norm.default), "AutocastCPU")
-        for op in NORMS.values():  # the rule asked again, now that torch autocasts them on the CPU
-            types = autograd.autocast_fp32_device_types(op.spec.aten_op)
-            assert "cpu" in types
-            monkeypatch.setattr(op, "_fp32_device_types", types)
+        for op in NORMS.values():
+            assert autograd.torch_autocasts(op.spec.aten_op, "cpu")
+            # no answer kept for the CPU from earlier tests: the rule is asked at the next
+            # autocast call, as for a backend whose autocast kernels came after torchhal's import
+            monkeypatch.setattr(op, "_autocast_rules", {})
         yield
     finally:
         lib._destroy()  # torch's CPU autocast as it ships, for the other tests
@@ -81,28 +82,51 @@ def test_the_rule_is_torchs_own_per_device_type():
     assert not autograd.torch_autocasts("aten::rms_norm", "cpu")
     assert autograd.torch_autocasts("aten::matmul", "cpu")
     assert not autograd.torch_autocasts("aten::layer_norm", "meta")  # no autocast of its own
-    assert {"cuda", "xpu"} <= NORMS["layer_norm"]._fp32_device_types
+    spec = NORMS["layer_norm"].spec
+    assert (
+        autograd.autocast_rule(spec, "cuda")
+        == autograd.autocast_rule(spec, "xpu")
+        == ((0, 1, 2), torch.float32)
+    )
     for name, op in NORMS.items():
-        assert op._fp32_device_types == autograd.autocast_fp32_device_types(op.spec.aten_op), name
-        assert "cpu" not in op._fp32_device_types, name
+        assert autograd.autocast_rule(op.spec, "cpu") == ((), None), name
 
 
 def test_without_the_dispatcher_query_the_rule_takes_torchs_documented_lists(monkeypatch, capsys):
     telemetry.configure(log_format="json")
     monkeypatch.delattr(torch._C, "_dispatch_has_kernel_for_dispatch_key")
-    assert autograd.autocast_fp32_device_types("aten::layer_norm") == {"cuda", "xpu"} & set(
-        autograd._AUTOCAST_DEVICE_TYPES
-    )
+    spec = NORMS["rms_norm"].spec  # not on torch 2.11's CUDA list: the documented list is 2.13's
+    assert autograd.autocast_rule(spec, "cuda") == ((0, 1), torch.float32)
     (line,) = (json.loads(raw) for raw in capsys.readouterr().err.splitlines())
     assert line["level"] == "warning" and line["missing"] == [
         "torch._C._dispatch_has_kernel_for_dispatch_key"
     ]
-    assert line["op"] == "aten::layer_norm"
+    assert line["op"] == "aten::rms_norm" and line["device_type"] == "cuda"
+    assert autograd.autocast_rule(spec, "cpu") == ((), None)
 
 
-def test_an_unknown_aten_op_is_refused_by_name():
+def test_an_unknown_aten_op_is_refused_by_name_when_the_op_is_built():
+    spec = NORMS["layer_norm"].spec._replace(aten_op="aten::layernorm")
     with pytest.raises(ValueError, match=r"aten::layernorm.*does not exist"):
-        autograd.autocast_fp32_device_types("aten::layernorm")
+        autograd.DifferentiableOp(spec, lambda op, *args: None)
+
+
+def test_a_backends_autocast_kernels_registered_after_the_op_was_built_are_followed():
+    """HPU, XLA and PrivateUse1 register their autocast kernels when their extension is imported,
+    often after torchhal: the rule is asked at the first autocast call on a device type, not when
+    the op is built (where a backend's later kernels went unseen). Here a fresh op's first CPU
+    autocast call comes after the fp32 policy was registered on AutocastCPU."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        op = autograd.DifferentiableOp(NORMS["layer_norm"].spec, NORMS["layer_norm"]._dispatch)
+        lib.impl("layer_norm", _fp32_policy(torch.ops.aten.layer_norm.default), "AutocastCPU")
+        x, weight, bias = _args("layer_norm", AUTOCAST, AUTOCAST)
+        with torch.autocast("cpu", dtype=AUTOCAST):
+            ours, theirs = op(x, weight, bias, 1e-5), _torch("layer_norm", x, weight, bias)
+        assert ours.dtype == theirs.dtype == torch.float32
+        torch.testing.assert_close(ours, theirs)
+    finally:
+        lib._destroy()
 
 
 @pytest.mark.parametrize("name", NORMS)

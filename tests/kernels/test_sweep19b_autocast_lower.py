@@ -41,10 +41,11 @@ def cpu_autocast_without_lower_precision(monkeypatch):
             warnings.simplefilter("ignore")
             for op in ("scaled_dot_product_attention", "matmul", "mm", "bmm", "linear", "addmm"):
                 lib.impl(op, torch.library.fallthrough_kernel, "AutocastCPU")
-        for op in OPS.values():  # the rule asked again, now that torch's CPU autocast has no kernel
-            types = autograd.autocast_device_types(op.spec.aten_op)
-            assert "cpu" not in types and not autograd.torch_autocasts(op.spec.aten_op, "cpu")
-            monkeypatch.setattr(op, "_lower_device_types", types)
+        for op in OPS.values():
+            assert not autograd.torch_autocasts(op.spec.aten_op, "cpu")
+            # no answer kept for the CPU from earlier tests: the rule is asked at the next
+            # autocast call, as for a backend whose autocast kernels came after torchhal's import
+            monkeypatch.setattr(op, "_autocast_rules", {})
         yield
     finally:
         lib._destroy()  # torch's CPU autocast as it ships, for the other tests
@@ -119,7 +120,8 @@ def test_without_the_dispatcher_query_every_autocast_device_type_casts(monkeypat
     """As before the asking, logged: a torch without the private calls cannot say where."""
     telemetry.configure(log_format="json")
     monkeypatch.delattr(torch._C, "_dispatch_kernel_for_dispatch_key_is_fallthrough")
-    assert autograd.autocast_device_types("aten::matmul") == autograd._AUTOCAST_DEVICE_TYPES
+    spec = OPS["matmul"].spec
+    assert autograd.autocast_rule(spec, "privateuseone") == (spec.autocast, None)
     (line,) = (json.loads(raw) for raw in capsys.readouterr().err.splitlines())
     assert line["level"] == "warning" and line["op"] == "aten::matmul"
     assert line["missing"] == ["torch._C._dispatch_kernel_for_dispatch_key_is_fallthrough"]
@@ -127,9 +129,35 @@ def test_without_the_dispatcher_query_every_autocast_device_type_casts(monkeypat
 
 def test_the_rule_is_torchs_own_per_op_and_device_type():
     """As torch 2.13 ships: CPU, CUDA and XPU autocast cast SDPA, matmul and linear (the rule reads
-    torch, it is not a constant), and each op asked its own counterpart."""
-    for aten_op in ("aten::scaled_dot_product_attention", "aten::matmul", "aten::linear"):
-        assert {"cpu", "cuda", "xpu"} <= autograd.autocast_device_types(aten_op), aten_op
+    torch, it is not a constant), PrivateUse1's autocast none of them, and each op asks its own
+    counterpart."""
     for name, op in OPS.items():
-        assert op._lower_device_types == autograd.autocast_device_types(op.spec.aten_op), name
-        assert op._fp32_device_types == frozenset(), name
+        for device_type in ("cpu", "cuda", "xpu"):
+            assert autograd.autocast_rule(op.spec, device_type) == (op.spec.autocast, None), (
+                name,
+                device_type,
+            )
+        assert autograd.autocast_rule(op.spec, "privateuseone") == ((), None), name
+        assert autograd.autocast_rule(op.spec, "privateuseone", ask=False) == (op.spec.autocast, None), name
+
+
+def test_the_traced_rule_is_marked_as_the_public_decorator_marks():
+    """autograd marks `_asked_while_traced` by hand (importing torch._dynamo at import cost ~2 s):
+    the mark must be exactly what torch.compiler.assume_constant_result sets."""
+
+    def probe():
+        return 0
+
+    marked = set(vars(torch.compiler.assume_constant_result(probe)))
+    assert marked <= set(vars(autograd._asked_while_traced)), marked
+
+
+def test_importing_the_ops_does_not_import_dynamo():
+    import subprocess
+    import sys
+
+    code = "import sys, torchhal.ops; print('torch._dynamo' in sys.modules)"
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False", done.stderr

@@ -23,14 +23,15 @@ input's layout.
 Double backward is not supported: the backward ops are not themselves differentiable.
 
 Autocast, one rule for every path and candidate, each on the device types where torch's autocast
-has a kernel for the op's aten counterpart `spec.aten_op` (asked of torch's dispatcher, see
-`torch_autocasts`): inputs listed in `spec.autocast` (the ops whose torch counterparts autocast
-runs in lower precision: SDPA, matmul, lm_head's linear) are cast to the autocast dtype, as
-autocast casts them (floating, not fp64); inputs listed in `spec.autocast_fp32` (the norms) are
-cast to fp32 (CUDA and XPU autocast run them in fp32, CPU autocast leaves them alone). Then the
-candidates run with autocast off, so each computes in the dtypes it was given whichever candidate
-is chosen (an op's answer must not depend on its candidate: a reference meeting autocast inside
-would cast the fp32 it asked for back down, where a Triton kernel would not).
+has a kernel for the op's aten counterpart `spec.aten_op` (asked of torch's dispatcher on the
+first autocast call per device type, see `autocast_rule`): inputs listed in `spec.autocast` (the
+ops whose torch counterparts autocast runs in lower precision: SDPA, matmul, lm_head's linear)
+are cast to the autocast dtype, as autocast casts them (floating, not fp64); inputs listed in
+`spec.autocast_fp32` (the norms) are cast to fp32 (CUDA and XPU autocast run them in fp32, CPU
+autocast leaves them alone). Then the candidates run with autocast off, so each computes in the
+dtypes it was given whichever candidate is chosen (an op's answer must not depend on its
+candidate: a reference meeting autocast inside would cast the fp32 it asked for back down, where
+a Triton kernel would not).
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ _AUTOCAST_DEVICE_TYPES = frozenset(
     )
     if torch.amp.is_autocast_available(name)
 )
-# Where torch's dispatcher cannot be asked (a torch newer than these lines): the device types
+# Where torch's dispatcher cannot be asked (a torch without its private calls, or a first call
+# on a device type while Dynamo traces, which cannot trace the question): the device types
 # whose autocast runs layer_norm and rms_norm, the ops that declare `autocast_fp32`, in fp32 as
 # of torch 2.13 (2.11's CUDA autocast still left rms_norm alone: the lists move, hence the asking).
 _DOCUMENTED_FP32_DEVICE_TYPES = frozenset({"cuda", "xpu"})
@@ -121,11 +123,12 @@ class DifferentiableOp:
         self._plain = functools.partial(dispatch, spec.op)  # the no-gradient path, bound once
         self._plain_seen = functools.partial(dispatch_seen or _never_seen, spec.op)
         self._input_names = tuple(inspect.signature(spec.forward_fake).parameters)
-        # asked once here, not per call: Dynamo cannot trace the dispatcher query
-        self._lower_device_types = autocast_device_types(spec.aten_op) if spec.autocast else frozenset()
-        self._fp32_device_types = (
-            autocast_fp32_device_types(spec.aten_op) if spec.autocast_fp32 else frozenset()
-        )
+        if (spec.autocast or spec.autocast_fp32) and not _missing_dispatcher_calls():
+            torch_autocasts(spec.aten_op, "cpu")  # an aten op that does not exist is refused now
+        # device type -> what autocast casts there (`autocast_rule`), asked on the first autocast
+        # call on that device type, not here: a backend's autocast kernels (HPU, XLA, PrivateUse1)
+        # are registered when its extension is imported, which may follow torchhal's import
+        self._autocast_rules: dict[str, AutocastRule] = {}
         self._tensor_inputs = _tensor_parameters(spec.forward_fake, self._input_names)
         if not set(spec.differentiable) <= set(self._tensor_inputs):
             raise TypeError(
@@ -174,16 +177,21 @@ class DifferentiableOp:
         """`args` with the `spec.autocast` inputs cast as autocast would cast them, where it is on
         for the first input's device type and torch's autocast casts the op's counterpart there;
         the `spec.autocast_fp32` ones to fp32 where torch's autocast runs it in fp32."""
-        if not isinstance(args[0], torch.Tensor):
+        spec = self.spec
+        if not (spec.autocast or spec.autocast_fp32) or not isinstance(args[0], torch.Tensor):
             return args
         device_type = args[0].device.type
-        fp32, lower = device_type in self._fp32_device_types, device_type in self._lower_device_types
-        if not (fp32 or lower) or not torch.is_autocast_enabled(device_type):
+        if device_type not in _AUTOCAST_DEVICE_TYPES or not torch.is_autocast_enabled(device_type):
             return args
-        if fp32:
-            cast, dtype = self.spec.autocast_fp32, torch.float32
-        else:
-            cast, dtype = self.spec.autocast, torch.get_autocast_dtype(device_type)
+        rule = self._autocast_rules.get(device_type)
+        if rule is None:
+            rule = _asked_while_traced(spec, device_type)
+            if not torch.compiler.is_compiling():
+                self._autocast_rules[device_type] = rule
+        cast, dtype = rule
+        if not cast:
+            return args
+        dtype = dtype or torch.get_autocast_dtype(device_type)
         return tuple(a.to(dtype) if i in cast and _autocast_eligible(a) else a for i, a in enumerate(args))
 
     def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:
@@ -284,7 +292,7 @@ def torch_autocasts(aten_op: str, device_type: str) -> bool:
     layer_norm in fp32, CPU autocast leaves it alone). Asked of torch's dispatcher, so it follows
     the installed torch (and a PrivateUse1 backend's own autocast kernels) rather than a copy of
     its lists; a fallthrough registered for the op is no kernel (autocast passes it by). The
-    dispatcher calls are private, so `autocast_device_types` guards them."""
+    dispatcher calls are private, so `autocast_rule` guards them."""
     key = getattr(torch._C.DispatchKey, "Autocast" + torch._C._dispatch_key_for_device(device_type), None)
     try:
         return (
@@ -296,43 +304,56 @@ def torch_autocasts(aten_op: str, device_type: str) -> bool:
         raise ValueError(f"autocast counterpart {aten_op!r}: {exc}") from None
 
 
-def autocast_device_types(aten_op: str) -> frozenset[str]:
-    """The autocast device types on which torch's autocast casts `aten_op`, where the caller's op
-    follows it in the autocast dtype (torch's "lower precision" policy). A device type whose
-    autocast has no kernel for it (a PrivateUse1 backend's, which casts only what it registers)
-    leaves the inputs alone, as torch does there. Where torch cannot be asked: all of them, as
-    before the asking, logged."""
-    return _asked(aten_op, _AUTOCAST_DEVICE_TYPES)
+AutocastRule = tuple[tuple[int, ...], "torch.dtype | None"]
+"""(input positions autocast casts, their dtype: None for the autocast dtype)."""
 
 
-def autocast_fp32_device_types(aten_op: str) -> frozenset[str]:
-    """The autocast device types on which torch's autocast runs `aten_op`, which the caller's op
-    follows in fp32 (torch's "autocast to float32" policy). Where torch cannot be asked: the
-    device types whose autocast documentation lists the norms as float32 ops, logged."""
-    return _asked(aten_op, _DOCUMENTED_FP32_DEVICE_TYPES & _AUTOCAST_DEVICE_TYPES)
-
-
-def _asked(aten_op: str, documented: frozenset[str]) -> frozenset[str]:
-    """The autocast device types for which `torch_autocasts(aten_op, ...)`, or `documented` where
-    torch lacks the private dispatcher calls it makes (logged)."""
-    missing = [
-        name
-        for name in (
-            "_dispatch_key_for_device",
-            "_dispatch_has_kernel_for_dispatch_key",
-            "_dispatch_kernel_for_dispatch_key_is_fallthrough",
-        )
-        if not hasattr(torch._C, name)
-    ]
+def autocast_rule(spec: AutogradSpec, device_type: str, *, ask: bool = True) -> AutocastRule:
+    """What autocast on `device_type` casts for an op of `spec`: its `autocast_fp32` inputs to fp32
+    where torch's autocast runs `spec.aten_op` in fp32 there (torch's "autocast to float32"
+    policy), else its `autocast` inputs to the autocast dtype where torch's autocast casts
+    `aten_op` there (lower precision), else nothing, as torch leaves its own call alone. Asked of
+    torch's dispatcher; without asking (`ask=False`: while Dynamo traces) or where its private
+    calls are missing (logged), the documented lists: fp32 on CUDA and XPU, lower precision on
+    every device type."""
+    missing = _missing_dispatcher_calls() if ask else ()
     if missing:
         log.warning(
             "torch's dispatcher cannot say where autocast casts this op; taking the documented lists",
-            op=aten_op,
+            op=spec.aten_op,
+            device_type=device_type,
             missing=[f"torch._C.{name}" for name in missing],
-            assumed=sorted(documented),
         )
-        return documented
-    return frozenset(t for t in _AUTOCAST_DEVICE_TYPES if torch_autocasts(aten_op, t))
+
+    def casts(documented: bool) -> bool:
+        return documented if missing or not ask else torch_autocasts(spec.aten_op, device_type)
+
+    if spec.autocast_fp32 and casts(device_type in _DOCUMENTED_FP32_DEVICE_TYPES):
+        return spec.autocast_fp32, torch.float32
+    if spec.autocast and casts(True):
+        return spec.autocast, None
+    return (), None
+
+
+def _asked_while_traced(spec: AutogradSpec, device_type: str) -> AutocastRule:
+    """`autocast_rule`, which Dynamo cannot trace: it calls this while tracing and keeps the answer
+    as a constant of the graph. Marked as `torch.compiler.assume_constant_result` marks (its one
+    line), without importing torch._dynamo here, which took `import torchhal.ops` from 0.35 to
+    2.2 s; a test holds the mark to the public decorator's."""
+    return autocast_rule(spec, device_type)
+
+
+_asked_while_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _missing_dispatcher_calls() -> tuple[str, ...]:
+    """The private dispatcher calls `torch_autocasts` makes that this torch lacks."""
+    calls = (
+        "_dispatch_key_for_device",
+        "_dispatch_has_kernel_for_dispatch_key",
+        "_dispatch_kernel_for_dispatch_key_is_fallthrough",
+    )
+    return tuple(name for name in calls if not hasattr(torch._C, name))
 
 
 def _autocast_eligible(value: Any) -> bool:
