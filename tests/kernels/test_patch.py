@@ -56,10 +56,12 @@ FAMILIES = {  # Qwen2: qkv bias, a full layer then a sliding one; Mistral: every
 
 def make_model(family: str, **overrides) -> torch.nn.Module:
     """A random model whose weights are large enough to make attention far from uniform and norms
-    far from identity (Hugging Face's 0.02 init would hide mistakes in both)."""
+    far from identity (Hugging Face's 0.02 init would hide mistakes in both). In training mode,
+    where a patched model's loss is fused (these configs have no dropout, so the numbers are
+    eval mode's)."""
     config_cls, model_cls, extra = FAMILIES[family]
     config = getattr(transformers, config_cls)(**COMMON, **{**extra, **overrides})
-    model = getattr(transformers, model_cls)(config).float().eval()
+    model = getattr(transformers, model_cls)(config).float().train()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

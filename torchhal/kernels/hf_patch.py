@@ -41,7 +41,10 @@ the mean over tokens not ignored, or the sum over `num_items_in_batch` when give
 used as given, the positions `logits_to_keep` selects, an fp32 loss) through
 `ops.linear_cross_entropy` on the final hidden states and lm_head's weight (and bias): the
 (tokens, vocab) logits are never made, so **the output's `logits` is None**; the caller who needs
-them with the loss passes `return_logits=True` (transformers' own forward and loss then run). The
+them with the loss passes `return_logits=True` (transformers' own forward and loss then run).
+That is in training mode only: in eval mode (`model.eval()`, as Trainer.evaluate runs) the
+forward is transformers' own, since evaluation reads the logits (Trainer builds predictions for
+compute_metrics from them), as Liger-Kernel decides too. The
 op computes the logits in fp32 (transformers rounds them to the model's dtype first, then upcasts)
 and returns the loss in fp32. Under autocast, hidden states and weights are cast to the autocast
 dtype first, as lm_head's matmul would be. transformers applies no label smoothing in this loss
@@ -56,8 +59,11 @@ accelerate hooks), or a class forward replaced after patching.
 
 Left as they are: the rotary embedding module (it makes cos/sin once per forward for every RoPE
 variant transformers knows; their application is what goes through ops.rope), embeddings and
-the lm_head module (its weight is what the fused loss reads). `PatchReport` lists what was
-swapped and what was left, with reasons. `torchhal.kernels.patch` is this module's `patch`.
+the lm_head module (its weight is what the fused loss reads), and a norm, MLP or attention module
+with hooks or a forward replaced on the instance (accelerate's device_map and offload hooks) that
+swapping or rewiring it would drop (an attention's registered hooks stay: its instance is kept).
+`PatchReport` lists what was swapped and what was left, with reasons. `torchhal.kernels.patch` is
+this module's `patch`.
 Supports transformers >= 4.57 (tested with 4.57, 5.0, 5.17, 5.23 and 5.24; the loss swap with 4.57.1,
 5.23 and 5.24).
 """
@@ -243,7 +249,23 @@ def _match(
     report.swapped.append(Swap(path, kind, type(module).__name__, now))
 
 
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_HOOKED = (
+    "has hooks or a forward replaced on the instance (accelerate's device_map/offload?) that a "
+    "replacement would drop"
+)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    """Whether `module` has hooks registered on it or its forward replaced on the instance (accelerate's
+    device_map and offload hooks do that): what a module standing in for it, or a computation going
+    around it, would not run."""
+    return "forward" in vars(module) or any(getattr(module, h, None) for h in _HOOKS)
+
+
 def _as_rms_norm(module: nn.Module) -> nn.Module | str:
+    if _has_hooks(module):
+        return _HOOKED
     weight = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", None)
     if not isinstance(weight, nn.Parameter) or weight.dim() != 1 or not isinstance(eps, float):
@@ -258,6 +280,8 @@ def _is_silu(act: Any) -> bool:
 
 
 def _as_swiglu(module: nn.Module) -> nn.Module | str:
+    if _has_hooks(module):  # its Linears are shared, hooks and all; its own hooks would be lost
+        return _HOOKED
     projections = [getattr(module, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
     if not all(isinstance(p, nn.Linear) for p in projections):
         return "gate_proj, up_proj and down_proj are not all nn.Linear"
@@ -274,6 +298,11 @@ def _rewire_attention(family: _Family) -> Callable[[nn.Module], str | None]:
     def rewire(module: nn.Module) -> str | None:
         if isinstance(vars(module).get("forward"), _AttentionForward):
             return "already patched"
+        if "forward" in vars(module):  # hooks registered on it stay: the instance is kept
+            return (
+                "its forward is replaced on the instance (accelerate's device_map/offload?); "
+                "rewiring would drop it"
+            )
         missing = [a for a in _ATTENTION_ATTRS if not hasattr(module, a)]
         if missing:
             return f"missing attributes {missing}"
@@ -466,7 +495,6 @@ def _use_torchhal_attention(model: nn.Module, report: PatchReport) -> None:
 
 LOSS_PATH = "lm_head"
 _FUSED_NOW = "forward with labels: torchhal.ops.linear_cross_entropy, logits None"
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
     "_global_forward_pre_hooks",
@@ -522,8 +550,9 @@ def _patch_loss(model: nn.Module, family: _Family, report: PatchReport, enabled:
 
 
 class _CausalLMForward:
-    """A patched causal-LM model's forward: with labels, transformers' forward with its loss computed
-    by ops.linear_cross_entropy and no logits; otherwise (or with `return_logits=True`, or where the
+    """A patched causal-LM model's forward: with labels in training mode, transformers' forward with
+    its loss computed by ops.linear_cross_entropy and no logits; otherwise (in eval mode, or with
+    `return_logits=True`, or where the
     fused loss cannot compute transformers' loss exactly) transformers' own forward. A class rather
     than a bound function so the model still pickles and deep-copies with the forward bound to the
     copy; `__signature__` is transformers' (Trainer keeps dataset columns and passes
@@ -558,7 +587,7 @@ class _CausalLMForward:
         if named.keys() & kwargs.keys():  # transformers' forward raises the TypeError
             return transformers_forward(model, *args, **kwargs)
         named.update(kwargs)
-        if named.get("labels") is None:
+        if named.get("labels") is None or not model.training:  # evaluation reads the logits
             return transformers_forward(model, *args, **kwargs)
         reason = _why_not_fused(model, self.own_forward)
         if reason is not None:
@@ -588,7 +617,7 @@ def _why_not_fused(model: nn.Module, own_forward: Any) -> tuple[str, str] | None
             "loss_lm_head",
             f"lm_head is a {type(lm_head).__name__}, not a plain nn.Linear (PEFT, quantised?)",
         )
-    if "forward" in vars(lm_head) or any(getattr(lm_head, h, None) for h in _HOOKS):
+    if _has_hooks(lm_head):
         return "loss_lm_head", "lm_head has hooks or a replaced forward (FSDP, accelerate?) that must run"
     import torch.nn.modules.module as module_globals
 

@@ -17,6 +17,7 @@ fast path never stands in for a case it cannot compute.
 
 from __future__ import annotations
 
+import inspect
 import math
 import sys
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from torch import nn
 
 from torchhal import ops
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
+from torchhal.hal_core.kernels import is_finite_number
 from torchhal.kernels.autograd import _any_autocast, _autocast_off
 
 __all__ = [
@@ -234,8 +236,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float = 10000.0, *, attention_scaling: float = 1.0) -> None:
         super().__init__()
-        if head_dim % 2:
-            raise InvalidArgumentError(f"RotaryEmbedding: head_dim must be even, got {head_dim}")
+        if head_dim < 0 or head_dim % 2:
+            raise InvalidArgumentError(f"RotaryEmbedding: head_dim must be even and >= 0, got {head_dim}")
+        if not is_finite_number(theta) or theta <= 0:  # theta**(-2i/d) is NaN or inf for the rest
+            raise InvalidArgumentError(f"RotaryEmbedding: theta must be a finite number > 0, got {theta!r}")
         self.head_dim, self.theta, self.attention_scaling = head_dim, theta, attention_scaling
         self.register_buffer("inv_freq", self._inv_freq(device=None), persistent=False)
 
@@ -419,6 +423,23 @@ def kv_cache(module: nn.Module, past_key_values: Any, cache: Any, others: dict[s
     return cache
 
 
+_UPDATE_TAKES_KWARGS: dict[type, bool] = {}
+
+
+def _update_takes_kwargs(cache_type: type) -> bool:
+    """Whether `cache_type.update` takes the attention forward's keyword arguments as `kwargs`, as
+    transformers >= 5.24 passes them (`update(k, v, layer_idx, kwargs=kwargs)`): its continuous-batching
+    PagedAttentionCache reads its indices from them and fills in, in place, what the attention function
+    then needs. Caches before 5.24 (and third-party ones written for them) take `cache_kwargs`, a dict
+    of sin, cos and cache_position. Memoised per type: the signature is read once, not on every call."""
+    takes = _UPDATE_TAKES_KWARGS.get(cache_type)
+    if takes is None:
+        parameters = inspect.signature(cache_type.update).parameters  # type: ignore[attr-defined]
+        takes = "kwargs" in parameters and "cache_kwargs" not in parameters
+        _UPDATE_TAKES_KWARGS[cache_type] = takes
+    return takes
+
+
 def rotary_attention(
     module: nn.Module,
     hidden_states: torch.Tensor,
@@ -435,8 +456,8 @@ def rotary_attention(
     rotate q and k through ops.rope, append to the KV cache, attend, project out.
 
     Shared by `Attention` and the attention modules `torchhal.kernels.patch` rewires, so both run
-    the same code. `past_key_values` is a Hugging Face Cache (`update(k, v, layer_idx, cache_kwargs)`
-    returns the keys and values to attend to) or None.
+    the same code. `past_key_values` is a Hugging Face Cache (`update(k, v, layer_idx, ...)` returns
+    the keys and values to attend to; called as the cache's transformers version calls it) or None.
     """
     if position_embeddings is None:
         raise InvalidArgumentError(
@@ -456,8 +477,11 @@ def rotary_attention(
                 f"{type(module).__name__}: a KV cache needs the layer's index, got layer_idx=None; "
                 "build it with layer_idx=<its index among the model's attention layers>"
             )
-        cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
-        key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
+        if _update_takes_kwargs(type(past_key_values)):  # transformers >= 5.24's convention
+            key, value = past_key_values.update(key, value, module.layer_idx, kwargs=kwargs)
+        else:
+            cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
+            key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
     out, weights = attention_fn(
         module,
         query,
@@ -508,6 +532,13 @@ class Attention(nn.Module):
                 f"Attention: num_heads must be a multiple of num_kv_heads, got {num_heads} and {num_kv_heads}"
             )
         self.head_dim = head_dim if head_dim is not None else hidden_size // num_heads
+        if self.head_dim < 1:
+            raise InvalidArgumentError(
+                f"Attention: head_dim must be >= 1, got {self.head_dim} (hidden_size {hidden_size}, "
+                f"num_heads {num_heads})"
+            )
+        if not is_finite_number(dropout) or not 0 <= dropout <= 1:  # else refused only in training
+            raise InvalidArgumentError(f"Attention: dropout must be a number in [0, 1], got {dropout!r}")
         self.num_heads, self.num_key_value_heads = num_heads, num_kv_heads
         self.num_key_value_groups = num_heads // num_kv_heads
         self.scaling = self.head_dim**-0.5
