@@ -141,16 +141,22 @@ def test_under_cuda_type_autocast_the_norms_return_what_torch_returns(
     by hand, to the bit), whatever the mix of bf16 and fp32; gradients in each leaf's own dtype,
     through the casts, as torch's autocast gives them."""
     grad = path != "eager"
-    leaves = _args(name, *dtypes, grad=grad)
     torch._dynamo.reset()  # each case compiles _ours afresh: together they pass Dynamo's recompile limit
     fn = (
         _ours
         if path != "compiled"
         else torch.compile(_ours, backend="aot_eager", fullgraph=True, dynamic=False)
     )
-    with torch.autocast("cpu", dtype=AUTOCAST):
-        out = fn(name, *leaves)
-        theirs = _torch(name, *leaves)
+    assert_fp32_as_torch(fn, name, _args(name, *dtypes, grad=grad), "cpu")
+
+
+def assert_fp32_as_torch(fn, name, leaves, device_type):
+    """`fn(name, *leaves)` under `device_type`'s autocast returns fp32 as torch's F.* does there,
+    equal to the bit to the op outside autocast on inputs cast by hand, and the gradients come
+    back in each leaf's own dtype, equal to the hand-cast ones (the GPU test uses it too)."""
+    grad = leaves[0].requires_grad
+    with torch.autocast(device_type, dtype=AUTOCAST):
+        out, theirs = fn(name, *leaves), _torch(name, *leaves)
     by_hand = [t.detach().float().requires_grad_(grad) for t in leaves]
     want = _ours(name, *by_hand)
     assert out.dtype == theirs.dtype == torch.float32

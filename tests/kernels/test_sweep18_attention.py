@@ -41,20 +41,7 @@ def test_more_sequences_than_the_grid_limit_run_in_the_kernel(
     cu = torch.tensor([0, 3, 3, 8, 9, 15])
     q, k, v = torch.randn(15, 2, 16), torch.randn(15, 1, 16), torch.randn(15, 1, 16)
     fixed = (cu, cu, 6, 6, True, None)  # offsets stay int64 where check_kernels casts q, k, v to fp64
-    forward = candidate(triton_hal, "attention_varlen_forward", "triton", q, k, v, *fixed)
-    out, lse = forward(q, k, v, *fixed)
-    grad_out = torch.randn_like(out)
-    backward = candidate(
-        triton_hal, "attention_varlen_backward", "triton", grad_out, q, k, v, out, lse, *fixed
-    )
-    check_kernels(
-        attention_varlen.AUTOGRAD._replace(context=lambda inputs, results: (*inputs, *results)),
-        lambda q, k, v: forward(q, k, v, *fixed),
-        lambda grad_out, q, k, v, out, lse: backward(grad_out, q, k, v, out, lse, *fixed),
-        lambda q, k, v: attention_varlen.reference(q, k, v, *fixed),
-        (q, k, v),
-        (grad_out,),
-    )
+    _check_varlen_triton(triton_hal, candidate, check_kernels, q, k, v, fixed)
 
 
 @pytest.mark.parametrize(("heads_q", "heads_kv"), [(8, 2), (8, 4), (7, 1)])
@@ -87,20 +74,7 @@ def test_more_packed_heads_than_the_grid_limit_run_in_the_kernel(
     cu = torch.tensor([0, 3, 3, 8, 9, 15])
     q, k, v = torch.randn(15, 8, 16), torch.randn(15, 4, 16), torch.randn(15, 4, 16)
     fixed = (cu, cu, 6, 6, True, None)
-    forward = candidate(triton_hal, "attention_varlen_forward", "triton", q, k, v, *fixed)
-    out, lse = forward(q, k, v, *fixed)
-    grad_out = torch.randn_like(out)
-    backward = candidate(
-        triton_hal, "attention_varlen_backward", "triton", grad_out, q, k, v, out, lse, *fixed
-    )
-    check_kernels(
-        attention_varlen.AUTOGRAD._replace(context=lambda inputs, results: (*inputs, *results)),
-        lambda q, k, v: forward(q, k, v, *fixed),
-        lambda grad_out, q, k, v, out, lse: backward(grad_out, q, k, v, out, lse, *fixed),
-        lambda q, k, v: attention_varlen.reference(q, k, v, *fixed),
-        (q, k, v),
-        (grad_out,),
-    )
+    _check_varlen_triton(triton_hal, candidate, check_kernels, q, k, v, fixed)
 
 
 def test_the_grid_limit_is_cudas_and_slices_cover_every_head_and_batch(triton_hal):
@@ -116,3 +90,21 @@ def test_the_grid_limit_is_cudas_and_slices_cover_every_head_and_batch(triton_ha
         for b0, bn in ((0, 65535), (65535, 1))
     ]
     assert kernels._grid_slices(8, 2) == [(0, 8, 0, 2)]
+
+
+def _check_varlen_triton(triton_hal, candidate, check_kernels, q, k, v, fixed):
+    """The Triton varlen forward and backward against the reference, every gradient."""
+    forward = candidate(triton_hal, "attention_varlen_forward", "triton", q, k, v, *fixed)
+    out, lse = forward(q, k, v, *fixed)
+    grad_out = torch.randn_like(out)
+    backward = candidate(
+        triton_hal, "attention_varlen_backward", "triton", grad_out, q, k, v, out, lse, *fixed
+    )
+    check_kernels(
+        attention_varlen.AUTOGRAD._replace(context=lambda inputs, results: (*inputs, *results)),
+        lambda q, k, v: forward(q, k, v, *fixed),
+        lambda grad_out, q, k, v, out, lse: backward(grad_out, q, k, v, out, lse, *fixed),
+        lambda q, k, v: attention_varlen.reference(q, k, v, *fixed),
+        (q, k, v),
+        (grad_out,),
+    )

@@ -45,7 +45,7 @@ def test_cuda_autocast_runs_the_norms_in_fp32_as_torch(name, dtypes, path):
     fp32, as F.layer_norm and F.rms_norm do there, computed from the fp32 casts (so on the fp32
     Triton kernels), the gradients in each leaf's dtype (they returned bf16 before, and refused the
     fp32-weight mix). Where this torch's CUDA autocast leaves the op alone, so do the ops."""
-    from tests.kernels.test_autocast_fp32 import _args, _ours, _torch
+    from tests.kernels.test_autocast_fp32 import _args, _ours, assert_fp32_as_torch
 
     if not autograd.torch_autocasts(f"aten::{name}", "cuda"):
         pytest.skip(f"torch {torch.__version__}'s CUDA autocast leaves {name} alone")
@@ -54,22 +54,4 @@ def test_cuda_autocast_runs_the_norms_in_fp32_as_torch(name, dtypes, path):
     leaves = [t.detach().cuda().requires_grad_(grad) for t in _args(name, *dtypes)]
     torch._dynamo.reset()  # each case compiles _ours afresh: together they pass Dynamo's recompile limit
     fn = torch.compile(_ours, fullgraph=True, dynamic=False) if path == "compiled" else _ours
-    with torch.autocast("cuda", dtype=AUTOCAST):
-        out, theirs = fn(name, *leaves), _torch(name, *leaves)
-    by_hand = [t.detach().float().requires_grad_(grad) for t in leaves]
-    want = _ours(name, *by_hand)
-    assert out.dtype == theirs.dtype == torch.float32
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
-    torch.testing.assert_close(out, theirs)
-    if grad:
-        dy = torch.randn_like(want)
-        for leaf, g, t, w in zip(
-            leaves,
-            torch.autograd.grad(out, leaves, dy),
-            torch.autograd.grad(theirs, leaves, dy),
-            torch.autograd.grad(want, by_hand, dy),
-            strict=True,
-        ):
-            assert g.dtype == t.dtype == leaf.dtype
-            torch.testing.assert_close(g, w.to(leaf.dtype), rtol=0, atol=0)
-            torch.testing.assert_close(g, t)
+    assert_fp32_as_torch(fn, name, leaves, "cuda")
