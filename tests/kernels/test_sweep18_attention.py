@@ -24,12 +24,7 @@ def test_a_batch_beyond_the_grid_limit_runs_in_the_kernel(
     monkeypatch.setattr(GRID_LIMIT, 3)
     torch.manual_seed(0)
     q, k, v = torch.randn(7, 2, 9, 16), torch.randn(7, 1, 11, 16), torch.randn(7, 1, 11, 16)
-    args = (q, k, v, causal, None, None)
-    forward = candidate(triton_hal, "attention_forward", "triton", *args)
-    out, lse = forward(*args)
-    grad_out = torch.randn_like(out)
-    backward = candidate(triton_hal, "attention_backward", "triton", grad_out, q, k, v, out, lse, causal)
-    check_kernels(attention.AUTOGRAD, forward, backward, attention.reference, args, (grad_out,))
+    _check_dense_triton(triton_hal, candidate, check_kernels, q, k, v, causal)
 
 
 def test_more_sequences_than_the_grid_limit_run_in_the_kernel(
@@ -56,12 +51,7 @@ def test_more_heads_than_the_grid_limit_run_in_the_kernel(
     torch.manual_seed(0)
     q = torch.randn(2, heads_q, 9, 16)
     k, v = torch.randn(2, heads_kv, 11, 16), torch.randn(2, heads_kv, 11, 16)
-    args = (q, k, v, causal, None, None)
-    forward = candidate(triton_hal, "attention_forward", "triton", *args)
-    out, lse = forward(*args)
-    grad_out = torch.randn_like(out)
-    backward = candidate(triton_hal, "attention_backward", "triton", grad_out, q, k, v, out, lse, causal)
-    check_kernels(attention.AUTOGRAD, forward, backward, attention.reference, args, (grad_out,))
+    _check_dense_triton(triton_hal, candidate, check_kernels, q, k, v, causal)
 
 
 def test_more_packed_heads_than_the_grid_limit_run_in_the_kernel(
@@ -108,3 +98,13 @@ def _check_varlen_triton(triton_hal, candidate, check_kernels, q, k, v, fixed):
         (q, k, v),
         (grad_out,),
     )
+
+
+def _check_dense_triton(triton_hal, candidate, check_kernels, q, k, v, causal):
+    """The Triton dense forward and backward against the reference, every gradient."""
+    args = (q, k, v, causal, None, None)
+    forward = candidate(triton_hal, "attention_forward", "triton", *args)
+    out, lse = forward(*args)
+    grad_out = torch.randn_like(out)
+    backward = candidate(triton_hal, "attention_backward", "triton", grad_out, q, k, v, out, lse, causal)
+    check_kernels(attention.AUTOGRAD, forward, backward, attention.reference, args, (grad_out,))
