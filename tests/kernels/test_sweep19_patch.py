@@ -171,3 +171,13 @@ def test_eval_mode_with_labels_returns_the_logits_evaluation_reads(on_plain, fam
     torch.testing.assert_close(got.loss, expected.loss)
     patched.train()
     assert patched(ids, labels=labels).logits is None  # training: the fused loss
+
+
+def test_a_compiled_model_is_refused_by_name():
+    """patch(torch.compile(model)) swapped the modules but not the loss forward, silently (the
+    OptimizedModule is not a *ForCausalLM): patch before compiling, as the docstring says."""
+    model = make_model("llama")
+    compiled = torch.compile(model)
+    with pytest.raises(torchhal.hal_core.InvalidArgumentError, match=r"OptimizedModule of LlamaForCausalLM"):
+        torchhal.kernels.patch(compiled)
+    assert torchhal.kernels.patch(model).swapped  # the model itself patches

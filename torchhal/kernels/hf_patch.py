@@ -82,7 +82,7 @@ import torch
 from torch import nn
 
 from torchhal import ops
-from torchhal.hal_core import UnsupportedError, telemetry
+from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 from torchhal.kernels import nn as thnn
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED", "Left", "PatchReport", "Swap", "causal_lm_loss", "patch"]
@@ -192,6 +192,14 @@ def patch(
     only): with labels, the forward returns transformers' loss computed by the fused
     ops.linear_cross_entropy and `logits=None` (see the module docstring).
     """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # loaded once anything was compiled
+    if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        # its modules were swapped, but the loss forward silently was not (not a *ForCausalLM)
+        raise InvalidArgumentError(
+            f"torchhal.kernels.patch: got a torch.compile'd model (OptimizedModule of "
+            f"{type(model._orig_mod).__name__}); patch the model before compiling it: "
+            "patch(model); model = torch.compile(model)"
+        )
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     family = SUPPORTED.get(model_type)  # type: ignore[arg-type]
