@@ -94,3 +94,19 @@ def test_group_sequential_does_not_decide_on_rounding():
     state = test.update(np.full(100, a), np.full(100, b))
     assert state.decision is Decision.CONTINUE and state.boundary == np.inf
     assert state.difference == a - b  # the constants themselves, not their rounded means
+
+
+def test_group_sequential_says_why_an_update_was_no_look():
+    """As the always-valid test does: too few values, constant arms, or no new information (the
+    smaller arm did not grow); a look clears it."""
+    rng = np.random.default_rng(7)
+    test = GroupSequentialTest(max_samples=200, higher_is_better=True, min_samples=10)
+    assert test.state.waiting == "fewer than min_samples = 10 values in an arm so far"
+    assert test.update(rng.normal(size=5), rng.normal(size=5)).waiting == test.state.waiting
+    constant = test.update(np.full(20, 1.0), np.full(20, 1.0))
+    assert constant.waiting is None  # the first 5 values of each arm varied
+    fresh = GroupSequentialTest(max_samples=200, higher_is_better=True)
+    assert fresh.update(np.full(30, 2.0), np.full(30, 3.0)).waiting.startswith("both arms constant so far")
+    looked = fresh.update(rng.normal(size=5), rng.normal(size=5))
+    assert looked.waiting is None and np.isfinite(looked.z)
+    assert fresh.update(rng.normal(size=4), []).waiting.startswith("no information since the last look")

@@ -186,7 +186,8 @@ def boundaries(
 
 @dataclass(frozen=True, slots=True)
 class GroupSequentialState:
-    """One look: mean(a) − mean(b), Welch's z, the look's boundary, the α spent so far, the decision."""
+    """One look: mean(a) − mean(b), Welch's z, the look's boundary, the α spent so far, the decision;
+    `waiting` says why this update was no look (None when it was one)."""
 
     difference: float
     z: float
@@ -195,6 +196,7 @@ class GroupSequentialState:
     decision: Decision
     n_a: int
     n_b: int
+    waiting: str | None = None
 
 
 class GroupSequentialTest:
@@ -224,7 +226,9 @@ class GroupSequentialTest:
         self.higher_is_better = bool(higher_is_better)
         self._a, self._b = _RunningMoments(), _RunningMoments()
         self._plan = _Boundaries(self.alpha, self.spending)
-        self._state = GroupSequentialState(math.nan, math.nan, math.inf, 0.0, Decision.CONTINUE, 0, 0)
+        self._state = GroupSequentialState(
+            math.nan, math.nan, math.inf, 0.0, Decision.CONTINUE, 0, 0, self._too_few()
+        )
 
     @property
     def state(self) -> GroupSequentialState:
@@ -256,9 +260,16 @@ class GroupSequentialTest:
         a, b, previous = self._a, self._b, self._state
         difference = a.mean - b.mean if a.n and b.n else math.nan
         n = min(a.n, b.n)
-        if n < self.min_samples or a.m2 + b.m2 == 0.0 or n / self.max_samples <= self._plan.fraction:
+        waiting = None
+        if n < self.min_samples:
+            waiting = self._too_few()
+        elif a.m2 + b.m2 == 0.0:  # constant arms, even of different values: Welch's z has no scale
+            waiting = "both arms constant so far: no variance to test on; looks once either varies"
+        elif n / self.max_samples <= self._plan.fraction:
+            waiting = "no information since the last look: the smaller arm has not grown"
+        if waiting is not None:
             return GroupSequentialState(
-                difference, math.nan, math.inf, self._plan.spent, previous.decision, a.n, b.n
+                difference, math.nan, math.inf, self._plan.spent, previous.decision, a.n, b.n, waiting
             )
         boundary = self._plan.next(n / self.max_samples)
         z = difference / math.sqrt(a.variance / a.n + b.variance / b.n)
@@ -267,6 +278,9 @@ class GroupSequentialTest:
             better = (difference > 0) == self.higher_is_better
             decision = Decision.IMPROVED if better else Decision.REGRESSED
         return GroupSequentialState(difference, z, boundary, self._plan.spent, decision, a.n, b.n)
+
+    def _too_few(self) -> str:
+        return f"fewer than min_samples = {self.min_samples} values in an arm so far"
 
 
 def _check_spending(spending: str) -> str:
