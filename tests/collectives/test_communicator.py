@@ -12,13 +12,14 @@ import importlib.util
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.ports import free_port
 
 WORKER = Path(__file__).with_name("_worker.py")
 WALL_LIMIT_S = 90  # a hung worker fails the test within this many seconds
@@ -35,19 +36,13 @@ def _load_worker():
 CHECK_NAMES = [*_load_worker().CHECKS, "destroy"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(scenario: str, world: int, out: Path, init: str) -> tuple[list[dict], int]:
     """Start `world` worker processes and return each rank's JSON result and the seed used."""
     seed = random.randrange(2**31)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1"}
     if init == "env":
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world))
     procs = []
     for rank in range(world):
         log = (out / f"rank{rank}.log").open("w")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import socket
 import time
 from datetime import timedelta
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.ports import free_port
 from torchhal import HardwareAbstractionLayer
 from torchhal import distributed as thd
 from torchhal.hal_core import ConfigurationError
@@ -31,12 +31,6 @@ def own_group(tmp_path, monkeypatch):
         yield
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _assert_group_untouched() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import socket
 import time
 from datetime import timedelta
 
@@ -19,6 +18,7 @@ from torchhal_nvidia.adapter import NvidiaAdapter
 from torchhal_nvidia.recorded import RecordedCudaProbe
 
 from tests.plugins.facts import load
+from tests.ports import free_port
 from torchhal import HardwareAbstractionLayer
 from torchhal import distributed as thd
 from torchhal.distributed.checkpoint import Checkpointer, CheckpointError, latest_valid, verify
@@ -39,12 +39,6 @@ def _no_rendezvous_env(monkeypatch):
 
 def sgd(params):
     return torch.optim.SGD(params, lr=0.1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- init ------------------------------------------------------------------------------------------

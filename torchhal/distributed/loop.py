@@ -185,10 +185,11 @@ def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractCont
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    replicated = next((m for m in model.modules() if isinstance(m, DistributedDataParallel)), None)
+    modules = list(model.modules())
+    replicated = next((m for m in modules if isinstance(m, DistributedDataParallel)), None)
     if replicated is not None:
         return replicated.no_sync
-    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    sharded = [m for m in modules if isinstance(m, FSDPModule)]
 
     @contextlib.contextmanager
     def fsdp_no_sync() -> Iterator[None]:
