@@ -170,3 +170,16 @@ def test_tied_devices_rank_by_index_not_by_the_ids_string_order():
     choice = hal.choose_device(DeviceRequirements(device_type="cuda"))
     assert [r.device.id for r in choice.ranking if r.eligible] == [f"cuda:{i}" for i in range(n)]
     assert choice.device.id == "cuda:0"
+
+
+def test_an_unreadable_nvidia_smi_bus_id_leaves_only_that_gpu_unlinked(capsys):
+    """A row nvidia-smi printed malformed (here of a GPU this process does not see) raised out of
+    topology(), losing the links of every GPU."""
+    facts = without_nvml(load("nvidia-h200x2"))
+    facts["nvidia_smi"]["topo"] = SMI_CAPTURE.read_text()
+    facts["nvidia_smi"]["bus_ids"]["2"] = "[N/A]"
+    before = count("torchhal.topology.unread_bus_ids,adapter=nvidia")
+    (link,) = NvidiaAdapter(RecordedCudaProbe(facts)).topology().links
+    assert (link.type, link.count) == (LinkType.NVLINK, 18)
+    assert count("torchhal.topology.unread_bus_ids,adapter=nvidia") == before + 1
+    assert "[N/A]" in capsys.readouterr().err

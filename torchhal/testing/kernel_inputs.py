@@ -7,8 +7,9 @@ mean and rstd) are then computed from the cast inputs by the forward op's refere
 would save them.
 Shapes are odd on purpose (no vector-width fast path hides a remainder bug) and small (the
 kit runs each candidate on every device and dtype); each op also gets the sizes fast kernels
-insist on (head_dim 64 and 128, rows of 256), on short sequences and few rows, since a
-candidate whose predicate declines every case is never run and reports not applicable.
+insist on (head_dim 64 and 128, rows of 256, matmul and cross-entropy dims of 64 and more), on
+short sequences and few rows, since a candidate whose predicate declines every case is never run
+and reports not applicable.
 Ops not listed here have no inputs: their candidates are reported not applicable with that reason.
 """
 
@@ -73,6 +74,7 @@ def _matmul(g: torch.Generator) -> list[Case]:
     return [
         Case("7x13 @ 13x5", (_randn(g, 7, 13), _randn(g, 13, 5))),
         Case("batched 3x9x17 @ 17x6", (_randn(g, 3, 9, 17), _randn(g, 17, 6))),
+        Case("aligned 64x128 @ 128x64", (_randn(g, 64, 128), _randn(g, 128, 64, scale=128**-0.5))),
     ]
 
 
@@ -85,6 +87,9 @@ def _matmul_backward(g: torch.Generator) -> list[Case]:
         Case(
             "grad 2x3x4x5, 2x3x4x7 @ 1x3x7x5 (b broadcast)",
             (_randn(g, 2, 3, 4, 5), _randn(g, 2, 3, 4, 7), _randn(g, 1, 3, 7, 5)),
+        ),
+        Case(
+            "grad 64x64, aligned 64x128 @ 128x64", (_randn(g, 64, 64), _randn(g, 64, 128), _randn(g, 128, 64))
         ),
     ]
 
@@ -247,6 +252,7 @@ def _linear_cross_entropy(g: torch.Generator) -> list[Case]:
     target = torch.randint(0, vocab, (tokens,), generator=g)
     target[3] = -100  # one ignored position
     scale = 1 / math.sqrt(hidden)
+    aligned_target = torch.randint(0, 256, (64,), generator=g)
     return [
         Case(
             "9 tokens, vocab 37, bias",
@@ -256,6 +262,10 @@ def _linear_cross_entropy(g: torch.Generator) -> list[Case]:
             "label smoothing 0.1, sum",
             (_randn(g, tokens, hidden), _randn(g, vocab, hidden, scale=scale), target),
             {"label_smoothing": 0.1, "reduction": "sum"},
+        ),
+        Case(
+            "aligned 64 tokens, hidden 64, vocab 256",
+            (_randn(g, 64, 64), _randn(g, 256, 64, scale=1 / 8), aligned_target),
         ),
     ]
 

@@ -7,7 +7,7 @@ NVML readings to health, links to a topology, device names to datasheet peaks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchhal.hal_core import (
@@ -179,11 +179,8 @@ class NvidiaAdapter(VendorAdapter):
             telemetry.count("torchhal.topology.fallbacks", adapter=self.name, source="none")
             return []
         by_bus = {topology.torch_bus_id(self.runtime_probe.properties(i)): i for i in range(count)}
-        to_torch = {
-            int(k): by_bus[topology.bus_id(v)]
-            for k, v in smi["bus_ids"].items()
-            if topology.bus_id(v) in by_bus
-        }
+        smi_bus = self._readable_bus_ids(smi["bus_ids"])
+        to_torch = {k: by_bus[v] for k, v in smi_bus.items() if v in by_bus}
         cells = topology.parse_topo_matrix(smi["topo"])
         smi_index = {torch_index: k for k, torch_index in to_torch.items()}
         unread = [
@@ -201,6 +198,23 @@ class NvidiaAdapter(VendorAdapter):
             )
             telemetry.count("torchhal.topology.unread_pairs", len(unread), adapter=self.name)
         return topology.links_from_smi(cells, to_torch, self._id, per_link)
+
+    def _readable_bus_ids(self, listed: Mapping[str, str]) -> dict[int, str]:
+        """nvidia-smi's index -> bus id rows, in NVML's form; a row that does not parse is left
+        out, logged and counted (one bad row dropped every link of the adapter)."""
+        out = {}
+        for index, text in listed.items():
+            try:
+                out[int(index)] = topology.bus_id(text)
+            except ValueError as exc:
+                log.warning(
+                    "nvidia-smi row unreadable, that GPU left unlinked",
+                    index=index,
+                    bus_id=text,
+                    error=str(exc),
+                )
+                telemetry.count("torchhal.topology.unread_bus_ids", adapter=self.name)
+        return out
 
     def _nvlink_per_link_gbps(self, count: int) -> float | None:
         """Declared per-link bandwidth when every device is one SKU with a sourced NVLink figure."""
