@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import ctypes
 import json
 import os
 import sys
@@ -64,12 +64,29 @@ def _row(table: Table, *cells: str) -> None:
 @contextlib.contextmanager
 def _stdout_for(as_json: bool) -> Iterator[None]:
     """While a --json document is made, what plugins and adapters print goes to stderr, so that
-    stdout holds the document only (a vendor library's print broke `torchhal info --json | jq`)."""
+    stdout holds the document only (a vendor library's print broke `torchhal info --json | jq`).
+    File descriptor 1 goes to stderr too: a C library's printf or an `os.write(1, ...)` bypasses
+    sys.stdout. C stdio's buffer is flushed before fd 1 comes back, or it would land after the
+    document at exit."""
     if not as_json:
         yield
         return
-    with contextlib.redirect_stdout(sys.stderr):
-        yield
+    sys.stdout.flush()  # what was printed before goes where it was meant to
+    real_stdout = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        _flush_c_stdio()
+        os.dup2(real_stdout, 1)
+        os.close(real_stdout)
+
+
+def _flush_c_stdio() -> None:
+    """fflush(NULL): what C code wrote through stdio (printf) leaves its buffer now."""
+    if os.name == "posix":
+        ctypes.CDLL(None).fflush(None)
 
 
 @app.command()
@@ -172,27 +189,28 @@ def conformance(
 ) -> None:
     """Certify an adapter: every check passed, failed or not applicable, with reasons."""
     from torchhal.testing import ConformanceSuite, format_report, resolve_adapter
+    from torchhal.testing.suite import (
+        CHECK_TIME_LIMIT_S,
+        DiscoveryStuck,
+        discover_within_limit,
+        exit_leaving_threads,
+    )
 
-    limit = {} if time_limit is None else {"time_limit_s": time_limit}
-    with _stdout_for(as_json):
-        suite = ConformanceSuite(resolve_adapter(adapter, HardwareAbstractionLayer()), seed=seed, **limit)
-        report = suite.run()
+    limit = CHECK_TIME_LIMIT_S if time_limit is None else time_limit
+    hal = HardwareAbstractionLayer()
+    try:
+        with _stdout_for(as_json):
+            discover_within_limit(hal, limit)  # a plugin's hanging discovery hung the command for good
+            suite = ConformanceSuite(resolve_adapter(adapter, hal), seed=seed, time_limit_s=limit)
+            report = suite.run()
+    except DiscoveryStuck as exc:  # no adapter to certify: not conforming, and no report
+        Console(stderr=True).print("[red]error:[/] " + escape(str(exc)), soft_wrap=True)
+        exit_leaving_threads(1)
     typer.echo(report.to_json() if as_json else format_report(report))
     code = 0 if report.ok else 1
     if suite.still_running():
-        _exit_leaving_threads(code)
+        exit_leaving_threads(code)
     raise typer.Exit(code)
-
-
-def _exit_leaving_threads(code: int) -> None:
-    """Exit now, without finalizing the interpreter: a call the kit left running past its time
-    limit that is still in torch code then is stopped inside C++ and aborts the process
-    (SIGABRT, exit code 134, "terminate called without an active exception") instead of
-    exiting with the report's code. Exit handlers (telemetry flushes) still run."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 @app.command()

@@ -36,7 +36,7 @@ def run(console: Console) -> None:
         console.print(
             f"  [bold]{dev.id}[/] {escape(caps.name)} ({kind}): {escape(caps.arch)}, "
             f"{caps.compute_units} units × "
-            f"simd {caps.simd_width}, {caps.memory_bytes / 2**30:.1f} GiB, "
+            f"simd {caps.simd_width}, {caps.memory_text}, "
             f"dtypes {','.join(sorted(d.value for d in caps.dtypes))}, "
             f"features {','.join(sorted(f.value for f in caps.features)) or '-'}, "
             f"collectives {','.join(caps.collective_backends)}"

@@ -83,3 +83,10 @@ def test_best_device_for_rccl_is_the_mi300x_and_the_error_names_why_not():
     assert "cuda:0: collective backend 'rccl' (RCCL, torch's 'nccl' on amd devices) not available" in str(
         err.value
     )
+
+
+@pytest.mark.parametrize("name", ["NCCL", "Nccl", "RCCL"])
+def test_backend_names_in_any_case_as_torch_distributed_takes_them(name):
+    """torch.distributed lower-cases backend names; "NCCL" was refused by every device."""
+    assert DeviceRequirements(collective_backend=name).collective_backend == name.lower()
+    assert DeviceRequirements(collective_backend=name).failures(mi300x()) == []

@@ -19,7 +19,8 @@ synchronize-then-perf-counter otherwise, simulated time on a simulated device. A
 * optional memory tracking: `used_bytes` from `device.memory_info()` after a sample's last
   call, while its result is still held, minus before the sample: the bytes the call left
   allocated (its output, caches it grew). It is not the transient peak inside the call, which
-  `MemoryInfo` does not report;
+  `MemoryInfo` does not report. A device whose runtime does not give `used_bytes` (it is in
+  `MemoryInfo.unknown`) is refused before anything runs: its 0 would read as "allocates nothing";
 * outliers flagged with Tukey fences per variant, never dropped;
 * the environment fingerprint in every result, and, given a `SampleStore`, every finished
   sample on disk as soon as its batch is read, so an interrupted run resumes where it stopped;
@@ -41,7 +42,7 @@ import numpy as np
 from torchhal.evaluation.fingerprint import digest, environment_fingerprint
 from torchhal.evaluation.inputs import Inputs
 from torchhal.evaluation.outliers import Fences, tukey_fences
-from torchhal.hal_core import Device, DeviceTimer, InvalidArgumentError, telemetry
+from torchhal.hal_core import Device, DeviceTimer, InvalidArgumentError, UnsupportedError, telemetry
 
 if TYPE_CHECKING:
     from torchhal.evaluation.store import SampleStore
@@ -276,6 +277,9 @@ def measure(
         "flush_every": flush_every,
         "clear_cache": clear_cache,
     }
+    if track_memory:
+        for v in group:
+            _used_bytes(v.device)
     slots = schedule([v.name for v in group], repetitions, order, seed)
     fingerprint = environment_fingerprint(v.device for v in group)
     experiment = digest(
@@ -375,7 +379,7 @@ class _Runner:
     def _take(self, slot: Slot) -> tuple[Slot, object, object, int | None]:
         variant = self.by_name[slot.variant]
         timer = self.timers[slot.variant]
-        before = variant.device.memory_info().used_bytes if self.track_memory else 0
+        before = _used_bytes(variant.device) if self.track_memory else 0
         first_call = slot.round * self.inner
         clear = self.clearers.get(slot.variant)
         with variant.active():
@@ -385,7 +389,7 @@ class _Runner:
             for j in range(self.inner):
                 out = variant.call(first_call + j)
             end = timer.mark()
-        memory = variant.device.memory_info().used_bytes - before if self.track_memory else None
+        memory = _used_bytes(variant.device) - before if self.track_memory else None
         del out
         return slot, start, end, memory
 
@@ -407,6 +411,18 @@ class _Runner:
             done[(s.variant, s.round)] = s
         if self.progress is not None:
             self.progress(len(done), total)
+
+
+def _used_bytes(device: Device) -> int:
+    """The device's `used_bytes`; refused where its runtime does not give it, since a 0 standing
+    for "unknown" would be tracked as a variant that allocates nothing."""
+    used = device.memory_info().known("used")
+    if used is None:
+        raise UnsupportedError(
+            f"track_memory needs used_bytes, which {device.id}'s adapter reports as unknown "
+            "(MemoryInfo.unknown names 'used'); measure without tracking memory there"
+        )
+    return used
 
 
 def _check_elapsed(variant: Variant, elapsed: float, inner: int) -> None:

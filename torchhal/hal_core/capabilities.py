@@ -10,9 +10,11 @@ import enum
 import sys
 from collections.abc import Iterable
 from datetime import datetime
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+
+from torchhal.hal_core.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch
@@ -144,7 +146,7 @@ class DeviceCapabilities(_Versioned):
     arch: str  # sm_90, gfx942, xe-hpc, x86_64, ...
     compute_units: int = Field(ge=1)  # SMs, CUs, Xe cores, CPU cores, systolic arrays
     simd_width: int = Field(ge=1)  # warp 32, wavefront 64 or 32, sub-group, vector lanes
-    memory_bytes: int = Field(ge=0)
+    memory_bytes: int = Field(ge=0)  # 0: the runtime does not say (the host on Windows)
     dtypes: frozenset[DType]
     features: frozenset[Feature] = frozenset()
     collective_backends: tuple[str, ...] = ()
@@ -181,6 +183,11 @@ class DeviceCapabilities(_Versioned):
     def has(self, feature: Feature) -> bool:
         return feature in self.features
 
+    @property
+    def memory_text(self) -> str:
+        """Capacity for people to read; "memory not stated" for 0, which is not a measurement."""
+        return f"{self.memory_bytes / 2**30:.1f} GiB" if self.memory_bytes else "memory not stated"
+
 
 class CollectiveBandwidth(_Frozen):
     backend: str
@@ -216,13 +223,41 @@ class MeasuredProfile(_Versioned):
     notes: tuple[str, ...] = ()
 
 
+MemoryFigure = Literal["total", "free", "used"]
+MEMORY_FIGURES: tuple[MemoryFigure, ...] = ("total", "free", "used")
+
+
 class MemoryInfo(_Frozen):
-    """Device memory as the runtime reports it. `used_bytes` is this process's allocations."""
+    """Device memory as the runtime reports it. `used_bytes` is this process's allocations.
+
+    `unknown` names the figures the runtime does not give (the host's free memory on macOS,
+    every figure on Windows); each is 0 in its int field, which stays an int for readers of the
+    fields, so a 0 there is not a measurement. Read figures through `known()`, which says None.
+    """
 
     total_bytes: int = Field(ge=0)
     free_bytes: int = Field(ge=0)
     used_bytes: int = Field(ge=0)
     simulated: bool = False
+    unknown: frozenset[MemoryFigure] = frozenset()
+
+    @model_validator(mode="after")
+    def _unknown_is_zero(self) -> MemoryInfo:
+        """An unknown figure holding a number would be read as a measurement by the int field."""
+        for figure in sorted(self.unknown):
+            value = getattr(self, f"{figure}_bytes")
+            if value != 0:
+                raise ValueError(f"{figure}_bytes must be 0 when 'unknown' names {figure!r}, got {value}")
+        return self
+
+    def known(self, figure: MemoryFigure) -> int | None:
+        """The figure ("total", "free" or "used") in bytes, or None where the runtime does not give it."""
+        if figure not in MEMORY_FIGURES:
+            raise InvalidArgumentError(
+                f"MemoryInfo.known: figure must be one of {MEMORY_FIGURES}, got {figure!r}"
+            )
+        value: int = getattr(self, f"{figure}_bytes")
+        return None if figure in self.unknown else value
 
 
 class HealthStatus(str, enum.Enum):
@@ -373,6 +408,13 @@ class DeviceRequirements(_Frozen):
             out.append(item)
         return out
 
+    @field_validator("collective_backend", mode="before")
+    @classmethod
+    def _backend_lower(cls, value: object) -> object:
+        """torch.distributed takes backend names in any case (`Backend("NCCL")` is "nccl"), and
+        devices declare torch's lower-case names, so "NCCL" was refused by every device."""
+        return value.lower() if isinstance(value, str) else value
+
     @field_validator("min_memory_bytes", "min_compute_units", mode="before")
     @classmethod
     def _not_a_bool(cls, value: object) -> object:
@@ -394,7 +436,12 @@ class DeviceRequirements(_Frozen):
         if absent:
             out.append(f"features {absent} missing")
         if caps.memory_bytes < self.min_memory_bytes:
-            out.append(f"memory {caps.memory_bytes} bytes < {self.min_memory_bytes} required")
+            if caps.memory_bytes == 0:  # the adapter could not read it: not a measured 0
+                out.append(
+                    f"memory unknown (the adapter does not state it), {self.min_memory_bytes} required"
+                )
+            else:
+                out.append(f"memory {caps.memory_bytes} bytes < {self.min_memory_bytes} required")
         if caps.compute_units < self.min_compute_units:
             out.append(f"compute units {caps.compute_units} < {self.min_compute_units} required")
         if self.collective_backend is not None:

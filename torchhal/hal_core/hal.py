@@ -419,7 +419,7 @@ def _rank_key(dev: Device) -> tuple[tuple[Any, ...], tuple[str, ...]]:
         "simulated device" if caps.simulated else "real device",
         f"adapter {caps.adapter!r} priority {dev.adapter.priority}",
         basis,
-        f"memory {caps.memory_bytes / 2**30:.1f} GiB",
+        f"memory {caps.memory_text}" if caps.memory_bytes else caps.memory_text,
     )
     key = (
         caps.simulated,

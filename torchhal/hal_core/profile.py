@@ -222,10 +222,14 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
     """Measure matmul TFLOP/s per declared dtype, copy bandwidth and launch latency."""
     import torch
 
-    small = device.capabilities.device_type == "cpu"  # host memory: keep sizes for a laptop
     notes: list[str] = []
     if device.simulated:
         notes.append("times are simulated by the device's cost model; numerics are real")
+    budget, what = _budget(device)
+    if what != "free":
+        notes.append(_memory_unknown(device, budget))
+    # host memory, or memory the device does not state: keep sizes for a laptop
+    small = device.capabilities.device_type == "cpu" or budget is None
     matmul: dict[DType, float] = {}
     direct: dict[DType, float] = {}
     sizes: dict[DType, int] = {}
@@ -235,10 +239,10 @@ def measure(hal: HardwareAbstractionLayer, device: Device) -> MeasuredProfile:
                 continue
             try:
                 most = 512 if device.simulated else 1024 if small else 8192
-                max_n, free = _matmul_n(device, dtype, most)
+                max_n, (fitted, to) = _matmul_n(device, dtype, most)
                 if max_n < most:
                     notes.append(
-                        f"matmul {dtype.value} at n <= {max_n} (not {most}): fitted to {free} bytes free"
+                        f"matmul {dtype.value} at n <= {max_n} (not {most}): fitted to {fitted} bytes {to}"
                     )
                 sizes[dtype], matmul[dtype], peer, problem = _matmul_rates(hal, device, dtype, max_n)
                 if peer is not None:
@@ -321,25 +325,53 @@ def _copy_bytes(device: Device, most: int) -> int:
     """The copy's size: `most`, halved (to 1 MiB at least) until its source and destination
     take at most half of the device's free memory. A fixed 64 MiB copy made the whole profile
     fail with out-of-memory on a device of 100 MiB."""
-    return _halved_to_fit(most, 2**20, lambda size: 2 * size, device.memory_info().free_bytes)
+    return _halved_to_fit(most, 2**20, lambda size: 2 * size, _budget(device)[0])
 
 
-def _matmul_n(device: Device, dtype: DType, most: int) -> tuple[int, int]:
-    """(The largest n the dtype's products may take, the free bytes it was fitted to): `most`,
+def _matmul_n(device: Device, dtype: DType, most: int) -> tuple[int, tuple[int | None, str]]:
+    """(The largest n the dtype's products may take, the `_budget` it was fitted to): `most`,
     halved (to 16 at least) until four n×n operands (a, b, the product, and the half-size pair
     still held while the size doubles) take at most half of the free memory. A fixed n failed
     every dtype with out-of-memory on a small device, on every run (such a profile is not cached)."""
     import torch
 
     itemsize = (dtype.to_torch() or torch.float32).itemsize
-    free = device.memory_info().free_bytes
-    return _halved_to_fit(most, 16, lambda n: 4 * n * n * itemsize, free), free
+    budget = _budget(device)
+    return _halved_to_fit(most, 16, lambda n: 4 * n * n * itemsize, budget[0]), budget
 
 
-def _halved_to_fit(most: int, least: int, footprint: Callable[[int], int], free: int) -> int:
-    """`most`, halved down to `least` until `footprint(size)` is at most half of `free`."""
+def _budget(device: Device) -> tuple[int | None, str]:
+    """(Bytes the sizes are fitted to, what they are): free memory; where the runtime does not
+    give it, total memory (else the declared capacity; 0 there is not stated); None where no
+    figure is known (the sizes are then not fitted)."""
+    info = device.memory_info()
+    free = info.known("free")
+    if free is not None:
+        return free, "free"
+    total = info.known("total") or device.capabilities.memory_bytes or None
+    return total, "in all (free memory unknown)"
+
+
+def _memory_unknown(device: Device, budget: int | None) -> str:
+    """The profile's note, logged and counted, where the device does not say its free memory.
+    Fitted to the 0 bytes it then read as free, every matmul ran at n = 16 and the copy at 1 MiB,
+    measuring launch overhead rather than the device. The sizes are fitted to total memory
+    instead; where that is unknown too, they are the host's (a 64 MiB copy, matmul n <= 1024), and
+    an out of memory is noted in the profile, which is then not cached."""
+    if budget is None:
+        note = "free and total memory unknown: matmul and copy at the host's sizes, not fitted to memory"
+    else:
+        note = f"free memory unknown: matmul and copy sizes fitted to total memory ({budget} bytes)"
+    telemetry.count("torchhal.profile.memory_unknown", device=device.id)
+    log.warning("profile: " + note, device=device.id)
+    return note
+
+
+def _halved_to_fit(most: int, least: int, footprint: Callable[[int], int], budget: int | None) -> int:
+    """`most`, halved down to `least` until `footprint(size)` is at most half of `budget` (bytes;
+    None: not fitted)."""
     size = most
-    while size > least and 2 * footprint(size) > free:
+    while budget is not None and size > least and 2 * footprint(size) > budget:
         size //= 2
     return size
 

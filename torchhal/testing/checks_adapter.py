@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import time
 
-from torchhal.hal_core import HAL_API_VERSION, SCHEMA_VERSION, Device, DeviceCapabilities, ProbeResult
+from torchhal.hal_core import (
+    HAL_API_VERSION,
+    SCHEMA_VERSION,
+    Device,
+    DeviceCapabilities,
+    MemoryInfo,
+    ProbeResult,
+    VendorAdapter,
+)
 from torchhal.hal_core.adapter import attribute_problems
 from torchhal.testing.context import AdapterUnderTest, CheckFailed, describe
 
@@ -89,8 +97,11 @@ def check_discover(ctx: AdapterUnderTest) -> str:
                 problems.append(
                     f"{where}: device_type {caps.device_type!r} reads back from torch as {parsed!r}"
                 )
-        if caps.memory_bytes <= 0:
-            problems.append(f"{where}: memory_bytes must be > 0, got {caps.memory_bytes}")
+        if caps.memory_bytes == 0 and "total" not in _unknown_memory(adapter, caps.index):
+            problems.append(
+                f"{where}: memory_bytes is 0, which only a device whose memory_info() names 'total' "
+                "in `unknown` may declare (its runtime does not say)"
+            )
         if not 1 <= caps.simd_width <= MAX_SIMD_WIDTH:
             problems.append(f"{where}: simd_width must be in [1, {MAX_SIMD_WIDTH}], got {caps.simd_width}")
         if not 1 <= caps.compute_units <= MAX_COMPUTE_UNITS:
@@ -119,7 +130,16 @@ def check_discover(ctx: AdapterUnderTest) -> str:
     if problems:
         raise CheckFailed("; ".join(problems))
     listing = ", ".join(
-        f"{Device(adapter, c).id} ({c.device_type}, {c.arch}, {c.memory_bytes / 2**30:.1f} GiB)"
-        for c in found
+        f"{Device(adapter, c).id} ({c.device_type}, {c.arch}, {c.memory_text})" for c in found
     )
     return f"{len(found)} device(s): {listing}; a second call agrees ({seconds * 1e3:.1f} ms)"
+
+
+def _unknown_memory(adapter: VendorAdapter, index: int) -> frozenset[str]:
+    """The figures the device's `memory_info()` says its runtime does not give; none where that
+    call raises or returns something else (the memory checks report those)."""
+    try:
+        info = adapter.memory_info(index)
+    except Exception:
+        return frozenset()
+    return info.unknown if isinstance(info, MemoryInfo) else frozenset()

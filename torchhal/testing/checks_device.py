@@ -7,7 +7,8 @@ import math
 import time
 from typing import TYPE_CHECKING
 
-from torchhal.hal_core import DType, Feature, HealthReport, HostTimer, MemoryInfo, Topology
+from torchhal.hal_core import DType, Feature, HealthReport, HealthStatus, HostTimer, MemoryInfo, Topology
+from torchhal.hal_core.capabilities import MEMORY_FIGURES
 from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, each_device
 
 if TYPE_CHECKING:
@@ -55,22 +56,23 @@ def check_synchronize(ctx: AdapterUnderTest) -> str:
 
 
 def check_memory_info(ctx: AdapterUnderTest) -> str:
+    """Compares the figures the runtime gives; the detail names those it does not (`unknown`)."""
+
     def one(device: Device) -> str:
         info = device.memory_info()
         if not isinstance(info, MemoryInfo):
             raise CheckFailed(f"memory_info() must return MemoryInfo, got {type(info).__name__}")
+        total, free, used = (info.known(figure) for figure in MEMORY_FIGURES)
         problems = []
-        if info.total_bytes <= 0:
-            problems.append(f"total_bytes must be > 0, got {info.total_bytes}")
-        if info.free_bytes > info.total_bytes:
-            problems.append(f"free_bytes {info.free_bytes} > total_bytes {info.total_bytes}")
-        if info.used_bytes > info.total_bytes:
-            problems.append(f"used_bytes {info.used_bytes} > total_bytes {info.total_bytes}")
-        elif info.free_bytes + info.used_bytes > info.total_bytes:  # free memory is nobody's
-            problems.append(
-                f"free_bytes {info.free_bytes} + used_bytes {info.used_bytes} "
-                f"> total_bytes {info.total_bytes}"
-            )
+        if total is not None:
+            if total <= 0:
+                problems.append(f"total_bytes must be > 0, got {total}")
+            if free is not None and free > total:
+                problems.append(f"free_bytes {free} > total_bytes {total}")
+            if used is not None and used > total:
+                problems.append(f"used_bytes {used} > total_bytes {total}")
+            elif free is not None and used is not None and free + used > total:  # free memory is nobody's
+                problems.append(f"free_bytes {free} + used_bytes {used} > total_bytes {total}")
         if info.simulated != device.simulated:
             problems.append(
                 f"MemoryInfo.simulated is {info.simulated} but the device's SIMULATED feature "
@@ -79,27 +81,37 @@ def check_memory_info(ctx: AdapterUnderTest) -> str:
         if problems:
             raise CheckFailed("; ".join(problems))
         sim = ", simulated" if info.simulated else ""
-        return (
-            f"total {info.total_bytes / MIB:.0f} MiB, free {info.free_bytes / MIB:.0f} MiB, "
-            f"used {info.used_bytes / MIB:.1f} MiB{sim}"
+        figures = ", ".join(
+            f"{name} {'unknown' if value is None else f'{value / MIB:.{digits}f} MiB'}"
+            for name, value, digits in zip(MEMORY_FIGURES, (total, free, used), (0, 0, 1), strict=True)
         )
+        unread = f" (not compared: {', '.join(sorted(info.unknown))} unknown)" if info.unknown else ""
+        return f"{figures}{sim}{unread}"
 
     return each_device(ctx.devices(), one)
 
 
 def check_memory_accounting(ctx: AdapterUnderTest) -> str:
+    """Not applicable where no device gives `used_bytes`; a device that does not is named."""
     ctx.require_synchronize()
+    unread: list[str] = []
 
     def one(device: Device) -> str:
         gc.collect()  # so that garbage freed mid-check cannot offset the figure
         before = device.memory_info()
-        nbytes = min(ACCOUNTING_BUFFER_BYTES, before.total_bytes // 100)
+        if "used" in before.unknown:
+            unread.append(device.id)
+            return "not checked: memory_info() says used_bytes is unknown"
+        total = before.known("total")
+        nbytes = ACCOUNTING_BUFFER_BYTES if total is None else min(ACCOUNTING_BUFFER_BYTES, total // 100)
         buffer = random_buffer(ctx, device, nbytes, f"accounting:{device.id}")
         device.synchronize()
         after = device.memory_info()
         allocated = buffer.numel() * buffer.element_size()
-        grew = after.used_bytes - before.used_bytes
         del buffer
+        if "used" in after.unknown:
+            raise CheckFailed("used_bytes was known before an allocation and unknown after it")
+        grew = after.used_bytes - before.used_bytes
         if (
             not (1 - ACCOUNTING_TOLERANCE) * allocated
             <= grew
@@ -113,15 +125,27 @@ def check_memory_accounting(ctx: AdapterUnderTest) -> str:
             )
         return f"used_bytes grew by {grew / MIB:.2f} MiB for a {allocated / MIB:.2f} MiB buffer"
 
-    return each_device(ctx.devices(), one)
+    detail = each_device(ctx.devices(), one)
+    if unread and len(unread) == len(ctx.devices()):
+        raise NotApplicable(
+            f"memory_info() says used_bytes is unknown on {', '.join(unread)}: "
+            "its growth on an allocation cannot be checked"
+        )
+    return detail
 
 
 def check_health(ctx: AdapterUnderTest) -> str:
+    """A device that reports itself failed cannot be certified; degraded and unknown pass, their
+    messages in the detail (degraded still computes, and unknown is a runtime without health data)."""
+
     def one(device: Device) -> str:
         report = device.health()
         if not isinstance(report, HealthReport):
             raise CheckFailed(f"health() must return HealthReport, got {type(report).__name__}")
-        return report.status.value
+        said = "; ".join(report.messages) or "no messages"
+        if report.status is HealthStatus.FAILED:
+            raise CheckFailed(f"health() reports status failed ({said}): a failed device cannot be certified")
+        return f"{report.status.value} ({said})" if report.messages else report.status.value
 
     return each_device(ctx.devices(), one)
 

@@ -12,18 +12,37 @@ to certify an adapter before it is packaged).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
+import _pytest.config
 import pytest
 
-from torchhal.hal_core import TorchHALError
+from torchhal.hal_core import TorchHALError, telemetry
 from torchhal.testing.report import CheckStatus
-from torchhal.testing.suite import CHECK_TIME_LIMIT_S, Check, ConformanceSuite, resolve_adapter
+from torchhal.testing.suite import (
+    CHECK_TIME_LIMIT_S,
+    Check,
+    ConformanceSuite,
+    exit_leaving_threads,
+    resolve_adapter,
+)
 
 if TYPE_CHECKING:
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
+log = telemetry.get_logger("torchhal.testing")
+
 _SUITES = pytest.StashKey[dict[str, ConformanceSuite]]()
+_SESSION = pytest.StashKey[pytest.Session]()
+# pytest's run (`pytest.main`, and the function behind it) and its console entry points (the
+# `pytest` command and `python -m pytest`), by code object; names differ across pytest versions
+_RUN = frozenset(f.__code__ for f in (pytest.main, getattr(_pytest.config, "_main", None)) if f is not None)
+_CONSOLE = frozenset(
+    f.__code__
+    for f in (getattr(_pytest.config, "_console_main", None), getattr(_pytest.config, "console_main", None))
+    if f is not None
+)
 
 
 class ConformanceHookspecs:
@@ -66,6 +85,51 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "torchhal_conformance: a check of the torchhal adapter conformance kit"
     )
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config.stash[_SESSION] = session
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After every other plugin's unconfigure: while a check left running past its time limit
+    has not returned, end the `pytest` command with the session's exit status now, as
+    `torchhal conformance` does (`exit_leaving_threads`); finalizing the interpreter while that
+    call ran torch code aborted pytest (SIGABRT, exit code 134). A `pytest.main()` call (an
+    in-process run) is not the process's to end: its caller is warned instead."""
+    session = config.stash.get(_SESSION, None)
+    left = [
+        thread.name for suite in config.stash.get(_SUITES, {}).values() for thread in suite.still_running()
+    ]
+    if not left or session is None:
+        return
+    status = int(session.exitstatus)
+    if not _runs_the_process():
+        log.warning(
+            "conformance calls left running past their time limit; the process may abort if they "
+            "are still running when it exits",
+            threads=left,
+        )
+        return
+    log.warning(
+        "conformance calls left running past their time limit: pytest exits without finalizing the "
+        "interpreter",
+        threads=left,
+        exit_status=status,
+    )
+    exit_leaving_threads(status)
+
+
+def _runs_the_process() -> bool:
+    """Whether this run is the `pytest` command itself, whose console entry point hands the run's
+    status to sys.exit, rather than a `pytest.main()` call whose caller goes on afterwards."""
+    frame = sys._getframe()
+    while frame is not None and frame.f_code not in _RUN:
+        frame = frame.f_back  # type: ignore[assignment]
+    while frame is not None and frame.f_code in _RUN:
+        frame = frame.f_back  # type: ignore[assignment]
+    return frame is not None and frame.f_code in _CONSOLE
 
 
 def _suites(config: pytest.Config) -> dict[str, ConformanceSuite]:

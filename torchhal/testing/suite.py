@@ -6,8 +6,11 @@ plugin turns each planned check into a test item and runs them one by one.
 
 from __future__ import annotations
 
+import atexit
 import contextvars
 import functools
+import inspect
+import os
 import secrets
 import sys
 import threading
@@ -15,7 +18,8 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, NoReturn
 
 from torchhal.hal_core import (
     HAL_API_VERSION,
@@ -36,6 +40,7 @@ from torchhal.testing.context import (
     describe,
     stuck_in,
     where,
+    where_in,
 )
 from torchhal.testing.report import CheckResult, CheckStatus, ConformanceReport
 
@@ -78,17 +83,22 @@ _FIXED = (
     Check("device.synchronize", "synchronize() works on every device", True, checks_device.check_synchronize),
     Check(
         "device.memory_info",
-        "memory_info() is consistent (free, used <= total)",
+        "memory_info() is consistent (free, used <= total), comparing the figures it does not call unknown",
         True,
         checks_device.check_memory_info,
     ),
     Check(
         "device.memory_accounting",
-        "used_bytes grows when memory is allocated through Device.empty",
+        "used_bytes grows when memory is allocated through Device.empty (n/a where used is unknown)",
         True,
         checks_device.check_memory_accounting,
     ),
-    Check("device.health", "health() returns a HealthReport", True, checks_device.check_health),
+    Check(
+        "device.health",
+        "health() returns a HealthReport that does not report the device failed",
+        True,
+        checks_device.check_health,
+    ),
     Check(
         "adapter.topology",
         "topology() is symmetric and names only the adapter's devices",
@@ -166,11 +176,7 @@ class ConformanceSuite:
         self, adapter: VendorAdapter, *, seed: int | None = None, time_limit_s: float = CHECK_TIME_LIMIT_S
     ) -> None:
         self.seed = secrets.randbits(63) if seed is None else seed
-        if not is_finite_number(time_limit_s) or time_limit_s <= 0:
-            raise InvalidArgumentError(
-                f"conformance: time_limit_s must be a finite number > 0, got {time_limit_s!r}"
-            )
-        self.time_limit_s = time_limit_s
+        self.time_limit_s = checked_time_limit(time_limit_s)
         self.context = AdapterUnderTest(adapter, self.seed)
         self._plan: tuple[Check, ...] | None = None
         self._left: list[threading.Thread] = []  # threads of calls that ran past the time limit
@@ -223,20 +229,10 @@ class ConformanceSuite:
         return listed[0], None
 
     def _within_limit(self, work: Callable[[], None], name: str) -> str | None:
-        """Run `work` in a daemon thread, waiting at most `time_limit_s`: None once it finished,
-        else where it is stuck. Python cannot kill a thread, so a stuck one is left running (the
-        steps it holds answer StepUnfinished to later checks)."""
-        thread = threading.Thread(
-            target=contextvars.copy_context().run,  # keeps the run's span for the check's logs
-            args=(work,),
-            name=f"torchhal-conformance {name}",
-            daemon=True,
-        )
-        thread.start()
-        thread.join(self.time_limit_s)
-        frame = sys._current_frames().get(thread.ident) if thread.is_alive() else None  # type: ignore[arg-type]
+        """`work` under the time limit (`run_within_limit`): None once it finished, else where it
+        is stuck. The steps a stuck call holds answer StepUnfinished to later checks."""
+        thread, frame = run_within_limit(work, name, self.time_limit_s)
         if frame is None:
-            thread.join()  # it finished as the limit passed: its outcome is there
             return None
         self._left.append(thread)
         return (
@@ -302,6 +298,99 @@ class ConformanceSuite:
         report = self.report(results)
         telemetry.count("torchhal.conformance.runs", adapter=self.adapter_name, ok=str(report.ok).lower())
         return report
+
+
+def checked_time_limit(time_limit_s: float) -> float:
+    """`time_limit_s` when it is a finite number > 0; InvalidArgumentError naming it otherwise."""
+    if not is_finite_number(time_limit_s) or time_limit_s <= 0:
+        raise InvalidArgumentError(
+            f"conformance: time_limit_s must be a finite number > 0, got {time_limit_s!r}"
+        )
+    return time_limit_s
+
+
+def run_within_limit(
+    work: Callable[[], None], name: str, time_limit_s: float
+) -> tuple[threading.Thread, FrameType | None]:
+    """Run `work` in a daemon thread, waiting at most `time_limit_s`: the thread, and the frame
+    it is stuck in (None once it finished). Python cannot kill a thread, so a stuck one is left
+    running; a process holding one ends with `exit_leaving_threads`."""
+    thread = threading.Thread(
+        target=contextvars.copy_context().run,  # keeps the run's span for the check's logs
+        args=(work,),
+        name=f"torchhal-conformance {name}",
+        daemon=True,
+    )
+    thread.start()
+    thread.join(time_limit_s)
+    frame = sys._current_frames().get(thread.ident) if thread.is_alive() else None  # type: ignore[arg-type]
+    if frame is None:
+        thread.join()  # it finished as the limit passed: its outcome is there
+    return thread, frame
+
+
+class DiscoveryStuck(Exception):
+    """The HAL's discovery ran past the time limit; `thread` is still running it."""
+
+    def __init__(self, message: str, thread: threading.Thread) -> None:
+        super().__init__(message)
+        self.thread = thread
+
+
+def discover_within_limit(hal: HardwareAbstractionLayer, time_limit_s: float = CHECK_TIME_LIMIT_S) -> None:
+    """Run `hal`'s discovery (plugin imports, each adapter's probe, discover and register_kernels)
+    under the kit's time limit: a plugin whose discovery never returns hung `torchhal conformance`
+    before its first check. Raises DiscoveryStuck naming the adapter or plugin module it is stuck
+    in, and what discovery raised (a strict-mode PluginError) in the caller's thread."""
+    time_limit_s = checked_time_limit(time_limit_s)
+    raised: list[BaseException] = []
+
+    def discover() -> None:
+        try:
+            hal.devices()
+        except BaseException as exc:  # the caller's to handle, in its own thread
+            raised.append(exc)
+
+    thread, frame = run_within_limit(discover, "discovery", time_limit_s)
+    if frame is not None:
+        raise DiscoveryStuck(
+            f"conformance: discovery did not finish within the {time_limit_s:g} s time limit: stuck "
+            f"{_discovering(frame)} (TORCHHAL_PLUGINS=NAME loads only the plugins named)",
+            thread,
+        )
+    if raised:
+        raise raised[0]
+
+
+def _discovering(frame: FrameType) -> str:
+    """Whose code a stuck discovery is in: the outermost adapter method on the stack (its probe,
+    discover, ...) or else the outermost module being imported (a plugin's), and where."""
+    frames = traceback.extract_stack(frame)
+    chain = []
+    while frame is not None:
+        chain.append(frame)
+        frame = frame.f_back  # type: ignore[assignment]
+    for outer in reversed(chain):
+        owner = outer.f_locals.get("self")
+        if isinstance(owner, VendorAdapter):
+            name = inspect.getattr_static(owner, "name", None)  # a property could hang this thread too
+            label = repr(name) if isinstance(name, str) else type(owner).__name__
+            return f"in adapter {label}'s {outer.f_code.co_name}() {where_in(frames)}"
+    for outer in reversed(chain):
+        if outer.f_code.co_name == "<module>":
+            return f"importing module {outer.f_globals.get('__name__')!r} {where_in(frames)}"
+    return stuck_in(frames)
+
+
+def exit_leaving_threads(code: int) -> NoReturn:
+    """Exit now, without finalizing the interpreter: a call the kit left running past its time
+    limit that is still in torch code then is stopped inside C++ and aborts the process
+    (SIGABRT, exit code 134, "terminate called without an active exception") instead of
+    exiting with `code`. Exit handlers (telemetry flushes) still run."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def resolve_adapter(

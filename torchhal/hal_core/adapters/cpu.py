@@ -15,6 +15,7 @@ from torchhal.hal_core.capabilities import (
     Feature,
     HealthReport,
     HealthStatus,
+    MemoryFigure,
     MemoryInfo,
     ProbeResult,
     Topology,
@@ -62,12 +63,18 @@ class CPUAdapter(VendorAdapter):
         """CPU ops complete before they return."""
 
     def memory_info(self, index: int) -> MemoryInfo:
-        """A figure this platform does not give is 0 (MemoryInfo has no 'unknown'), logged."""
+        """A figure this platform does not give is named in `unknown` (and 0), logged once."""
         page, available = _sysconf("SC_PAGE_SIZE"), _sysconf("SC_AVPHYS_PAGES")
+        figures: dict[MemoryFigure, int | None] = {
+            "total": _physical_memory(),
+            "free": None if available is None or page is None else available * page,
+            "used": _resident_bytes(page),
+        }
         return MemoryInfo(
-            total_bytes=_physical_memory() or 0,
-            free_bytes=available * page if available is not None and page is not None else 0,
-            used_bytes=_resident_bytes(page),
+            total_bytes=figures["total"] or 0,
+            free_bytes=figures["free"] or 0,
+            used_bytes=figures["used"] or 0,
+            unknown=frozenset(name for name, value in figures.items() if value is None),
         )
 
     def health(self, index: int) -> HealthReport:
@@ -130,15 +137,16 @@ def _unreadable(figure: str, why: str) -> None:
     log.warning("host figure not readable on this platform; reported as unknown", figure=figure, why=why)
 
 
-def _resident_bytes(page: int | None) -> int:
-    """This process's resident set, from /proc (Linux); 0 where /proc is absent."""
+def _resident_bytes(page: int | None) -> int | None:
+    """This process's resident set, from /proc (Linux); None where /proc is absent (macOS)."""
     if page is None:
-        return 0
+        return None
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * page
-    except OSError:
-        return 0
+    except OSError as exc:
+        _unreadable("resident set", str(exc))
+        return None
 
 
 def _triton_interpreter() -> bool:
