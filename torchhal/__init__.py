@@ -6,11 +6,15 @@ discovers adapters on first use. Names are resolved lazily to keep the import ch
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 __all__ = ["DeviceRequirements", "HardwareAbstractionLayer", "__version__", "ops", "telemetry"]
+
+# imported on first attribute access, as `torch.nn` is reachable after `import torch`
+_SUBPACKAGES = frozenset({"kernels", "distributed", "evaluation", "testing"})
 
 if TYPE_CHECKING:
     from torchhal import ops, telemetry
@@ -31,8 +35,6 @@ def __getattr__(name: str) -> Any:
         import torchhal.ops
 
         return torchhal.ops
-    if name == "telemetry":
-        import torchhal.telemetry
-
-        return torchhal.telemetry
+    if name in _SUBPACKAGES:  # `torchhal.kernels.patch(model)` after `import torchhal`, as torch.nn
+        return importlib.import_module(f"torchhal.{name}")
     raise AttributeError(f"module 'torchhal' has no attribute {name!r}")

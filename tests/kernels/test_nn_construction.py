@@ -57,6 +57,10 @@ def test_norms_take_torch_nn_constructor_arguments(ours, torchs):
         assert [(n, p.device, p.dtype) for n, p in got.named_parameters()] == [
             (n, p.device, p.dtype) for n, p in expected.named_parameters()
         ]
+    got, expected = ours(normalized_shape=37), torchs(normalized_shape=37)  # torch's keyword was refused
+    assert [(n, p.shape) for n, p in got.named_parameters()] == [
+        (n, p.shape) for n, p in expected.named_parameters()
+    ]
     got, expected = ours(37, 0.1, False), torchs(37, 0.1, False)
     assert list(got.state_dict()) == list(expected.state_dict()) == []
     x = 2 + torch.randn(3, 5, 37)

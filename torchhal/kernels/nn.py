@@ -83,14 +83,14 @@ class RMSNorm(nn.Module):
 
     def __init__(
         self,
-        hidden_size: int | Sequence[int],
+        normalized_shape: int | Sequence[int],
         eps: float | None = 1e-6,
         elementwise_affine: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.normalized_shape = (_normalized_size("RMSNorm", hidden_size),)
+        self.normalized_shape = (_normalized_size("RMSNorm", normalized_shape),)
         self.eps, self.elementwise_affine = eps, elementwise_affine
         weight = torch.empty(self.normalized_shape, device=device, dtype=dtype)
         self.register_parameter("weight", nn.Parameter(weight) if elementwise_affine else None)
@@ -142,7 +142,7 @@ class LayerNorm(nn.Module):
 
     def __init__(
         self,
-        hidden_size: int | Sequence[int],
+        normalized_shape: int | Sequence[int],
         eps: float = 1e-5,
         elementwise_affine: bool = True,
         bias: bool = True,
@@ -150,7 +150,7 @@ class LayerNorm(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        self.normalized_shape = (_normalized_size("LayerNorm", hidden_size),)
+        self.normalized_shape = (_normalized_size("LayerNorm", normalized_shape),)
         self.eps, self.elementwise_affine = eps, elementwise_affine
         empty = torch.empty(self.normalized_shape, device=device, dtype=dtype)
         self.register_parameter("weight", nn.Parameter(empty) if elementwise_affine else None)
