@@ -17,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from torchhal.console import results_console
 from torchhal.hal_core.errors import TorchHALError
 from torchhal.hal_core.hal import HardwareAbstractionLayer
 
@@ -39,7 +40,7 @@ class _Commands(typer.core.TyperGroup):
 app = typer.Typer(
     cls=_Commands, help="torchhal: one PyTorch code path across NVIDIA, AMD, Intel, ASICs and the CPU."
 )
-console = Console(width=None if Console().is_terminal else 140)  # pipes and CI logs get wide tables
+console = results_console()
 
 
 def _gib(n: int) -> str:

@@ -117,6 +117,16 @@ def test_gate_fails_on_a_planted_regression(tmp_path):
     assert ungated.exit_code == 0, ungated.output
 
 
+def test_results_go_to_stdout_and_progress_to_stderr(tmp_path):
+    """`torchhal ab spec.toml > out.txt` captured nothing: every line went to stderr."""
+    spec = _spec(tmp_path, CALLABLES.format(baseline="base", slow="rms_norm_slow"))
+    result = _ab(str(spec), "--gate", "--out", str(tmp_path / "out"), "--no-plots")
+    stdout, stderr = " ".join(result.stdout.split()), " ".join(result.stderr.split())
+    assert "planted: 2 variants, baseline base" in stdout and "vs baseline base" in stdout
+    assert "gate: slow regressed on latency" in stdout and "wrote " in stdout
+    assert "timing" in stderr and "20/20" in stderr and "vs baseline" not in stderr
+
+
 def test_gate_passes_without_a_regression(tmp_path):
     spec = _spec(tmp_path, CALLABLES.format(baseline="slow", slow="rms_norm_slow"))  # base improves on slow
     result = _ab(str(spec), "--gate", "--out", str(tmp_path / "out"), "--no-plots")

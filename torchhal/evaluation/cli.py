@@ -18,6 +18,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from torchhal.console import results_console
 from torchhal.evaluation.compare import Verdict
 from torchhal.evaluation.experiment import ExperimentResult, run_experiment
 from torchhal.evaluation.metrics import METRICS
@@ -61,7 +62,8 @@ def ab(
     ] = False,
 ) -> None:
     """Run the experiment in SPEC; write result.json, report.md and plots to OUT."""
-    console = Console(stderr=True)
+    console = Console(stderr=True)  # progress, notes and errors; results go to stdout (`> file`)
+    results = results_console()
     unknown = sorted(set(gate_metric or ()) - set(METRICS))
     if unknown:
         _error(console, f"--gate-metric: unknown metric(s) {unknown}; known: {sorted(METRICS)}")
@@ -89,7 +91,7 @@ def ab(
     except TorchHALError as exc:  # a store file that is not one (corrupt, another schema)
         _error(console, str(exc))
         raise typer.Exit(EXIT_BAD_INPUT) from exc
-    console.print(
+    results.print(
         f"[bold]{escape(loaded.config.name)}[/]: {len(loaded.variants)} variants, "
         f"baseline {escape(loaded.config.baseline)}"
     )
@@ -120,16 +122,16 @@ def ab(
         written += write_plots(result, out_dir)
     elif plots is None:
         console.print("note: no plots: matplotlib is not installed (pip install 'torchhal[plots]')")
-    print_result(console, result)
-    console.print("wrote " + ", ".join(str(p) for p in written))
+    print_result(results, result)
+    results.print("wrote " + ", ".join(str(p) for p in written))
     if gate:
         regressions = result.regressions(gate_metric or None)
         if regressions:
             for c in regressions:
                 what = f"{escape(c.variant)} regressed on {c.metric}"
-                console.print(f"[red]gate: {what}:[/] {escape(c.reason)}", soft_wrap=True)
+                results.print(f"[red]gate: {what}:[/] {escape(c.reason)}", soft_wrap=True)
             raise typer.Exit(EXIT_REGRESSION)
-        console.print("gate: no significant regression beyond the noise thresholds")
+        results.print("gate: no significant regression beyond the noise thresholds")
 
 
 def _progress(console: Console) -> Progress:
