@@ -12,9 +12,9 @@ import errno
 import hashlib
 import json
 import os
+import secrets
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from functools import cache, partial
@@ -87,6 +87,10 @@ def measure_or_load(
     return profile
 
 
+# A cache file not there: a miss, said by nobody (its directory may be a file: written, it fails)
+ABSENT = (FileNotFoundError, NotADirectoryError)
+
+
 def write_cached(path: Path, text: str) -> bool:
     """Write a cache file atomically (a crash never leaves half of one). One that cannot be
     written (TORCHHAL_CACHE_DIR is a file, or read-only) is logged and counted, not raised: the
@@ -94,10 +98,13 @@ def write_cached(path: Path, text: str) -> bool:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         # a temporary file of this writer's own: two processes writing one cache file at once
-        # shared `<name>.tmp` and truncated each other's, so a reader could meet half a file
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        # shared `<name>.tmp` and truncated each other's, so a reader could meet half a file.
+        # Made with mode 0o666 less the umask, as any file: mkstemp's 0o600 kept the other users
+        # of a group-shared cache from reading it. UTF-8 whatever the locale, as it is read.
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
         try:
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(tmp, path)
         except BaseException:
@@ -187,10 +194,10 @@ def _load_cached(device: Device, path: Path) -> MeasuredProfile | None:
     measured again, never a crash. Unusable: another or no schema version, a torn or hand-edited
     file (numbers as strings, figures no measurement gives: NaN, infinite, zero or negative), or a
     record of another device (a file copied between hosts)."""
-    if not path.exists():
-        return None
     try:
         profile = MeasuredProfile.model_validate_json(path.read_bytes(), strict=True)
+    except ABSENT:  # not `path.exists()` first: it raised PermissionError out of the user's job
+        return None
     except ValidationError as exc:
         reason = "; ".join(
             ".".join(map(str, e["loc"])) + ": " + e["msg"] if e["loc"] else e["msg"]
@@ -203,6 +210,7 @@ def _load_cached(device: Device, path: Path) -> MeasuredProfile | None:
         if foreign is None:
             return profile
         reason = foreign
+    telemetry.count("torchhal.cache.unusable")
     log.warning("cached profile unusable; measuring again", device=device.id, path=str(path), reason=reason)
     return None
 

@@ -8,6 +8,7 @@ A plain model read from `os.environ` rather than pydantic-settings: that package
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
@@ -24,6 +25,7 @@ OTHER_CORE_VARIABLES = ("TORCHHAL_PURE_PYTHON_GUARDS",)
 
 log = telemetry.get_logger("torchhal.settings")
 _warned_typos: set[str] = set()
+_warned_no_home = False
 
 
 _BOOL_WORDS = " (on: 1, true, yes, on; off: 0, false, no, off)"  # what pydantic reads as a bool
@@ -31,9 +33,33 @@ _BOOL_WORDS = " (on: 1, true, yes, on; off: 0, false, no, off)"  # what pydantic
 
 def _default_cache_dir() -> Path:
     """$XDG_CACHE_HOME/torchhal, or ~/.cache/torchhal where it is unset or relative (the XDG
-    specification: a relative path there is invalid and ignored)."""
+    specification: a relative path there is invalid and ignored). Without a home (HOME unset and
+    a user id the password database lacks, as containers run), a directory of this user's in the
+    temporary directory, as torch's inductor cache does: it raised, failing every HAL and log line."""
     xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "torchhal"
+    if os.path.isabs(xdg):
+        return Path(xdg) / "torchhal"
+    try:
+        return Path.home() / ".cache" / "torchhal"
+    except (RuntimeError, KeyError) as exc:  # RuntimeError: pathlib; KeyError: pwd on some Pythons
+        fallback = Path(tempfile.gettempdir()) / f"torchhal-{getattr(os, 'getuid', lambda: 'user')()}"
+        _say_no_home(fallback, exc)
+        return fallback
+
+
+def _say_no_home(fallback: Path, exc: BaseException) -> None:
+    """Logged once and counted. The flag is set first: the log line reads the settings from the
+    environment on first use, which comes back here."""
+    global _warned_no_home
+    if _warned_no_home:
+        return
+    _warned_no_home = True
+    telemetry.count("torchhal.cache.no_home")
+    log.warning(
+        "no home directory to keep torchhal's cache in; set TORCHHAL_CACHE_DIR or HOME",
+        using=str(fallback),
+        error=f"{type(exc).__name__}: {exc}",
+    )
 
 
 class Settings(BaseModel):
@@ -49,7 +75,8 @@ class Settings(BaseModel):
     otel_exporter: Literal["none", "console", "otlp", "memory"] | None = None
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "warning"
     log_format: Literal["console", "json"] = "console"
-    cache_dir: Path = Field(default_factory=_default_cache_dir)
+    # validate_default: a relative HOME is made absolute now too, as a relative TORCHHAL_CACHE_DIR
+    cache_dir: Path = Field(default_factory=_default_cache_dir, validate_default=True)
 
     @field_validator("plugins", "disable_kernels", mode="before")
     @classmethod
@@ -87,7 +114,12 @@ class Settings(BaseModel):
         """'~/cache' as a shell would read it, not a directory named '~' in the working directory;
         a relative path taken from the working directory now, not at each use (a process that
         changes directory kept writing its cache somewhere new)."""
-        return Path(value).expanduser().absolute() if isinstance(value, (str, Path)) else value
+        if not isinstance(value, (str, Path)):
+            return value
+        try:
+            return Path(value).expanduser().absolute()
+        except RuntimeError as exc:  # '~user' unknown, or '~' without HOME or a user entry
+            raise ValueError(f"'~' cannot be expanded ({exc}); give an absolute path") from None
 
     @field_validator("log_level", "log_format", "otel_exporter", "autotune", mode="before")
     @classmethod

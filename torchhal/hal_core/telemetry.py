@@ -12,7 +12,9 @@ distributed set-up, training steps and checkpoints, evaluation runs, conformance
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import math
 import os
 import sys
 import threading
@@ -286,6 +288,7 @@ class _Logger:
     def __init__(self, name: str) -> None:
         self.name = name
         self._logger: Any = None
+        self._stream: Any = None  # what `_logger` writes to
         with _Logger._all_lock:
             _Logger._all.add(self)
 
@@ -299,8 +302,11 @@ class _Logger:
         _apply_environment()
         if _LEVELS[level] < _state.log_level:
             return
-        if self._logger is None:
-            self._logger = _make_structlog(self.name)
+        # sys.stderr as it is now: a logger kept the one of its first line, and wrote to it
+        # closed once that was a capture (contextlib.redirect_stderr, pytest's) that had ended
+        stream = _state.log_stream or sys.stderr
+        if self._logger is None or self._stream is not stream:
+            self._logger, self._stream = _make_structlog(self.name, stream), stream
         getattr(self._logger, level)(event, **kw)
 
     def debug(self, event: str, **kw: Any) -> None:
@@ -319,25 +325,50 @@ class _Logger:
         return _LEVELS[level] >= _state.log_level
 
 
-def _make_structlog(name: str) -> Any:
+def _make_structlog(name: str, stream: Any) -> Any:
     import structlog
 
-    renderer: Any = (
-        structlog.processors.JSONRenderer()
-        if _state.log_format == "json"
-        else structlog.dev.ConsoleRenderer(colors=False)
-    )
+    # JSON: a traceback as text (`exc_info=True` was written `true`), and always valid JSON
+    json_only = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(_json_line)]
     return structlog.wrap_logger(
-        structlog.PrintLogger(_state.log_stream or sys.stderr),
+        structlog.PrintLogger(stream),
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             _otel_ids,
-            renderer,
+            *(json_only if _state.log_format == "json" else [structlog.dev.ConsoleRenderer(colors=False)]),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
         context_class=dict,
     ).bind(logger=name)
+
+
+def _json_line(event: dict[str, Any], **dumps: Any) -> str:
+    """One log line as strict JSON (RFC 8259) whatever the values: json.dumps wrote NaN and
+    Infinity bare (log shippers refuse the line) and raised on a key that is not a string, number
+    or None (the user's log call raised). Those are written as their repr, as unknown objects are."""
+    try:
+        return json.dumps(event, allow_nan=False, **dumps)
+    except (TypeError, ValueError):  # an odd key, a float out of JSON, a container holding itself
+        return json.dumps(_jsonable(event, frozenset()), allow_nan=False, **dumps)
+
+
+def _jsonable(value: Any, outer: frozenset[int]) -> Any:
+    """`value` with non-finite floats and keys JSON lacks as repr strings; a container met again
+    inside itself (`outer`: the ids of those around it) as a marker."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else repr(value)
+    if not isinstance(value, (dict, list, tuple)):
+        return value
+    if id(value) in outer:
+        return "<cycle>"
+    inner = outer | {id(value)}
+    if isinstance(value, dict):
+        return {
+            (k if isinstance(k, (str, int, bool)) or k is None else repr(k)): _jsonable(v, inner)
+            for k, v in value.items()
+        }
+    return [_jsonable(v, inner) for v in value]
 
 
 def get_logger(name: str) -> _Logger:

@@ -80,7 +80,7 @@ class Tuner:
             code = self._code_versions()
 
             def merged() -> str:
-                on_disk = _parse(_read_json(path), code) if path.exists() else None
+                on_disk = _parse(_read_json(path), code)  # a reason (str) where absent or unusable
                 if isinstance(on_disk, dict):
                     table.update({k: v for k, v in on_disk.items() if k not in table})
                 return json.dumps({"code": code, "winners": table}, indent=1, sort_keys=True)
@@ -110,10 +110,7 @@ class Tuner:
         fp = fingerprint(device)
         if fp not in self._winners:
             path = self._path(device)
-            table: dict[str, Winner] = {}
-            if path is not None and path.exists():
-                table = _read_winners(path, self._code_versions())
-            self._winners[fp] = table
+            self._winners[fp] = {} if path is None else _read_winners(path, self._code_versions)
         return self._winners[fp]
 
     def _path(self, device: Device) -> Path | None:
@@ -146,11 +143,18 @@ def code_versions(distributions: Iterable[str]) -> dict[str, str]:
     return versions
 
 
-def _read_winners(path: Path, code: dict[str, str]) -> dict[str, Winner]:
-    """The persisted winners, or none where the file is unusable (torn, hand-edited, an older
-    format) or was measured with other code: then every selection is measured again and the file
-    rewritten, which is logged, never a crash."""
+def _read_winners(path: Path, versions: Callable[[], dict[str, str]]) -> dict[str, Winner]:
+    """The persisted winners, or none where there is no file, it is unusable (torn, hand-edited,
+    an older format, unreadable) or was measured with other code: then every selection is
+    measured again and the file rewritten, which is logged, never a crash. Read, not checked with
+    `path.exists()` first: that raised PermissionError out of the user's op. `versions()` (the
+    code's, from package metadata) is asked only where there is a file."""
+    from torchhal.hal_core.profile import ABSENT
+
     saved = _read_json(path)
+    if isinstance(saved, ABSENT):
+        return {}
+    code = versions()
     parsed = _parse(saved, code)
     if isinstance(parsed, dict):
         return parsed
@@ -160,6 +164,7 @@ def _read_winners(path: Path, code: dict[str, str]) -> dict[str, Winner]:
             path=str(path), measured_with=saved.get("code"), now=code,
         )  # fmt: skip
     else:
+        telemetry.count("torchhal.cache.unusable")
         log.warning("cached kernel selections unusable; measuring again", path=str(path), reason=parsed)
     return {}
 
@@ -167,7 +172,7 @@ def _read_winners(path: Path, code: dict[str, str]) -> dict[str, Winner]:
 def _read_json(path: Path) -> Any:
     """The file's JSON, or the exception that kept it from being read."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         return exc
 
