@@ -7,32 +7,14 @@ snippet made, and that it ran where the text says.
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
+from tests.docs.snippets import GUIDE, README, assert_matches_reference, block_with
 from torchhal import HardwareAbstractionLayer
 from torchhal.hal_core import Unsupported
-from torchhal.testing import tolerance
-
-ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
-GUIDE = ROOT / "docs" / "adapter-authoring.md"
-
-
-def python_blocks(path: Path) -> list[str]:
-    """The ```python blocks of a Markdown file, in order."""
-    return re.findall(r"^```python\n(.*?)^```", path.read_text(encoding="utf-8"), flags=re.S | re.M)
-
-
-def block_with(path: Path, marker: str) -> str:
-    """The one Python block of `path` that contains `marker`."""
-    found = [block for block in python_blocks(path) if marker in block]
-    assert len(found) == 1, f"{path.name}: {len(found)} python blocks contain {marker!r}"
-    return found[0]
 
 
 @pytest.fixture
@@ -42,14 +24,6 @@ def simasic_env(monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHHAL_CACHE_DIR", str(tmp_path / "cache"))
     for name in ("TORCHHAL_DISABLE_PLUGIN_AUTOLOAD", "TORCHHAL_SIMASIC_SPEC", "TORCHHAL_SIMASIC_DEVICES"):
         monkeypatch.delenv(name, raising=False)
-
-
-def assert_matches_reference(hal: HardwareAbstractionLayer, op: str, got: torch.Tensor, *args: Any) -> None:
-    """FlashAttention-style: `got` within 2x the error of the op's reference in the same dtype."""
-    reference = hal.kernels.op(op).reference
-    truth = reference(*(a.double() if isinstance(a, torch.Tensor) else a for a in args))
-    result = tolerance.compare(got, reference(*args), truth)
-    assert result.ok, f"{op}: {result}"
 
 
 @pytest.mark.parametrize("adapter", [None, "simasic"])

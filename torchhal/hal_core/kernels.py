@@ -348,8 +348,9 @@ class KernelRegistry:
         with telemetry.span("torchhal.kernel.select", op=op, device=device.id, signature=str(sig)) as span:
             valid, rejected = self._judge_all(op, device, candidates, sig, failed)
             timings: tuple[tuple[str, float], ...] = ()
+            remembered: str | None = None
             if len(valid) > 1 and args is not None and self.tuner is not None and self.tuner.wants(device):
-                valid, timings = self._by_measurement(op, device, sig, valid, args, kwargs or {})
+                valid, timings, remembered = self._by_measurement(op, device, sig, valid, args, kwargs or {})
             while True:
                 chosen, rest = valid[0], tuple(valid[1:])
                 try:
@@ -361,7 +362,9 @@ class KernelRegistry:
                         raise _none_supports(op, device, sig, rejected) from exc
                     valid = list(rest)
             rejected += [
-                Rejection(c.qualified_name, RejectionReason.OUTRANKED, _outranked(c, chosen, timings))
+                Rejection(
+                    c.qualified_name, RejectionReason.OUTRANKED, _outranked(c, chosen, timings, remembered)
+                )
                 for c in rest
             ]
             selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected), fn, timings)
@@ -431,18 +434,20 @@ class KernelRegistry:
         valid: list[Candidate],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> tuple[list[Candidate], tuple[tuple[str, float], ...]]:
-        """Valid candidates reordered fastest first (priority order breaks ties and failures).
-        The reference is the ground truth, not a contender: it stays last, unmeasured (it may
-        materialise what the fast kernels avoid, e.g. a seq² score matrix)."""
+    ) -> tuple[list[Candidate], tuple[tuple[str, float], ...], str | None]:
+        """Valid candidates reordered fastest first (priority order breaks ties and failures), the
+        timings, and the winner remembered from an earlier measurement of these same contenders
+        (its timings are not kept). The reference is the ground truth, not a contender: it stays
+        last, unmeasured (it may materialise what the fast kernels avoid, e.g. a seq² score matrix)."""
         assert self.tuner is not None
         contenders = [c for c in valid if c.name != REFERENCE]
         if len(contenders) < 2:
-            return valid, ()
+            return valid, (), None
         by_name = {c.qualified_name: c for c in contenders}
         remembered = self.tuner.recall(device, op, sig, by_name)
         if remembered in by_name:
-            return [by_name[remembered]] + [c for c in valid if c.qualified_name != remembered], ()
+            order = [by_name[remembered]] + [c for c in valid if c.qualified_name != remembered]
+            return order, (), remembered
         caps = device.capabilities
         timings = self.tuner.measure(
             device, [(c.qualified_name, _bound_or_raiser(c, caps)) for c in contenders], args, kwargs
@@ -451,7 +456,7 @@ class KernelRegistry:
         if measured:  # one that raised is not beaten for good: the next process measures again
             self.tuner.remember(device, op, sig, measured[0], measured)
         order = [by_name[name] for name in measured]
-        return order + [c for c in valid if c not in order], tuple(timings)
+        return order + [c for c in valid if c not in order], tuple(timings), None
 
     def _judge(self, cand: Candidate, caps: DeviceCapabilities, sig: Hashable) -> Unsupported | None:
         if cand.name in self.disabled or cand.qualified_name in self.disabled:
@@ -807,14 +812,23 @@ def _check_candidate(candidate: Candidate) -> None:
             raise InvalidArgumentError(f"{where}: {part} must be callable or None, got {value!r}")
 
 
-def _outranked(cand: Candidate, chosen: Candidate, timings: tuple[tuple[str, float], ...]) -> str:
-    """Why a valid candidate was not chosen: measured slower, or ranked lower."""
+def _outranked(
+    cand: Candidate, chosen: Candidate, timings: tuple[tuple[str, float], ...], remembered: str | None
+) -> str:
+    """Why a valid candidate was not chosen: measured slower, now or in the earlier run whose
+    winner `remembered` is chosen (the priorities said nothing true there: "priority 50, as
+    torchhal/aten's" of a priority-10 winner), or ranked lower. Every valid candidate but the
+    reference was measured then (`Tuner.recall` matches the contenders exactly); when the winner
+    cannot run now (its bind raised), the rest are ranked by priority, as nothing says how they
+    compared with each other."""
     measured = dict(timings)
     ms, best = measured.get(cand.qualified_name), measured.get(chosen.qualified_name)
     if ms is not None and best is not None:
         return (
             "raised while measured" if math.isinf(ms) else f"measured {ms:.4g} ms a call against {best:.4g}"
         )
+    if chosen.qualified_name == remembered and cand.name != REFERENCE:
+        return f"measured slower than {chosen.qualified_name} in an earlier run (remembered)"
     if cand.priority < chosen.priority:
         return f"priority {cand.priority} < {chosen.priority}"
     return f"priority {cand.priority}, as {chosen.qualified_name}'s: ranked after it by name and provider"

@@ -23,8 +23,8 @@ from opentelemetry import trace
 from torchhal.hal_core import hookspecs, telemetry
 from torchhal.hal_core.adapter import VendorAdapter, attribute_problems
 from torchhal.hal_core.capabilities import DeviceCapabilities
-from torchhal.hal_core.errors import PluginError
-from torchhal.hal_core.kernels import KernelRegistry
+from torchhal.hal_core.errors import PluginError, UnknownOpError
+from torchhal.hal_core.kernels import REFERENCE, KernelRegistry
 from torchhal.hal_core.settings import Settings
 
 log = telemetry.get_logger("torchhal.plugins")
@@ -32,7 +32,7 @@ CORE_DISTRIBUTION = "torchhal"
 
 
 class Status(str, enum.Enum):
-    LOADED = "loaded"  # imported, hooks run, adapter found its hardware
+    LOADED = "loaded"  # imported, hooks run, adapter found its hardware (or a kernels-only plugin ran)
     ABSENT = "absent"  # adapter loaded, but its runtime or hardware is not here
     SKIPPED = "skipped"  # not imported, by the allowlist or autoload switch
     FAILED = "failed"  # broke: import, hooks, API version, probe, discover or kernel registration
@@ -218,14 +218,42 @@ class PluginLoader:
         offered = self._offered_adapters(builtin)
         impls = self.manager.hook.torchhal_register_kernels.get_hookimpls()
         # core ops first: they define what the other plugins' candidates attach to
-        for impl in sorted(impls, key=lambda i: (i.plugin_name not in self._core, i.plugin_name)):
-            try:
-                with registry.all_or_nothing():
-                    impl.function(registry=registry)
-            except Exception as exc:
-                self._refuse(impl.plugin_name, impl.plugin_name, "kernels", _describe(exc))
+        waiting = sorted(impls, key=lambda i: (i.plugin_name not in self._core, i.plugin_name))
+        while waiting:  # a pass per round of plugins that attach to ops other plugins define
+            deferred = [i for i in waiting if self._register_kernels(i, registry, offered, final=False)]
+            if len(deferred) == len(waiting):  # no progress: the ops they attach to are nowhere
+                for impl in deferred:
+                    self._register_kernels(impl, registry, offered, final=True)
+                break
+            waiting = deferred
         kept = [a for plugin, found in offered.items() if self.manager.has_plugin(plugin) for a in found]
         return sorted([*builtin, *kept], key=lambda a: (-a.priority, a.name))
+
+    def _register_kernels(
+        self, impl: Any, registry: KernelRegistry, offered: dict[str, list[VendorAdapter]], *, final: bool
+    ) -> bool:
+        """Run one plugin's kernel hook, all or nothing. True: deferred, since it attaches to an op
+        no plugin has defined yet (a plugin whose name sorted before the definer's failed); the
+        pass after the others runs it again, and the last pass refuses it."""
+        plugin = impl.plugin_name
+        # a plugin of kernels only has no adapter whose diagnostic would show it loaded
+        kernels_only = plugin not in self._core and not offered.get(plugin)
+        before = _kernel_names(registry) if kernels_only else None
+        try:
+            with registry.all_or_nothing():
+                impl.function(registry=registry)
+        except UnknownOpError as exc:
+            if not final and plugin not in self._core:
+                return True
+            self._refuse(plugin, plugin, "kernels", _describe(exc))
+            return False
+        except Exception as exc:
+            self._refuse(plugin, plugin, "kernels", _describe(exc))
+            return False
+        if before is not None:
+            reason = _kernels_added(before, _kernel_names(registry))
+            self.record(Diagnostic(plugin, Status.LOADED, "kernels", reason, self._distributions.get(plugin)))
+        return False
 
     def _checked_builtin(self, builtin: Sequence[VendorAdapter]) -> list[VendorAdapter]:
         """The adapters handed to the HAL directly, each held to the rules a plugin's adapter is:
@@ -368,6 +396,22 @@ def _wrong_records(adapter: VendorAdapter, devices: Sequence[object], taken_ids:
             return f"device id {device_id} is given twice"
         ids.add(device_id)
     return None
+
+
+def _kernel_names(registry: KernelRegistry) -> tuple[set[str], set[str]]:
+    """The registry's ops, and its candidates as `op/provider/name` (references left out)."""
+    ops = set(registry.ops())
+    return ops, {
+        f"{op}/{c.qualified_name}" for op in ops for c in registry.candidates(op) if c.name != REFERENCE
+    }
+
+
+def _kernels_added(before: tuple[set[str], set[str]], after: tuple[set[str], set[str]]) -> str:
+    """What a plugin of kernels only added, for its `loaded` diagnostic (`torchhal info`)."""
+    ops, candidates = sorted(after[0] - before[0]), sorted(after[1] - before[1])
+    parts = [f"defined op(s) {', '.join(ops)}"] if ops else []
+    parts.append(f"added {', '.join(candidates)}" if candidates else "added no kernel candidate")
+    return "kernels only, no adapter: " + "; ".join(parts)
 
 
 def _dist(ep: importlib.metadata.EntryPoint) -> str | None:

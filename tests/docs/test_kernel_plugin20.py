@@ -1,0 +1,268 @@
+"""docs/adapter-authoring.md §8, a plugin of kernels only, run as written.
+
+The hook module and the kit snippet are the guide's own blocks, installed as a package
+`acme_kernels` under the entry point its TOML block declares (a dist-info directory on sys.path,
+no pip); each claim of the section is checked on the HALs a user would make.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torchhal
+from tests.docs.snippets import GUIDE, assert_matches_reference, block_with
+from tests.testing.test_sweep20_kit import add_entry_point
+from torchhal import HardwareAbstractionLayer
+from torchhal.hal_core import InvalidArgumentError, RejectionReason, telemetry
+from torchhal.hal_core.plugins import Status
+from torchhal.hal_core.settings import Settings
+from torchhal.testing import CheckStatus, tolerance
+
+HOOK_MARKER = "def add_rms_norm_reference("
+ADDED = "defined op(s) add_rms_norm; added add_rms_norm/acme/fused, rms_norm/acme/fast"
+
+
+def entry_point() -> tuple[str, str]:
+    """(plugin name, module) of §8's TOML block."""
+    toml = block_with(GUIDE, "acme_kernels", language="toml")
+    found = re.fullmatch(r'\[project\.entry-points\."torchhal\.adapters"\]\n(\w+) = "([\w.]+)"\n', toml)
+    assert found, f"§8's entry point block changed: {toml!r}"
+    return found[1], found[2]
+
+
+def forget_acme() -> None:
+    for name in [m for m in sys.modules if m == "acme_kernels" or m.startswith("acme_kernels.")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def acme(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """§8's plugin installed and not yet imported; yields the directory for the HALs' caches."""
+    name, module = entry_point()
+    assert (name, module) == ("acme", "acme_kernels.plugin")  # what the section's text calls them
+    site = tmp_path / "site"
+    package = site / "acme_kernels"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "plugin.py").write_text(block_with(GUIDE, HOOK_MARKER))
+    monkeypatch.syspath_prepend(str(site))
+    add_entry_point(site, name, module)
+    forget_acme()
+    yield tmp_path
+    forget_acme()
+
+
+def make_hal(tmp_path: Path, **env: str) -> HardwareAbstractionLayer:
+    """A HAL of these TORCHHAL_* settings only (the caller's environment left out)."""
+    variables = {f"TORCHHAL_{k.upper()}": v for k, v in env.items()}
+    settings = Settings.from_env({"TORCHHAL_CACHE_DIR": str(tmp_path / "cache"), **variables})
+    return HardwareAbstractionLayer(settings=settings)
+
+
+def diagnostic(hal: HardwareAbstractionLayer, name: str) -> Any:
+    (found,) = [d for d in hal.diagnostics if d.name == name]
+    return found
+
+
+def rms_norm_inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = int(torch.randint(17, 200, ()))
+    return torch.randn(3, 5, hidden, dtype=dtype), torch.randn(hidden, dtype=dtype)
+
+
+def test_the_plugin_is_listed_loaded_at_stage_kernels_with_what_it_added(acme, monkeypatch):
+    """hal.diagnostics and `torchhal info` (its --json report) name the plugin, its distribution
+    and what it defined and added."""
+    from typer.testing import CliRunner
+
+    from torchhal.cli import app
+
+    hal = make_hal(acme, plugins="acme")
+    diag = diagnostic(hal, "acme")
+    assert (diag.status, diag.stage, diag.distribution) == (Status.LOADED, "kernels", "torchhal-test-acme")
+    assert diag.reason == f"kernels only, no adapter: {ADDED}"
+    kernels = hal.report()["kernels"]
+    assert {"name": "fast", "provider": "acme", "priority": 50} in kernels["rms_norm"]
+    assert [c["name"] for c in kernels["add_rms_norm"]] == ["fused", "reference"]
+
+    monkeypatch.setenv("TORCHHAL_PLUGINS", "acme")
+    monkeypatch.delenv("TORCHHAL_DISABLE_PLUGIN_AUTOLOAD", raising=False)
+    monkeypatch.setenv("TORCHHAL_CACHE_DIR", str(acme / "cache"))
+    result = CliRunner().invoke(app, ["info", "--json"])
+    assert result.exit_code == 0, result.output
+    listed = [d for d in json.loads(result.output)["diagnostics"] if d["name"] == "acme"]
+    assert listed == [diag.as_dict()]
+
+
+def test_its_rms_norm_candidate_is_chosen_explained_and_declines_what_it_does_not_serve(acme):
+    hal = make_hal(acme, plugins="acme,simasic")
+    cpu, sim = hal.device("cpu"), hal.device("simasic:0")
+    x, w = rms_norm_inputs()
+    selection = hal.kernels.select("rms_norm", cpu, x, w)
+    assert selection.candidate.qualified_name == "acme/fast", selection.explain()
+    assert selection.timings_ms == ()  # the CPU has no timing events: ranked by priority, unmeasured
+    assert "rejected torchhal/aten: outranked (priority 10 < 50)" in selection.explain()
+    assert_matches_reference(hal, "rms_norm", hal.dispatch("rms_norm", x, w, 1e-6), x, w, 1e-6)
+
+    wide = hal.kernels.select("rms_norm", cpu, x.double(), w.double())  # the text's example
+    assert wide.candidate.qualified_name == "torchhal/aten"
+    assert (
+        "rejected acme/fast: dtype (computes in fp32, torch.float64 would lose precision)" in wide.explain()
+    )
+
+    simulated = hal.kernels.select("rms_norm", sim, x, w)  # the host kernel never takes simasic's calls
+    assert simulated.candidate.qualified_name == "simasic/simasic"
+    (declined,) = [r for r in simulated.rejected if r.candidate == "acme/fast"]
+    assert declined.reason is RejectionReason.DEVICE
+
+
+def test_measured_selection_times_it_against_the_core_candidate_and_remembers(acme):
+    """On the CPU with TORCHHAL_AUTOTUNE=on, priority 50 does not decide: both are timed, and a
+    later HAL on the same cache recalls the winner and says why the other lost."""
+    x, w = rms_norm_inputs()
+    first = make_hal(acme, plugins="acme", autotune="on")
+    timed = first.kernels.select("rms_norm", first.device("cpu"), x, w)
+    assert {name for name, _ in timed.timings_ms} == {"acme/fast", "torchhal/aten"}
+    assert "  measured acme/fast: " in timed.explain()
+    winner = timed.candidate.qualified_name
+    (loser,) = {"acme/fast", "torchhal/aten"} - {winner}
+    later = make_hal(acme, plugins="acme", autotune="on")
+    recalled = later.kernels.select("rms_norm", later.device("cpu"), x, w)
+    assert recalled.candidate.qualified_name == winner and recalled.timings_ms == ()
+    said = f"rejected {loser}: outranked (measured slower than {winner} in an earlier run (remembered))"
+    assert said in recalled.explain()
+    assert_matches_reference(later, "rms_norm", recalled.fn(x, w), x, w)
+
+
+def selections(op: str) -> list[tuple[str, str]]:
+    """(device, candidate) of each selection of `op` traced so far (telemetry's memory exporter)."""
+    return [
+        (span.attributes["device"], span.attributes["torchhal.kernel.candidate"])
+        for span in telemetry.memory_exporter().get_finished_spans()
+        if span.name == "torchhal.kernel.select" and span.attributes["op"] == op
+    ]
+
+
+def test_torchhal_ops_reach_its_candidate_for_a_core_op(acme):
+    hal = make_hal(acme, plugins="acme")
+    telemetry.configure(exporter="memory")
+    torchhal.ops.set_default_hal(hal)
+    try:
+        x, w = rms_norm_inputs()
+        out = torchhal.ops.rms_norm(x, w)
+    finally:
+        torchhal.ops.set_default_hal(None)
+    assert selections("rms_norm") == [("cpu", "acme/fast")]
+    assert_matches_reference(hal, "rms_norm", out, x, w, 1e-6)
+
+
+def test_disable_kernels_turns_the_candidate_off(acme):
+    hal = make_hal(acme, plugins="acme", disable_kernels="acme/fast")
+    x, w = rms_norm_inputs()
+    selection = hal.kernels.select("rms_norm", hal.device("cpu"), x, w)
+    assert selection.candidate.qualified_name == "torchhal/aten"
+    assert "rejected acme/fast: disabled (listed in TORCHHAL_DISABLE_KERNELS)" in selection.explain()
+    r = torch.randn_like(x)
+    assert hal.kernels.select("add_rms_norm", hal.device("cpu"), x, r, w, 1e-6).candidate.name == "fused"
+
+
+def test_an_allowlist_without_it_leaves_it_unimported(acme):
+    hal = make_hal(acme, plugins="simasic")
+    diag = diagnostic(hal, "acme")
+    assert (diag.status, diag.stage) == (Status.SKIPPED, "allowlist")
+    assert "acme_kernels" not in sys.modules
+    assert "add_rms_norm" not in hal.kernels.ops()
+    assert [c.qualified_name for c in hal.kernels.candidates("rms_norm") if c.provider == "acme"] == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_its_own_op_is_reached_through_hal_dispatch(acme, dtype, capsys):
+    telemetry.configure(exporter="memory", log_level="warning")
+    capsys.readouterr()
+    hal = make_hal(acme, plugins="acme,simasic")
+    hal.devices()
+    warned = [line for line in capsys.readouterr().err.splitlines() if "simasic has no cost" in line]
+    assert len(warned) == 1 and "op=add_rms_norm" in warned[0]  # simasic says its devices won't charge it
+    x, w = rms_norm_inputs(dtype)
+    r = torch.randn_like(x)
+    out = hal.dispatch("add_rms_norm", x, r, w, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    assert_matches_reference(hal, "add_rms_norm", out, x, r, w, 1e-6)
+    assert not hasattr(torchhal.ops, "add_rms_norm")  # torchhal.ops has only the core's ops
+
+    with hal.use("simasic:0"):  # the use() device: the host candidate declines it, the reference runs
+        on_sim = hal.dispatch("add_rms_norm", x, r, w, 1e-6)
+    assert_matches_reference(hal, "add_rms_norm", on_sim, x, r, w, 1e-6)
+    assert selections("add_rms_norm") == [("cpu", "acme/fused"), ("simasic:0", "torchhal/reference")]
+
+    with pytest.raises(InvalidArgumentError, match=r"add_rms_norm: residual must have x's shape"):
+        hal.dispatch("add_rms_norm", x, r[..., 1:], w, 1e-6)
+
+
+def test_gradients_flow_through_its_torch_candidate(acme):
+    """ "Gradients flow only where the chosen candidate is differentiable torch code": acme's
+    fused candidate is; its gradients are checked as its outputs are, against the reference's."""
+    hal = make_hal(acme, plugins="acme")
+    x, w = rms_norm_inputs()
+    r, grad = torch.randn_like(x), torch.randn_like(x)
+    assert hal.kernels.select("add_rms_norm", hal.device("cpu"), x, r, w, 1e-6).candidate.name == "fused"
+    reference = hal.kernels.op("add_rms_norm").reference
+
+    def grads(run: Any, dtype: torch.dtype) -> list[torch.Tensor]:
+        inputs = [t.to(dtype, copy=True).requires_grad_() for t in (x, r, w)]
+        run(*inputs, 1e-6).backward(grad.to(dtype))
+        return [t.grad for t in inputs]
+
+    got = grads(lambda *args: hal.dispatch("add_rms_norm", *args), torch.float32)
+    same_dtype, truth = grads(reference, torch.float32), grads(reference, torch.float64)
+    for name, g, ref, true in zip(("x", "residual", "weight"), got, same_dtype, truth, strict=True):
+        result = tolerance.compare(g, ref, true)
+        assert result.ok, f"d{name}: {result}"
+
+
+def test_a_plugin_attaching_to_its_op_loads_whatever_its_name(acme):
+    """The hooks run by plugin name: one sorting before acme found no add_rms_norm and failed whole
+    at stage kernels. It is now run again after the others; one attaching to an op that no plugin
+    defines still fails, naming the error."""
+    site = acme / "site"
+    hook = (
+        "from torchhal.hal_core import hookimpl\n\n"
+        "@hookimpl\ndef torchhal_register_kernels(registry):\n"
+        "    reference = registry.op('{1}').reference\n"
+        "    registry.register('{1}', 'mine', reference, provider='{0}')\n"
+    )
+    plugins = {"aardvark": "add_rms_norm", "zebra": "add_rms_norm", "nowhere": "no_such_op"}
+    for name, op in plugins.items():
+        (site / f"{name}_mod.py").write_text(hook.format(name, op))
+        add_entry_point(site, name, f"{name}_mod")
+    try:
+        hal = make_hal(acme, plugins="aardvark,acme,zebra,nowhere")
+        early, late, lost = (diagnostic(hal, name) for name in plugins)
+    finally:
+        for name in plugins:
+            sys.modules.pop(f"{name}_mod", None)
+    for attached in (early, late):
+        assert (attached.status, attached.stage) == (Status.LOADED, "kernels")
+        assert attached.reason == f"kernels only, no adapter: added add_rms_norm/{attached.name}/mine"
+    assert (lost.status, lost.stage) == (Status.FAILED, "kernels")
+    assert lost.reason.startswith("UnknownOpError: unknown op 'no_such_op'")
+    providers = [c.provider for c in hal.kernels.candidates("add_rms_norm")]
+    assert "zebra" in providers and "aardvark" in providers
+
+
+def test_the_kit_snippet_certifies_its_candidates(acme):
+    ns: dict[str, Any] = {}
+    exec(compile(block_with(GUIDE, "class AcmeOnTheHost("), str(GUIDE), "exec"), ns)
+    report = ns["report"]
+    assert report.ok
+    assert report.result("kernel.rms_norm/acme/fast").status is CheckStatus.PASSED
+    own = report.result("kernel.add_rms_norm/acme/fused")
+    assert own.status is CheckStatus.NOT_APPLICABLE
+    assert "the kit has no inputs for op 'add_rms_norm'" in own.reason
