@@ -26,6 +26,7 @@ candidate, without simulated time or memory; the predicate says so in a warning 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,12 +64,7 @@ def register_simasic_kernels(
     for op in registry.ops():
         workload = WORKLOADS.get(op)
         if workload is None:
-            log.warning(
-                "simasic has no cost for this op: on simasic devices it runs on the host, "
-                "without simulated time or memory",
-                op=op,
-                known=sorted(WORKLOADS),
-            )
+            _say_uncosted(op)
             continue
         registry.register(
             op,
@@ -81,6 +77,19 @@ def register_simasic_kernels(
             priority=PRIORITY,
             bind=_binder(workload, spec, states, registry.op(op).reference),
         )
+
+
+@functools.cache
+def _say_uncosted(op: str) -> None:
+    """Once per process and op (each HAL's discovery registers every op): its calls on simasic
+    devices run on the host, uncharged."""
+    telemetry.count("torchhal.simasic.uncosted_ops", op=op)
+    log.warning(
+        "simasic has no cost for this op: on simasic devices it runs on the host, "
+        "without simulated time or memory",
+        op=op,
+        known=sorted(WORKLOADS),
+    )
 
 
 def _binder(
