@@ -33,3 +33,27 @@ def test_processes_remembering_at_once_keep_every_winner(tmp_path):
     lost = sorted(set(expected) - set(saved["winners"]))
     assert not lost, f"{len(lost)} of {len(expected)} winners lost, e.g. {lost[:3]}"
     assert {k: v["winner"] for k, v in saved["winners"].items()} == expected
+
+
+def test_a_thread_reading_the_file_second_keeps_the_table_the_first_remembered_into(tmp_path, monkeypatch):
+    """Two threads' first selections both read the file; the second's assignment replaced the
+    table the first had remembered its winner into, which then was measured again."""
+    from pathlib import Path
+
+    from tests.core.adapters import FakeAdapter, fake_caps
+    from torchhal.hal_core import tuning
+    from torchhal.hal_core.device import Device
+
+    device = Device(FakeAdapter(), fake_caps())
+    tuner = tuning.Tuner(Path(tmp_path), "on", code=lambda: CODE)
+    read = tuning._read_winners
+
+    def meanwhile_the_first_thread_remembers(path, versions):
+        found = read(path, versions)
+        monkeypatch.setattr(tuning, "_read_winners", read)  # the first thread reads as before
+        tuner.remember(device, "rms_norm", ("first",), "test/first", ["test/first", "torchhal/aten"])
+        return found
+
+    monkeypatch.setattr(tuning, "_read_winners", meanwhile_the_first_thread_remembers)
+    by_name = {"test/first": object(), "torchhal/aten": object()}
+    assert tuner.recall(device, "rms_norm", ("first",), by_name) == "test/first"

@@ -110,7 +110,9 @@ class Tuner:
         fp = fingerprint(device)
         if fp not in self._winners:
             path = self._path(device)
-            self._winners[fp] = {} if path is None else _read_winners(path, self._code_versions)
+            read = {} if path is None else _read_winners(path, self._code_versions)
+            # two threads may both read: the first table stays, with what was remembered into it
+            return self._winners.setdefault(fp, read)
         return self._winners[fp]
 
     def _path(self, device: Device) -> Path | None:
