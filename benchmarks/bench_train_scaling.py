@@ -42,6 +42,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--gradient-accumulation-steps", type=int, default=1, help="micro-batches a step")
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
@@ -83,10 +84,10 @@ def run_phase(ctx: thd.DistContext, args: argparse.Namespace, strategy: str) -> 
         mesh=mesh,
     )
     gen = torch.Generator(device=device).manual_seed(1000 + ctx.rank)
-    total = args.warmup + args.steps
-    batches = (
+    total, accumulate = args.warmup + args.steps, args.gradient_accumulation_steps
+    batches = (  # made as train() asks for them, as a loader would
         torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), device=device, generator=gen)
-        for _ in range(total)
+        for _ in range(total * accumulate)
     )
     stats = thd.train(
         prepared.model,
@@ -99,11 +100,12 @@ def run_phase(ctx: thd.DistContext, args: argparse.Namespace, strategy: str) -> 
         scaler=prepared.scaler,
         loss_fn=lambda m, ids: m(input_ids=ids, labels=ids).loss,
         log_every=total,
+        gradient_accumulation_steps=accumulate,
     )
     step_s = statistics.median(s.step_time_s for s in stats[args.warmup :])
     peak = torch.accelerator.memory.max_memory_allocated(device.index)
     mine = {
-        "tokens_per_s": args.micro_batch * args.seq_len / step_s,
+        "tokens_per_s": args.micro_batch * args.seq_len * accumulate / step_s,
         "step_s": step_s,
         "peak_memory_gib": peak / 2**30,
         "last_loss": stats[-1].loss,

@@ -177,6 +177,15 @@ def check_all_gather(ctx: Ctx) -> None:
 
 
 @check
+def check_host_all_gather(ctx: Ctx) -> None:
+    """Every rank's number in rank order, on the host side of the group (gloo under nccl too)."""
+    values = [float(x) for x in ctx.inputs("host_all_gather", (1,))]
+    gathered = ctx.comm.host_all_gather(values[ctx.rank])
+    assert gathered == values, (gathered, values)
+    assert all(type(v) is float for v in gathered)
+
+
+@check
 def check_all_gather_composed(ctx: Ctx) -> None:
     before = _composed_count(ctx, "all_gather")
     _all_gather(ctx, ctx.composed, "all_gather_composed")

@@ -5,16 +5,14 @@ from __future__ import annotations
 
 import random
 import sys
-import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from tests.testing import test_sweep19_conformance
 from torchhal import HardwareAbstractionLayer
 from torchhal.hal_core import (
-    DeviceCapabilities,
     HealthReport,
     HealthStatus,
     InvalidArgumentError,
@@ -76,18 +74,10 @@ def test_degraded_and_unknown_pass_with_their_messages(status: HealthStatus) -> 
     assert result.reason == f"cpu: {status.value} ({messages[0]}; {messages[1]})"
 
 
-class HangingDiscover(CPUAdapter):
-    """discover() that does not return until `release` is set."""
+class HangingDiscover(test_sweep19_conformance.HangingDiscover):
+    """discover() that does not return until `release` is set, under a name of its own."""
 
     name = vendor = "hanging"
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.release = threading.Event()
-
-    def discover(self) -> Sequence[DeviceCapabilities]:
-        self.release.wait()
-        return super().discover()
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +100,7 @@ def test_discovery_past_the_time_limit_names_the_adapter_and_the_limit() -> None
             "conformance: discovery did not finish within the 1 s time limit: "
             "stuck in adapter 'hanging''s discover() at "
         )
-        assert "test_sweep20_kit.py" in message and "TORCHHAL_PLUGINS=NAME" in message
+        assert "test_sweep19_conformance.py" in message and "TORCHHAL_PLUGINS=NAME" in message
         assert stuck.value.thread.is_alive()
     finally:
         adapter.release.set()

@@ -1,11 +1,12 @@
 """`train()`: a small training loop with a span per step and a structlog line every few steps.
 
-Each step: for each of its micro-batches (`gradient_accumulation_steps`, default 1), forward
-under the policy's autocast and backward (through the gradient scaler for fp16); then an
-optional explicit gradient sync (heterogeneous runs), unscale and clip, optimizer step. Ops
-inside run with `ctx.hal.use(ctx.device)` active, so `torchhal.ops` dispatch to this rank's
-device (a simulated ASIC included). Step time is host wall time after the device synchronised;
-tokens counts this rank's tokens (the first tensor of each batch).
+Each step: for each of its micro-batches (`gradient_accumulation_steps`, default 1), fetched
+as it is run so that one is held at a time, forward under the policy's autocast and backward
+(through the gradient scaler for fp16); then an optional explicit gradient sync (heterogeneous
+runs), unscale and clip, optimizer step. Ops inside run with `ctx.hal.use(ctx.device)` active,
+so `torchhal.ops` dispatch to this rank's device (a simulated ASIC included). Step time is host
+wall time after the device synchronised, less the time spent waiting on the loader; tokens
+counts this rank's tokens (the first tensor of each batch).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ class StepStats:
     scaler_skipped: bool = False  # the scaler found inf/nan gradients and skipped the optimizer step
     # forward and backward on the device's own timer, before the gradient sync (set when train has
     # a grad_sync): this rank's own speed, which a blocking sync hides from step_time_s; with
-    # gradient accumulation, from the first micro-batch's forward to the last one's backward
+    # gradient accumulation, summed over the micro-batches (not the loader or the ranks' agreement
+    # between them)
     compute_s: float | None = None
     # the forward's real elapsed time (set by train), summed over the step's micro-batches: no
     # collective runs in it under DDP, local and heterogeneous training, so it shows a straggler
@@ -81,12 +83,15 @@ def train(
     divided by that count before backward, so the gradient is the mean over the micro-batches
     (one batch of them all under a mean loss, when they are of equal size), and gradients are
     reduced across ranks once per step (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`).
-    StepStats.loss is the mean of the micro-batches' losses, tokens their sum.
+    StepStats.loss is the mean of the micro-batches' losses, tokens their sum. Micro-batches are
+    fetched one at a time, each as it is run, so one is held at a time (as DeepSpeed, Lightning
+    and Hugging Face's Trainer hold them).
     Every rank must get `steps * gradient_accumulation_steps` batches. Where steps synchronise
-    ranks (DDP, FSDP, a grad_sync), the ranks agree before each step that each has its batches
-    (an all-gather of one number), so a rank whose batches ran out stops every rank with an
-    error naming it, instead of leaving its peers waiting in the step's collectives until the
-    process-group timeout.
+    ranks (DDP, FSDP, a grad_sync), the ranks agree that each has its batch (an all-gather of one
+    number) before every collective that would wait for a rank without one (`_agreements`), so
+    a rank whose batches ran out stops every rank with an error naming it, instead of leaving its
+    peers waiting in the step's collectives until the process-group timeout. The gradients a
+    step had accumulated when it stopped are dropped (logged and counted).
     """
     if steps < 0:
         raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
@@ -107,22 +112,22 @@ def train(
     compute_loss = loss_fn or _call_model
     stats: list[StepStats] = []
     source = iter(batches)
-    agree = steps_synchronise(ctx.world_size, policy, grad_sync)
+    agree_before = (
+        _agreements(accumulate, policy.strategy)
+        if steps_synchronise(ctx.world_size, policy, grad_sync)
+        else frozenset()
+    )
     no_sync = _gradient_sync_off(model) if accumulate > 1 else None
     model.train()
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
-            micro = [b for b in (next(source, _EXHAUSTED) for _ in range(accumulate)) if b is not _EXHAUSTED]
-            short = _ranks_without_batch(ctx, len(micro) == accumulate) if agree else []
-            if len(micro) < accumulate or short:
-                raise InvalidArgumentError(_ran_out(short, step - first_step, steps, len(micro), accumulate))
-            for batch in micro:
-                _check_batch(batch, ctx)
+            feed = _MicroBatches(source, ctx, accumulate, agree_before, step - first_step, steps)
+            feed.fetch_first()  # before the step begins, as when all were fetched here
             with telemetry.span("torchhal.train.step", step=step, rank=ctx.rank) as span:
                 result = _step(
                     model,
                     optimizer,
-                    micro,
+                    feed,
                     no_sync,
                     step,
                     ctx,
@@ -154,20 +159,84 @@ def steps_synchronise(world_size: int, policy: PrecisionPolicy, grad_sync: objec
     return world_size > 1 and (grad_sync is not None or policy.strategy in ("ddp", "fsdp"))
 
 
+def _agreements(accumulate: int, strategy: str | None) -> frozenset[int]:
+    """The micro-batches (0-based) before which ranks whose steps synchronise agree that each
+    has its batch. Always the last: its backward reduces the gradients, a grad_sync follows.
+    FSDP2 all-gathers parameters in every forward, gradient sync off or not (post-backward
+    reshards them), so every micro-batch. DDP's first forward of a step may broadcast buffers
+    and rebuild its buckets, collectives even under `no_sync` (a forward after a synced one);
+    its later `no_sync` forwards and backwards run none, so the first and the last."""
+    if strategy == "fsdp":
+        return frozenset(range(accumulate))
+    return frozenset({0, accumulate - 1} if strategy == "ddp" else {accumulate - 1})
+
+
 _EXHAUSTED = object()
 """What `next` gives once a rank's batches ran out."""
 
 
+class _MicroBatches:
+    """One step's micro-batches, fetched one at a time as the step runs them, so that the step
+    holds one (the loader's own prefetch aside), where fetching all k before the step held k.
+    Before a micro-batch in `agree_before` the ranks agree that each has it; a rank whose
+    batches ran out goes straight to that agreement, while the others run the micro-batches
+    before it, which run no collective (`_agreements`). Then every rank raises naming it."""
+
+    def __init__(
+        self,
+        source: Iterator[Batch],
+        ctx: DistContext,
+        accumulate: int,
+        agree_before: frozenset[int],
+        done: int,
+        steps: int,
+    ) -> None:
+        self._source, self._ctx, self.count = source, ctx, accumulate
+        self._agree_before, self._done, self._steps = agree_before, done, steps
+        self._first: Batch = _EXHAUSTED
+        self.loading_s = 0.0  # in the loader, for the micro-batches after the first
+
+    def fetch_first(self) -> None:
+        """Micro-batch 0, with its agreement, before the step's clock starts."""
+        self._first = self._fetch(0)
+        self.loading_s = 0.0
+
+    def take(self, index: int) -> Batch:
+        """Micro-batch `index`; the step holds no reference to the one before it by now."""
+        if index == 0:
+            batch, self._first = self._first, _EXHAUSTED
+            return batch
+        return self._fetch(index)
+
+    def _fetch(self, index: int) -> Batch:
+        # only the loader's time is not step time: an agreement waits for the other ranks, as
+        # the gradient all-reduce does (on the host side of the group, not on the device queue)
+        began = time.perf_counter()
+        batch = next(self._source, _EXHAUSTED)
+        self.loading_s += time.perf_counter() - began
+        have = batch is not _EXHAUSTED
+        if have and index not in self._agree_before:
+            return batch
+        # a rank that ran out agrees now, standing in for the others' next agreement
+        short = _ranks_without_batch(self._ctx, have) if self._agree_before else []
+        if have and not short:
+            return batch
+        raise InvalidArgumentError(_ran_out(short, self._done, self._steps, index, have, self.count))
+
+
 def _ranks_without_batch(ctx: DistContext, have: bool) -> list[int]:
-    """The ranks whose batches ran out before this step (collective: every rank calls it)."""
-    flags = ctx.communicator.all_gather(torch.full((1,), float(have), device=ctx.device.torch_device))
-    return [rank for rank, flag in enumerate(flags.tolist()) if not flag]
+    """The ranks whose batches ran out (collective: every rank calls it)."""
+    flags = ctx.communicator.host_all_gather(float(have))  # the host side: no device queue drained
+    return [rank for rank, flag in enumerate(flags) if not flag]
 
 
-def _ran_out(short: list[int], done: int, steps: int, got: int, accumulate: int) -> str:
+def _ran_out(short: list[int], done: int, steps: int, got: int, have: bool, accumulate: int) -> str:
+    """`got`: this rank's micro-batches of the step before the one it lacked, or (`have`) before
+    the one it holds, where it learned that another rank lacks one."""
     where = f"after {done} of {steps} steps"
     if accumulate > 1:
-        where += f" (gradient_accumulation_steps {accumulate}: this rank had {got} of them for the next)"
+        had = f"at least {got + 1}" if have else str(got)
+        where += f" (gradient_accumulation_steps {accumulate}: this rank had {had} of them for the next)"
     if not short:  # one rank alone, or steps that synchronise nothing
         return f"train: batches ran out {where}"
     return (
@@ -207,7 +276,7 @@ def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractCont
 def _step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    micro: Sequence[Batch],
+    feed: _MicroBatches,
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None,
     step: int,
     ctx: DistContext,
@@ -220,13 +289,28 @@ def _step(
     start = time.perf_counter()
     clock = _real_time(ctx)
     timer = ctx.device.timer() if grad_sync is not None else None  # compute_s, for a grad_sync
-    mark = timer.mark() if timer is not None else None
+    micro: list[_Micro] = []
     try:
-        forwards, losses = _forward_backward(model, micro, no_sync, clock, policy, scaler, compute_loss)
+        for index in range(feed.count):
+            last = index == feed.count - 1
+            micro.append(
+                _forward_backward(
+                    model,
+                    feed.take(index),  # no name holds it here: it goes when its backward is done
+                    feed.count,
+                    None if last else no_sync,
+                    clock,
+                    timer,
+                    ctx,
+                    policy,
+                    scaler,
+                    compute_loss,
+                )
+            )
     except BaseException:
-        optimizer.zero_grad(set_to_none=True)  # earlier micro-batches' gradients: a retry starts clean
+        _drop_gradients(model, optimizer, step, len(micro), no_sync is not None)
         raise
-    compute_s = None if timer is None else timer.elapsed_ms(mark, timer.mark()) / 1e3
+    compute_s = None if timer is None else sum(timer.elapsed_ms(*m.compute) for m in micro) / 1e3
     if grad_sync is not None:
         grad_sync(model)
     norm = None
@@ -246,11 +330,12 @@ def _step(
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    losses = [m.loss for m in micro]
     value = float(losses[0]) if len(losses) == 1 else float(torch.stack([x.float() for x in losses]).mean())
     ctx.device.synchronize()
-    elapsed = time.perf_counter() - start
-    forward_s = sum(clock.elapsed_ms(began, done) for began, done in forwards) / 1e3
-    tokens = sum(_tokens(batch) for batch in micro)
+    elapsed = time.perf_counter() - start - feed.loading_s
+    forward_s = sum(clock.elapsed_ms(*m.forward) for m in micro) / 1e3
+    tokens = sum(m.tokens for m in micro)
     return StepStats(
         step=step,
         loss=value,
@@ -265,33 +350,86 @@ def _step(
     )
 
 
+@dataclass(frozen=True)
+class _Micro:
+    """What a step keeps of a micro-batch once its backward is done: never the batch itself."""
+
+    loss: torch.Tensor  # undivided, detached
+    forward: tuple[object, object]  # marks on the real-time clock
+    compute: tuple[object, object]  # forward to end of backward on the device timer (a grad_sync)
+    tokens: int
+
+
 def _forward_backward(
     model: nn.Module,
-    micro: Sequence[Batch],
-    no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None,
+    batch: Batch,
+    count: int,
+    sync_off: Callable[[], contextlib.AbstractContextManager[None]] | None,
     clock: DeviceTimer,
+    timer: DeviceTimer | None,
+    ctx: DistContext,
     policy: PrecisionPolicy,
     scaler: torch.amp.GradScaler | None,
     compute_loss: LossFn,
-) -> tuple[list[tuple[object, object]], list[torch.Tensor]]:
-    """Forward and backward of each micro-batch, its loss divided by their count so the gradients
-    are their mean; ranks reduce gradients in the last one's backward only. Returns each forward's
-    (start, end) marks on `clock` and each undivided loss."""
-    forwards: list[tuple[object, object]] = []
-    losses: list[torch.Tensor] = []
-    for index, batch in enumerate(micro):
-        last = index == len(micro) - 1
-        with contextlib.nullcontext() if last or no_sync is None else no_sync():
-            began = clock.mark()
-            with policy.autocast():
-                loss = compute_loss(model, batch)
-            forwards.append((began, clock.mark()))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise InvalidArgumentError(f"train: the loss must be a scalar tensor, got {_describe(loss)}")
-            part = loss / len(micro) if len(micro) > 1 else loss
-            (scaler.scale(part) if scaler is not None else part).backward()
-        losses.append(loss.detach())
-    return forwards, losses
+) -> _Micro:
+    """Forward and backward of one of `count` micro-batches, its loss divided by `count` so the
+    gradients are their mean; under `sync_off` (all but the last) ranks do not reduce them."""
+    _check_batch(batch, ctx)
+    with sync_off() if sync_off is not None else contextlib.nullcontext():
+        began = timer.mark() if timer is not None else None
+        forward_began = clock.mark()
+        with policy.autocast():
+            loss = compute_loss(model, batch)
+        forward = (forward_began, clock.mark())
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise InvalidArgumentError(f"train: the loss must be a scalar tensor, got {_describe(loss)}")
+        part = loss / count if count > 1 else loss
+        (scaler.scale(part) if scaler is not None else part).backward()
+        compute = (began, timer.mark()) if timer is not None else (None, None)
+    return _Micro(loss.detach(), forward, compute, _tokens(batch))
+
+
+def _drop_gradients(
+    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, done: int, accumulating: bool
+) -> None:
+    """A step stopped (an error, or a rank's batches ran out): drop what its `done` micro-batches
+    accumulated, so that a retry or a later `train` call starts clean."""
+    optimizer.zero_grad(set_to_none=True)
+    if accumulating:
+        _drop_unsharded_gradients(model)
+    if done:
+        log.warning(
+            "train: step stopped; its accumulated gradients were dropped", step=step, micro_batches=done
+        )
+        telemetry.count("torchhal.train.dropped_micro_batches", done)
+
+
+def _drop_unsharded_gradients(model: nn.Module) -> None:
+    """FSDP2 keeps what backward accumulated with gradient sync off in each parameter's unsharded
+    gradient, out of the optimizer's reach, and the next synced backward reduces it with its own.
+    torch has no public call that drops it (torch 2.13's `reset_iter_state` keeps it), so this
+    clears it through FSDP2's internals; where those moved, says so (logged and counted)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        params = [p for group in groups or () for p in getattr(group, "fsdp_params", ())]
+        if groups is None or not all(hasattr(p, "unsharded_accumulated_grad") for p in params):
+            log.warning(
+                "train: cannot drop FSDP2's accumulated unsharded gradients in this torch version; "
+                "rebuild the model before training it again",
+                torch=torch.__version__,
+            )
+            telemetry.count("torchhal.train.undropped_gradients")
+            return
+        for param in params:
+            param.unsharded_accumulated_grad = None
+            unsharded = getattr(param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
 
 def _real_time(ctx: DistContext) -> DeviceTimer:

@@ -119,6 +119,13 @@ def _backend_map(config: str) -> dict[str, str]:
     return {device_type.strip(): backend.strip() for device_type, backend in pairs}
 
 
+@functools.cache
+def _say_gathered_on_device(backend: str) -> None:
+    """Once per backend: a group of a device backend alone has no host side for host_all_gather."""
+    telemetry.count("torchhal.collective.host_gather_on_device", backend=backend)
+    log.info("host_all_gather runs on the device: the group has no host backend", backend=backend)
+
+
 def _served_by(config: str, device_type: str) -> str | None:
     backends = _backend_map(config)
     return backends.get(device_type, backends.get("*"))
@@ -339,6 +346,23 @@ class Communicator:
                 self._wait("all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
         self._charged("all_gather", src)
         return out
+
+    def host_all_gather(self, value: float) -> list[float]:
+        """Every rank's `value`, in rank order, over the group's host backend (gloo): for what the
+        ranks agree on about host state (has each a batch?), so that the host waits for the other
+        ranks and never for its device's queue, which a device tensor read back drains (under
+        FSDP2 a training step agrees before each micro-batch). A group without a host backend
+        gathers on its device, logged once and counted."""
+        self._check_live("host_all_gather")
+        if _served_by(dist.get_backend_config(self.group), "cpu") is None:
+            _say_gathered_on_device(self.backend)
+            on_device = torch.full((1,), float(value), dtype=torch.float64, device=self.device.torch_device)
+            return [float(v) for v in self.all_gather(on_device).tolist()]
+        src = torch.full((1,), float(value), dtype=torch.float64)
+        parts = [torch.empty_like(src) for _ in range(self.world_size)]
+        with self._span("host_all_gather", src):
+            self._wait("host_all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
+        return [part.item() for part in parts]
 
     @_not_differentiable
     def reduce_scatter(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
