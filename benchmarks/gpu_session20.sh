@@ -41,7 +41,7 @@ PY
     tests/kernels/gpu/test_norms_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -6
 else
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/distributed/gpu tests/collectives \
+  timeout 250 python3 -m pytest -q -m gpu -p no:cacheprovider tests/distributed/gpu tests/collectives \
     2>&1 | tee "$OUT/gpu_tests_distributed.log" | tail -8
   # old: the session's first commit (3ade905, all k micro-batches fetched before one agreement on
   # the device); new: one at a time, agreeing on the host side (gloo) before each FSDP2 micro-batch
@@ -49,7 +49,7 @@ else
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
   for run in old_1 new_1 old_2 new_2; do
     site=/tmp/site; [ "${run%_*}" = old ] && site=/tmp/old
-    PYTHONPATH=$site timeout 100 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    PYTHONPATH=$site timeout 75 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
       benchmarks/bench_train_scaling.py --phases ddp,fsdp --gradient-accumulation-steps 4 --warmup 2 \
       --steps 6 --out "$OUT/accum_$run.json" > "$OUT/accum_$run.log" 2>&1
     echo "accumulation $run rc=$?"; grep -E "tokens/s|peak" "$OUT/accum_$run.log" | head -4
