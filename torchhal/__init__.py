@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 __all__ = ["DeviceRequirements", "HardwareAbstractionLayer", "__version__", "ops", "telemetry"]
 
 # imported on first attribute access, as `torch.nn` is reachable after `import torch`
-_SUBPACKAGES = frozenset({"kernels", "distributed", "evaluation", "testing"})
+_SUBPACKAGES = frozenset({"ops", "telemetry", "kernels", "distributed", "evaluation", "testing"})
 
 if TYPE_CHECKING:
     from torchhal import ops, telemetry
@@ -31,10 +31,6 @@ def __getattr__(name: str) -> Any:
         from torchhal.hal_core.capabilities import DeviceRequirements
 
         return DeviceRequirements
-    if name == "ops":
-        import torchhal.ops
-
-        return torchhal.ops
     if name in _SUBPACKAGES:  # `torchhal.kernels.patch(model)` after `import torchhal`, as torch.nn
         return importlib.import_module(f"torchhal.{name}")
     raise AttributeError(f"module 'torchhal' has no attribute {name!r}")

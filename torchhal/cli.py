@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import sys
@@ -43,10 +42,6 @@ app = typer.Typer(
 console = results_console()
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def _table(title: str | Text, *columns: str) -> Table:
     """Columns fold long cells rather than cut them to "…": in a pipe (140 columns) the dtype
     lists lost their tail, and in a narrow terminal every device id was cut short."""
@@ -67,27 +62,43 @@ def _stdout_for(as_json: bool) -> Iterator[None]:
     """While a --json document is made, what plugins and adapters print goes to stderr, so that
     stdout holds the document only (a vendor library's print broke `torchhal info --json | jq`).
     File descriptor 1 goes to stderr too: a C library's printf or an `os.write(1, ...)` bypasses
-    sys.stdout. C stdio's buffer is flushed before fd 1 comes back, or it would land after the
-    document at exit."""
+    sys.stdout. C stdio's buffer is flushed on the way in and out (POSIX; elsewhere a DLL's
+    buffered printf can still land after the document). Without a usable fd 1 (stdout closed),
+    only sys.stdout is redirected."""
     if not as_json:
         yield
         return
-    sys.stdout.flush()  # what was printed before goes where it was meant to
-    real_stdout = os.dup(1)
+    if sys.stdout is not None:
+        sys.stdout.flush()  # what was printed before goes where it was meant to
+    _flush_c_stdio()
     try:
-        os.dup2(2, 1)
+        real_stdout = os.dup(1)
+    except OSError:  # fd 1 closed: nothing at the OS level to keep clean
+        real_stdout = None
+    try:
+        if real_stdout is not None:
+            os.dup2(2, 1)
         with contextlib.redirect_stdout(sys.stderr):
             yield
     finally:
-        _flush_c_stdio()
-        os.dup2(real_stdout, 1)
-        os.close(real_stdout)
+        try:
+            _flush_c_stdio()
+        finally:
+            if real_stdout is not None:
+                os.dup2(real_stdout, 1)
+                os.close(real_stdout)
 
 
 def _flush_c_stdio() -> None:
-    """fflush(NULL): what C code wrote through stdio (printf) leaves its buffer now."""
-    if os.name == "posix":
-        ctypes.CDLL(None).fflush(None)
+    """fflush(NULL): what C code wrote through stdio (printf) leaves its buffer now. POSIX only;
+    a Python without ctypes skips it."""
+    if os.name != "posix":
+        return
+    try:
+        import ctypes
+    except ImportError:
+        return
+    ctypes.CDLL(None).fflush(None)
 
 
 @app.command()
@@ -119,7 +130,7 @@ def info(
             caps.arch,
             str(caps.compute_units),
             str(caps.simd_width),
-            _gib(caps.memory_bytes),
+            caps.memory_text,
             ", ".join(sorted(d.value for d in caps.dtypes)),
             ", ".join(caps.collective_backends),
             notes,
@@ -185,7 +196,14 @@ def conformance(
     as_json: Annotated[bool, typer.Option("--json", help="Print the JSON report.")] = False,
     seed: Annotated[int | None, typer.Option(help="Replay the random inputs of an earlier run.")] = None,
     time_limit: Annotated[
-        float | None, typer.Option(help="Fail a check still running after this many seconds (default 60).")
+        float | None,
+        typer.Option(help="Fail a check still running after this many seconds (default 60)."),
+    ] = None,
+    discovery_time_limit: Annotated[
+        float | None,
+        typer.Option(
+            help="Fail when the plugins' discovery has not finished after this many seconds (default 60)."
+        ),
     ] = None,
 ) -> None:
     """Certify an adapter: every check passed, failed or not applicable, with reasons."""
@@ -193,15 +211,21 @@ def conformance(
     from torchhal.testing.suite import (
         CHECK_TIME_LIMIT_S,
         DiscoveryStuck,
+        checked_time_limit,
         discover_within_limit,
         exit_leaving_threads,
     )
 
-    limit = CHECK_TIME_LIMIT_S if time_limit is None else time_limit
+    limit = checked_time_limit(CHECK_TIME_LIMIT_S if time_limit is None else time_limit)  # before discovery
+    discovery_limit = checked_time_limit(
+        CHECK_TIME_LIMIT_S if discovery_time_limit is None else discovery_time_limit
+    )
     hal = HardwareAbstractionLayer()
     try:
         with _stdout_for(as_json):
-            discover_within_limit(hal, limit)  # a plugin's hanging discovery hung the command for good
+            # a plugin's hanging discovery hung the command for good; a limit of its own, since
+            # every plugin's discovery (a cold CUDA start, say) is more than one check
+            discover_within_limit(hal, discovery_limit)
             suite = ConformanceSuite(resolve_adapter(adapter, hal), seed=seed, time_limit_s=limit)
             report = suite.run()
     except DiscoveryStuck as exc:  # no adapter to certify: not conforming, and no report

@@ -78,7 +78,9 @@ def test_json_documents_survive_writes_to_file_descriptor_1(tmp_path: Path, comm
 def test_conformance_fails_when_discovery_hangs_past_the_time_limit(tmp_path: Path) -> None:
     """Discovery (plugin imports, each adapter's probe and discover) ran before the kit with no
     time limit: an adapter whose discover() never returned hung the command for good."""
-    done, _ = run_cli(tmp_path, "Hanging", "conformance", "hanging", "--time-limit", "0.5", "--json")
+    done, _ = run_cli(
+        tmp_path, "Hanging", "conformance", "hanging", "--discovery-time-limit", "0.5", "--json"
+    )
     assert done.returncode == 1, done.stderr[-2000:]
     assert done.stdout == ""
     assert (
@@ -86,3 +88,18 @@ def test_conformance_fails_when_discovery_hangs_past_the_time_limit(tmp_path: Pa
         "stuck in adapter 'hanging''s discover() at "
     ) in done.stderr
     assert "cli.py" in done.stderr and "TORCHHAL_PLUGINS=NAME" in done.stderr
+
+
+def test_json_with_stdout_closed_is_no_crash(tmp_path: Path) -> None:
+    """`torchhal info --json 1>&-`: Python's sys.stdout is None, whose flush raised."""
+    env = {**os.environ, "TORCHHAL_CACHE_DIR": str(tmp_path / "cache"), "TORCHHAL_PLUGINS": "simasic"}
+    done = subprocess.run(
+        ["sh", "-c", 'exec "$0" -m torchhal info --json 1>&-', sys.executable],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr

@@ -25,6 +25,7 @@ from torchhal.hal_core import (
     MemoryInfo,
     ProbeResult,
     Topology,
+    UnsupportedError,
     VendorAdapter,
     telemetry,
 )
@@ -217,3 +218,30 @@ def test_a_timeout_given_for_an_existing_group_is_said_not_applied(
     other = Communicator.create(hal, timeout=timedelta(seconds=5))
     assert other.timeout == made and telemetry.counts()[counted] == before + 1
     assert "timeout given for a process group that exists" in capsys.readouterr().err
+
+
+def test_host_all_gather_of_a_group_without_a_host_backend_runs_on_the_device_warned(
+    no_group: None, hal: HardwareAbstractionLayer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A group of a device backend alone (a user's `init_process_group("xccl")`) has no host side:
+    the gather runs on the device in fp32, which every device declares (fp64, which many refuse,
+    failed `train()`'s first agreement), warned and counted."""
+    from torchhal.hal_core import collectives
+
+    collectives._say_gathered_on_device.cache_clear()
+    url = (tmp_path / "rendezvous").as_uri()
+    with Communicator.create(hal, rank=0, world_size=1, init_method=url) as comm:
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None: "xpu:xccl")
+        monkeypatch.setattr(type(comm.device), "require_dtype", _refuse_all_but_fp32)
+        key = "torchhal.collective.host_gather_on_device,backend=gloo"
+        before = telemetry.counts().get(key, 0)
+        value = float(torch.randint(1, 2**20, ()).item())
+        assert comm.host_all_gather(value) == [value]
+        assert telemetry.counts()[key] == before + 1
+    assert "host_all_gather runs on the device" in capsys.readouterr().err
+    collectives._say_gathered_on_device.cache_clear()
+
+
+def _refuse_all_but_fp32(device: object, dtype: torch.dtype, *, what: str) -> None:
+    if dtype != torch.float32:
+        raise UnsupportedError(f"{what}: dtype {dtype} is not supported")

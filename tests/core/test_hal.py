@@ -265,17 +265,17 @@ def test_import_does_no_device_work_and_loads_no_plugin():
 
 def test_subpackages_are_attributes_after_import_torchhal():
     """`import torchhal; torchhal.kernels.patch(model)`, as the README writes it, raised
-    AttributeError until something imported torchhal.kernels; the import itself stays light."""
+    AttributeError until something imported torchhal.kernels; the import itself stays light.
+    `torchhal.telemetry.configure` (DESIGN.md) after a bare `import torchhal` too."""
     code = (
         "import sys, torchhal;"
         "light = not any(m.startswith(('torchhal.kernels', 'torchhal.distributed')) for m in sys.modules);"
         "names = [torchhal.kernels.patch.__name__, torchhal.distributed.__name__,"
-        " torchhal.evaluation.__name__, torchhal.testing.__name__];"
+        " torchhal.evaluation.__name__, torchhal.testing.__name__, torchhal.ops.__name__,"
+        " torchhal.telemetry.configure.__name__];"
         "print(light, names)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert (
-        out.stdout.strip()
-        == "True ['patch', 'torchhal.distributed', 'torchhal.evaluation', 'torchhal.testing']"
-    )
+    names = "'patch', 'torchhal.distributed', 'torchhal.evaluation', 'torchhal.testing', 'torchhal.ops'"
+    assert out.stdout.strip() == f"True [{names}, 'configure']"  # telemetry was lost once

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 
 import pytest
 import torch
@@ -73,6 +74,7 @@ def test_macos_cpu_gives_total_only(monkeypatch):
     assert telemetry.counts()[key] == before + 1  # said once, however often asked
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and SC_AVPHYS_PAGES (Linux)")
 def test_linux_cpu_knows_every_figure():
     info = cpu.CPUAdapter().memory_info(0)
     assert info.unknown == frozenset()
@@ -148,3 +150,17 @@ def test_the_choice_says_memory_not_stated_not_0_gib(monkeypatch, tmp_path):
     assert host.capabilities.memory_text == "memory not stated"
     explained = "cpu: chosen: real device; adapter 'cpu' priority 0; no declared peak; memory not stated"
     assert HardwareAbstractionLayer().choose_device().explain() == explained
+
+
+def test_info_says_memory_not_stated_for_the_host_without_sysconf(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from torchhal.cli import app
+
+    monkeypatch.delattr(os, "sysconf")
+    monkeypatch.setenv("TORCHHAL_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("TORCHHAL_CACHE_DIR", str(tmp_path))
+    result = CliRunner().invoke(app, ["info"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    words = " ".join(result.output.split())  # the table may fold the cell
+    assert "memory not stated" in words and "0.0 GiB" not in result.output, result.output

@@ -46,6 +46,7 @@ def test_without_a_home_the_cache_goes_to_the_temp_dir_logged_and_counted(homele
     """Settings' default cache dir raised RuntimeError (Could not determine home directory): every
     HAL and every log line of such a container failed."""
     monkeypatch.setattr(settings, "_warned_no_home", False, raising=False)
+    monkeypatch.setattr(settings, "_temp_dir", None)
     telemetry.configure(log_format="json", log_stream=(stream := io.StringIO()))
     before = telemetry.counts()
     first, second = Settings.from_env({}), Settings.from_env({})
@@ -55,6 +56,24 @@ def test_without_a_home_the_cache_goes_to_the_temp_dir_logged_and_counted(homele
     (line,) = [json.loads(raw) for raw in stream.getvalue().splitlines()]
     assert "TORCHHAL_CACHE_DIR" in line["event"] and line["using"] == str(expected)
     assert "RuntimeError" in line["error"]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the password database is POSIX's")
+def test_a_temp_cache_dir_others_may_write_is_not_used(homeless, monkeypatch, tmp_path):
+    """`<tempdir>/torchhal-<uid>` made beforehand by someone else, or writable by others, could
+    feed this process kernel winners: a private directory instead, warned and counted."""
+    monkeypatch.setattr(settings, "_temp_dir", None)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path))
+    planted = tmp_path / f"torchhal-{os.getuid()}"
+    planted.mkdir()
+    planted.chmod(0o777)
+    telemetry.configure(log_format="json", log_stream=(stream := io.StringIO()))
+    before = telemetry.counts()
+    chosen = Settings.from_env({}).cache_dir
+    assert chosen != planted and chosen.parent == tmp_path and chosen.stat().st_mode & 0o077 == 0
+    assert Settings.from_env({}).cache_dir == chosen  # once per process
+    assert _delta(before, "torchhal.cache.untrusted_temp_dir") == 1
+    assert any("not this user's alone" in json.loads(raw)["event"] for raw in stream.getvalue().splitlines())
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="the password database is POSIX's")

@@ -192,6 +192,28 @@ def check_a_rank_out_of_batches_at_any_micro_batch_stops_both_and_drops_the_step
         dist.barrier()
 
 
+def check_a_loss_fn_with_its_own_collective_stops_cleanly_when_a_rank_runs_out(state: Any) -> None:
+    """A loss_fn that all-reduces (a token count, a contrastive loss's gather) is a collective in
+    every micro-batch: agreeing before the first and last only (DDP), or the last (grad_sync),
+    left rank 0 in it while rank 1, out of batches, agreed; gloo aborted the process."""
+
+    def counting(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        rows = torch.tensor([float(batch[0].shape[0])])
+        dist.all_reduce(rows)  # every rank's rows this micro-batch
+        return model(*batch) * (batch[0].shape[0] * state.world / rows.item())
+
+    for kind in KINDS:
+        prepared = _prepare(state, kind)
+        count = K + 1 if state.rank == 1 else 2 * K  # rank 1 runs out at step 2's second micro-batch
+        try:
+            _train(state, kind, prepared, tracked(state, kind, count), 2, loss_fn=counting)
+        except InvalidArgumentError as exc:
+            assert "on rank(s) [1]" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{kind}: train finished although rank 1 ran out")
+        dist.barrier()
+
+
 def check_a_micro_batch_that_raises_under_fsdp_leaves_no_unsharded_gradient(state: Any) -> None:
     """The third micro-batch's loss is not a scalar on both ranks, after two ran with sync off: a
     step trained after that matches one trained on a fresh model. FSDP2 kept the two's gradients
@@ -222,6 +244,7 @@ w.SCENARIOS["memory20"] = [
     check_init,
     check_one_micro_batch_is_held_at_a_time,
     check_a_rank_out_of_batches_at_any_micro_batch_stops_both_and_drops_the_step,
+    check_a_loss_fn_with_its_own_collective_stops_cleanly_when_a_rank_runs_out,
     check_a_micro_batch_that_raises_under_fsdp_leaves_no_unsharded_gradient,
 ]
 check_names = w.check_names

@@ -69,7 +69,7 @@ def test_a_step_holds_one_micro_batch_at_a_time(ctx, strategy):
 def test_waiting_on_the_loader_is_not_step_time(ctx):
     """The loader's time stays out of step_time_s (and tokens_per_s), as when every micro-batch
     was fetched before the step began; compute_s sums the micro-batches' forwards and backwards."""
-    k, pause = 3, 0.2
+    k, pause = 3, 0.5  # a slow loader: 1 s over the step, against a step of milliseconds
 
     class Slow(worker.Tracked):
         def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchhal.hal_core import UnsupportedError
+from torchhal.hal_core import InvalidArgumentError, UnsupportedError
 from torchhal.kernels import nn as thnn
 
 CONSTRUCTORS = {
@@ -113,3 +113,16 @@ def test_modules_of_linears_take_torch_nn_factory_keywords(make):
     ):
         module = make(**kwargs)
         assert {(p.device.type, p.dtype) for p in module.parameters()} == {(device, dtype)}
+
+
+@pytest.mark.parametrize("norm", [thnn.RMSNorm, thnn.LayerNorm])
+def test_norms_take_hugging_faces_hidden_size_keyword_too(norm):
+    """`RMSNorm(hidden_size=..., eps=...)` is Hugging Face's spelling, which these modules stand in
+    for; naming the first parameter as torch.nn does must not break it. One of the two, not both."""
+    size = int(torch.randint(8, 64, ()).item())
+    assert norm(hidden_size=size).normalized_shape == norm(size).normalized_shape == (size,)
+    for given in ({"normalized_shape": size, "hidden_size": size}, {}):
+        with pytest.raises(
+            InvalidArgumentError, match=rf"{norm.__name__}: give normalized_shape .* or hidden_size"
+        ):
+            norm(**given)

@@ -109,11 +109,11 @@ def test_discovery_past_the_time_limit_names_the_adapter_and_the_limit() -> None
 
 
 def test_discovery_stuck_importing_a_plugin_names_its_module(plugin_site: Path) -> None:
-    (plugin_site / "sleepy_mod.py").write_text("import time\ntime.sleep(4)\n")
+    (plugin_site / "sleepy_mod.py").write_text("import time\ntime.sleep(8)\n")
     add_entry_point(plugin_site, "sleepy", "sleepy_mod")
     hal = HardwareAbstractionLayer(settings=Settings(plugins=("sleepy",)))
     with pytest.raises(DiscoveryStuck) as stuck:
-        discover_within_limit(hal, 1)
+        discover_within_limit(hal, 2)  # the entry points are read well within it
     assert "stuck importing module 'sleepy_mod' at " in str(stuck.value)
     assert "sleepy_mod.py:2 in <module>" in str(stuck.value)
     stuck.value.thread.join(20)

@@ -87,10 +87,10 @@ def train(
     fetched one at a time, each as it is run, so one is held at a time (as DeepSpeed, Lightning
     and Hugging Face's Trainer hold them).
     Every rank must get `steps * gradient_accumulation_steps` batches. Where steps synchronise
-    ranks (DDP, FSDP, a grad_sync), the ranks agree that each has its batch (an all-gather of one
-    number) before every collective that would wait for a rank without one (`_agreements`), so
-    a rank whose batches ran out stops every rank with an error naming it, instead of leaving its
-    peers waiting in the step's collectives until the process-group timeout. The gradients a
+    ranks (DDP, FSDP, a grad_sync), the ranks agree before each micro-batch that each has it (an
+    all-gather of one number on the group's host side), so a rank whose batches ran out stops
+    every rank with an error naming it, instead of leaving its peers waiting in a collective
+    until the process-group timeout. The gradients a
     step had accumulated when it stopped are dropped (logged and counted).
     """
     if steps < 0:
@@ -112,16 +112,12 @@ def train(
     compute_loss = loss_fn or _call_model
     stats: list[StepStats] = []
     source = iter(batches)
-    agree_before = (
-        _agreements(accumulate, policy.strategy)
-        if steps_synchronise(ctx.world_size, policy, grad_sync)
-        else frozenset()
-    )
+    agree = steps_synchronise(ctx.world_size, policy, grad_sync)
     no_sync = _gradient_sync_off(model) if accumulate > 1 else None
     model.train()
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
-            feed = _MicroBatches(source, ctx, accumulate, agree_before, step - first_step, steps)
+            feed = _MicroBatches(source, ctx, accumulate, agree, step - first_step, steps)
             feed.fetch_first()  # before the step begins, as when all were fetched here
             with telemetry.span("torchhal.train.step", step=step, rank=ctx.rank) as span:
                 result = _step(
@@ -159,18 +155,6 @@ def steps_synchronise(world_size: int, policy: PrecisionPolicy, grad_sync: objec
     return world_size > 1 and (grad_sync is not None or policy.strategy in ("ddp", "fsdp"))
 
 
-def _agreements(accumulate: int, strategy: str | None) -> frozenset[int]:
-    """The micro-batches (0-based) before which ranks whose steps synchronise agree that each
-    has its batch. Always the last: its backward reduces the gradients, a grad_sync follows.
-    FSDP2 all-gathers parameters in every forward, gradient sync off or not (post-backward
-    reshards them), so every micro-batch. DDP's first forward of a step may broadcast buffers
-    and rebuild its buckets, collectives even under `no_sync` (a forward after a synced one);
-    its later `no_sync` forwards and backwards run none, so the first and the last."""
-    if strategy == "fsdp":
-        return frozenset(range(accumulate))
-    return frozenset({0, accumulate - 1} if strategy == "ddp" else {accumulate - 1})
-
-
 _EXHAUSTED = object()
 """What `next` gives once a rank's batches ran out."""
 
@@ -178,21 +162,23 @@ _EXHAUSTED = object()
 class _MicroBatches:
     """One step's micro-batches, fetched one at a time as the step runs them, so that the step
     holds one (the loader's own prefetch aside), where fetching all k before the step held k.
-    Before a micro-batch in `agree_before` the ranks agree that each has it; a rank whose
-    batches ran out goes straight to that agreement, while the others run the micro-batches
-    before it, which run no collective (`_agreements`). Then every rank raises naming it."""
+    With `agree`, the ranks agree before each micro-batch that each has it, and every rank raises
+    naming those that ran out. Before each, not only where DDP or FSDP2 run collectives (FSDP2's
+    forward all-gathers, DDP's first forward broadcasts buffers, the last backward reduces): a
+    model or loss_fn may run its own (SyncBatchNorm, a contrastive loss's all_gather), and an
+    agreement on the host side costs no device time."""
 
     def __init__(
         self,
         source: Iterator[Batch],
         ctx: DistContext,
         accumulate: int,
-        agree_before: frozenset[int],
+        agree: bool,
         done: int,
         steps: int,
     ) -> None:
         self._source, self._ctx, self.count = source, ctx, accumulate
-        self._agree_before, self._done, self._steps = agree_before, done, steps
+        self._agree, self._done, self._steps = agree, done, steps
         self._first: Batch = _EXHAUSTED
         self.loading_s = 0.0  # in the loader, for the micro-batches after the first
 
@@ -215,10 +201,9 @@ class _MicroBatches:
         batch = next(self._source, _EXHAUSTED)
         self.loading_s += time.perf_counter() - began
         have = batch is not _EXHAUSTED
-        if have and index not in self._agree_before:
+        if have and not self._agree:
             return batch
-        # a rank that ran out agrees now, standing in for the others' next agreement
-        short = _ranks_without_batch(self._ctx, have) if self._agree_before else []
+        short = _ranks_without_batch(self._ctx, have) if self._agree else []
         if have and not short:
             return batch
         raise InvalidArgumentError(_ran_out(short, self._done, self._steps, index, have, self.count))
@@ -416,7 +401,10 @@ def _drop_unsharded_gradients(model: nn.Module) -> None:
             continue
         state = module._get_fsdp_state()
         groups = getattr(state, "_fsdp_param_groups", None)
-        params = [p for group in groups or () for p in getattr(group, "fsdp_params", ())]
+        if groups is None:  # torch releases before the plural held one group (or None)
+            single = getattr(state, "_fsdp_param_group", None)
+            groups = None if single is None and not hasattr(state, "_fsdp_param_group") else [single]
+        params = [p for group in groups or () if group is not None for p in getattr(group, "fsdp_params", ())]
         if groups is None or not all(hasattr(p, "unsharded_accumulated_grad") for p in params):
             log.warning(
                 "train: cannot drop FSDP2's accumulated unsharded gradients in this torch version; "

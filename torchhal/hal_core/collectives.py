@@ -123,7 +123,11 @@ def _backend_map(config: str) -> dict[str, str]:
 def _say_gathered_on_device(backend: str) -> None:
     """Once per backend: a group of a device backend alone has no host side for host_all_gather."""
     telemetry.count("torchhal.collective.host_gather_on_device", backend=backend)
-    log.info("host_all_gather runs on the device: the group has no host backend", backend=backend)
+    log.warning(
+        "host_all_gather runs on the device, waiting for its queue: the group has no host backend "
+        "(give it one, e.g. 'cuda:nccl,cpu:gloo', as torchhal.distributed.init does)",
+        backend=backend,
+    )
 
 
 def _served_by(config: str, device_type: str) -> str | None:
@@ -350,13 +354,15 @@ class Communicator:
     def host_all_gather(self, value: float) -> list[float]:
         """Every rank's `value`, in rank order, over the group's host backend (gloo): for what the
         ranks agree on about host state (has each a batch?), so that the host waits for the other
-        ranks and never for its device's queue, which a device tensor read back drains (under
-        FSDP2 a training step agrees before each micro-batch). A group without a host backend
-        gathers on its device, logged once and counted."""
+        ranks and never for its device's queue, which a device tensor read back drains (a
+        training step agrees before each micro-batch). A group without a host backend gathers
+        on its device in fp32 (exact for flags and counts below 2**24), warned once and counted:
+        each call then waits for the device's queue."""
         self._check_live("host_all_gather")
         if _served_by(dist.get_backend_config(self.group), "cpu") is None:
             _say_gathered_on_device(self.backend)
-            on_device = torch.full((1,), float(value), dtype=torch.float64, device=self.device.torch_device)
+            # fp32, which every device declares (fp64 is refused by many): exact for flags and counts
+            on_device = torch.full((1,), float(value), dtype=torch.float32, device=self.device.torch_device)
             return [float(v) for v in self.all_gather(on_device).tolist()]
         src = torch.full((1,), float(value), dtype=torch.float64)
         parts = [torch.empty_like(src) for _ in range(self.world_size)]

@@ -30,4 +30,8 @@ def torchhal_adapters() -> Sequence[VendorAdapter]:  # type: ignore[empty-body]
 
 @hookspec
 def torchhal_register_kernels(registry: KernelRegistry) -> None:
-    """Define ops or add device-independent kernel candidates to `registry`."""
+    """Define ops or add device-independent kernel candidates to `registry`.
+
+    Called once per HAL, all or nothing: a hook that raises leaves no op or candidate behind. One
+    that attaches to an op another plugin defines, before that plugin ran (`UnknownOpError`), is
+    called again after the others: keep side effects other than registrations out of it."""

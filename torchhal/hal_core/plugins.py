@@ -220,21 +220,23 @@ class PluginLoader:
         # core ops first: they define what the other plugins' candidates attach to
         waiting = sorted(impls, key=lambda i: (i.plugin_name not in self._core, i.plugin_name))
         while waiting:  # a pass per round of plugins that attach to ops other plugins define
-            deferred = [i for i in waiting if self._register_kernels(i, registry, offered, final=False)]
+            tried = [(impl, self._register_kernels(impl, registry, offered)) for impl in waiting]
+            deferred = [(impl, exc) for impl, exc in tried if exc is not None]
             if len(deferred) == len(waiting):  # no progress: the ops they attach to are nowhere
-                for impl in deferred:
-                    self._register_kernels(impl, registry, offered, final=True)
+                for impl, exc in deferred:
+                    self._refuse(impl.plugin_name, impl.plugin_name, "kernels", _describe(exc))
                 break
-            waiting = deferred
+            waiting = [impl for impl, _ in deferred]
         kept = [a for plugin, found in offered.items() if self.manager.has_plugin(plugin) for a in found]
         return sorted([*builtin, *kept], key=lambda a: (-a.priority, a.name))
 
     def _register_kernels(
-        self, impl: Any, registry: KernelRegistry, offered: dict[str, list[VendorAdapter]], *, final: bool
-    ) -> bool:
-        """Run one plugin's kernel hook, all or nothing. True: deferred, since it attaches to an op
-        no plugin has defined yet (a plugin whose name sorted before the definer's failed); the
-        pass after the others runs it again, and the last pass refuses it."""
+        self, impl: Any, registry: KernelRegistry, offered: dict[str, list[VendorAdapter]]
+    ) -> UnknownOpError | None:
+        """Run one plugin's kernel hook, all or nothing. Returns the error of a plugin that
+        attaches to an op no plugin has defined yet (one whose name sorted before the definer's
+        failed): deferred, its hook is run again in the next pass, and refused with this error
+        when a pass makes no progress. Any other failure is refused now."""
         plugin = impl.plugin_name
         # a plugin of kernels only has no adapter whose diagnostic would show it loaded
         kernels_only = plugin not in self._core and not offered.get(plugin)
@@ -243,17 +245,17 @@ class PluginLoader:
             with registry.all_or_nothing():
                 impl.function(registry=registry)
         except UnknownOpError as exc:
-            if not final and plugin not in self._core:
-                return True
+            if plugin not in self._core:
+                return exc
             self._refuse(plugin, plugin, "kernels", _describe(exc))
-            return False
+            return None
         except Exception as exc:
             self._refuse(plugin, plugin, "kernels", _describe(exc))
-            return False
+            return None
         if before is not None:
             reason = _kernels_added(before, _kernel_names(registry))
             self.record(Diagnostic(plugin, Status.LOADED, "kernels", reason, self._distributions.get(plugin)))
-        return False
+        return None
 
     def _checked_builtin(self, builtin: Sequence[VendorAdapter]) -> list[VendorAdapter]:
         """The adapters handed to the HAL directly, each held to the rules a plugin's adapter is:

@@ -26,6 +26,7 @@ OTHER_CORE_VARIABLES = ("TORCHHAL_PURE_PYTHON_GUARDS",)
 log = telemetry.get_logger("torchhal.settings")
 _warned_typos: set[str] = set()
 _warned_no_home = False
+_temp_dir: Path | None = None  # the cache directory without a home, once chosen
 
 
 _BOOL_WORDS = " (on: 1, true, yes, on; off: 0, false, no, off)"  # what pydantic reads as a bool
@@ -42,9 +43,38 @@ def _default_cache_dir() -> Path:
     try:
         return Path.home() / ".cache" / "torchhal"
     except (RuntimeError, KeyError) as exc:  # RuntimeError: pathlib; KeyError: pwd on some Pythons
-        fallback = Path(tempfile.gettempdir()) / f"torchhal-{getattr(os, 'getuid', lambda: 'user')()}"
+        fallback = _own_temp_dir()
         _say_no_home(fallback, exc)
         return fallback
+
+
+def _own_temp_dir() -> Path:
+    """`<tempdir>/torchhal-<uid>`, made private (0700) where it is not there yet. The temporary
+    directory is everyone's: one there already that another user owns, or that others may write,
+    could feed this process kernel winners, so a fresh private directory is used instead (the
+    cache then lasts for this process only), logged and counted. Chosen once per process, and
+    kept before the log line, which reads the settings and so comes back here."""
+    global _temp_dir
+    if _temp_dir is not None:
+        return _temp_dir
+    uid = getattr(os, "getuid", lambda: None)()
+    shared = Path(tempfile.gettempdir()) / f"torchhal-{'user' if uid is None else uid}"
+    try:
+        shared.mkdir(mode=0o700, exist_ok=True)
+        st = shared.stat()
+    except OSError:
+        st = None
+    if st is not None and (uid is None or (st.st_uid == uid and not st.st_mode & 0o022)):
+        _temp_dir = shared
+        return shared
+    _temp_dir = Path(tempfile.mkdtemp(prefix="torchhal-"))
+    telemetry.count("torchhal.cache.untrusted_temp_dir")
+    log.warning(
+        "temporary cache directory not this user's alone; using a private one for this process",
+        refused=str(shared),
+        using=str(_temp_dir),
+    )
+    return _temp_dir
 
 
 def _say_no_home(fallback: Path, exc: BaseException) -> None:

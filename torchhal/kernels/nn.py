@@ -52,10 +52,19 @@ log = telemetry.get_logger("torchhal.kernels.nn")
 _warned: set[str] = set()
 
 
-def _normalized_size(module: str, normalized_shape: int | Sequence[int]) -> int:
+def _normalized_size(
+    module: str, normalized_shape: int | Sequence[int] | None, hidden_size: int | None = None
+) -> int:
     """The size of the last dimension: these norms normalise over it alone (torch.nn's take a shape
-    of several dimensions, the ops do not)."""
-    shape = (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
+    of several dimensions, the ops do not). Given as torch.nn names it (`normalized_shape`) or as
+    Hugging Face's norms do (`hidden_size=`, keyword only), not both."""
+    if (normalized_shape is None) == (hidden_size is None):
+        raise InvalidArgumentError(
+            f"{module}: give normalized_shape (torch.nn's name) or hidden_size (Hugging Face's), one of "
+            f"them; got normalized_shape={normalized_shape!r}, hidden_size={hidden_size!r}"
+        )
+    size = normalized_shape if normalized_shape is not None else hidden_size
+    shape = (size,) if isinstance(size, int) else tuple(size)  # type: ignore[arg-type]
     if len(shape) != 1:
         raise UnsupportedError(
             f"{module}: normalises over the last dimension only, got normalized_shape={normalized_shape}"
@@ -83,14 +92,16 @@ class RMSNorm(nn.Module):
 
     def __init__(
         self,
-        normalized_shape: int | Sequence[int],
+        normalized_shape: int | Sequence[int] | None = None,
         eps: float | None = 1e-6,
         elementwise_affine: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        hidden_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.normalized_shape = (_normalized_size("RMSNorm", normalized_shape),)
+        self.normalized_shape = (_normalized_size("RMSNorm", normalized_shape, hidden_size),)
         self.eps, self.elementwise_affine = eps, elementwise_affine
         weight = torch.empty(self.normalized_shape, device=device, dtype=dtype)
         self.register_parameter("weight", nn.Parameter(weight) if elementwise_affine else None)
@@ -142,15 +153,17 @@ class LayerNorm(nn.Module):
 
     def __init__(
         self,
-        normalized_shape: int | Sequence[int],
+        normalized_shape: int | Sequence[int] | None = None,
         eps: float = 1e-5,
         elementwise_affine: bool = True,
         bias: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        *,
+        hidden_size: int | None = None,
     ) -> None:
         super().__init__()
-        self.normalized_shape = (_normalized_size("LayerNorm", normalized_shape),)
+        self.normalized_shape = (_normalized_size("LayerNorm", normalized_shape, hidden_size),)
         self.eps, self.elementwise_affine = eps, elementwise_affine
         empty = torch.empty(self.normalized_shape, device=device, dtype=dtype)
         self.register_parameter("weight", nn.Parameter(empty) if elementwise_affine else None)
