@@ -224,8 +224,8 @@ def test_host_all_gather_of_a_group_without_a_host_backend_runs_on_the_device_wa
     no_group: None, hal: HardwareAbstractionLayer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
 ) -> None:
     """A group of a device backend alone (a user's `init_process_group("xccl")`) has no host side:
-    the gather runs on the device in fp32, which every device declares (fp64, which many refuse,
-    failed `train()`'s first agreement), warned and counted."""
+    the gather runs on the device in fp32, which devices declare far more often than fp64 (fp64,
+    which many refuse, failed `train()`'s first agreement), warned and counted."""
     from torchhal.hal_core import collectives
 
     collectives._say_gathered_on_device.cache_clear()

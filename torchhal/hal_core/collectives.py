@@ -361,7 +361,7 @@ class Communicator:
         self._check_live("host_all_gather")
         if _served_by(dist.get_backend_config(self.group), "cpu") is None:
             _say_gathered_on_device(self.backend)
-            # fp32, which every device declares (fp64 is refused by many): exact for flags and counts
+            # fp32, which devices declare far more often than fp64: exact for flags and counts
             on_device = torch.full((1,), float(value), dtype=torch.float32, device=self.device.torch_device)
             return [float(v) for v in self.all_gather(on_device).tolist()]
         src = torch.full((1,), float(value), dtype=torch.float64)
