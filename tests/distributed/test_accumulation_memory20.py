@@ -4,38 +4,26 @@
 all k were alive at once (on the device, where the loader puts them): k times the memory of the
 one micro-batch DeepSpeed, Lightning or Hugging Face's Trainer hold. Single-process checks here;
 DDP, FSDP2 and a grad_sync on 2 gloo ranks (one micro-batch held; a rank running out at each
-micro-batch of a step) in `_accum_memory20_worker.py`, each reported as its own test.
+micro-batch of a step) in `_accum_worker.py`, each reported as its own test.
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import io
 import random
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from tests.distributed.launch import check_outcome, run_world
+from tests.distributed.test_accumulation_multiprocess import WORKER, load_worker
 from tests.distributed.test_grad_accumulation import DIM, Net, assert_same_parameters, sgd
 from torchhal import distributed as thd
 from torchhal.hal_core import InvalidArgumentError, telemetry
 
-WORKER = Path(__file__).with_name("_accum_memory20_worker.py")
-
-
-def _load_worker():
-    spec = importlib.util.spec_from_file_location("torchhal_accum_memory20_worker", WORKER)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-worker = _load_worker()
+worker = load_worker()
 
 
 def tracked(count: int, rows: int, seed: int):

@@ -18,12 +18,17 @@ WORKER = Path(__file__).with_name("_accum_worker.py")
 pytestmark = pytest.mark.multiprocess
 
 
-def _check_names() -> list[str]:
+def load_worker():
+    """The worker script as a module (its scenarios' check names, its helpers)."""
     spec = importlib.util.spec_from_file_location("torchhal_accum_worker", WORKER)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.check_names("accumulate")
+    return module
+
+
+def _check_names() -> list[str]:
+    return load_worker().check_names("accumulate")
 
 
 @pytest.fixture(scope="module")

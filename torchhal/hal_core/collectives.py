@@ -351,6 +351,12 @@ class Communicator:
         self._charged("all_gather", src)
         return out
 
+    @functools.cached_property
+    def _host_side(self) -> bool:
+        """Whether the group's backend serves CPU tensors (gloo beside nccl, say): read once, since
+        a training step asks before each micro-batch."""
+        return _served_by(dist.get_backend_config(self.group), "cpu") is not None
+
     def host_all_gather(self, value: float) -> list[float]:
         """Every rank's `value`, in rank order, over the group's host backend (gloo): for what the
         ranks agree on about host state (has each a batch?), so that the host waits for the other
@@ -359,7 +365,7 @@ class Communicator:
         on its device in fp32 (exact for flags and counts below 2**24), warned once and counted:
         each call then waits for the device's queue."""
         self._check_live("host_all_gather")
-        if _served_by(dist.get_backend_config(self.group), "cpu") is None:
+        if not self._host_side:
             _say_gathered_on_device(self.backend)
             # fp32, which devices declare far more often than fp64: exact for flags and counts
             on_device = torch.full((1,), float(value), dtype=torch.float32, device=self.device.torch_device)
@@ -571,7 +577,7 @@ class Communicator:
 
     def _exchange(self, name: str, value: tuple[str, str]) -> list[tuple[str, str]]:
         """Every rank's `value`, over host tensors (a gloo group when this group has no cpu backend)."""
-        if _served_by(dist.get_backend_config(self.group), "cpu") is not None:
+        if self._host_side:
             gathered: list[Any] = [None] * self.world_size
             try:
                 dist.all_gather_object(gathered, value, group=self.group)
