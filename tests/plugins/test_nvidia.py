@@ -351,6 +351,13 @@ def test_nvidia_smi_capture_is_parsed_through_its_escape_codes():
     assert parse_topo_matrix(text) == {(0, 1): "NV18", (1, 0): "NV18"}  # the P2P matrix below is not read
 
 
+def test_nvidia_smi_capture_with_tabs_turned_to_spaces_parses_the_same():
+    """A capture pasted from a terminal or a ticket has spaces where the tool printed tabs."""
+    text = SMI_CAPTURE.read_text().expandtabs(8)
+    assert "\t" not in text
+    assert parse_topo_matrix(text) == {(0, 1): "NV18", (1, 0): "NV18"}
+
+
 def test_topology_falls_back_to_nvidia_smi_without_nvml():
     facts = load("nvidia-h200x2")
     facts["nvml"] = {"available": False, "reason": "pynvml is not installed"}

@@ -46,17 +46,19 @@ def parse_topo_matrix(text: str) -> dict[tuple[int, int], str]:
     """The GPU-to-GPU cells of the first matrix `nvidia-smi topo -m` prints, by nvidia-smi index.
 
     The tool underlines its header with terminal escape codes and appends legends and, on
-    newer drivers, further matrices; only the first GPU block is read.
+    newer drivers, further matrices; only the first GPU block is read. Cells are split on any
+    whitespace, not only the tool's tabs: copies pasted from terminals and tickets turn tabs into
+    spaces, and no GPU-to-GPU cell holds a space.
     """
     lines = _ESCAPES.sub("", text).splitlines()
     header = next((i for i, line in enumerate(lines) if line.split() and _GPU.match(line.split()[0])), None)
     if header is None:
         return {}
-    columns = [cell.strip() for cell in lines[header].split("\t") if cell.strip()]
+    columns = lines[header].split()
     gpus = [int(m.group(1)) for m in map(_GPU.match, columns) if m]
     cells: dict[tuple[int, int], str] = {}
     for line in lines[header + 1 :]:
-        row = [cell.strip() for cell in line.split("\t")]
+        row = line.split()
         match = _GPU.match(row[0]) if row else None
         if match is None:
             break  # end of the first matrix
