@@ -1,4 +1,5 @@
-"""`torchhal.ops.<op>(...)`: dispatch through the default HAL's kernel registry.
+"""`torchhal.ops.<op>(...)`: dispatch through the default HAL's kernel registry; any registry op,
+a plugin's own included, as `torchhal.ops.dispatch(op, *args)`.
 
 The default HAL is made lazily on the first call. Each call resolves the device from its
 first tensor (or `hal.use(device)`), looks up the cached selection and calls it.
@@ -58,9 +59,13 @@ def set_default_hal(hal: HardwareAbstractionLayer | None) -> None:
         _default_dispatchers, _default_seen_dispatchers = {}, {}
 
 
-def _dispatch(op: str, *args: Any) -> Any:
-    """Through the HAL of the innermost `hal.use(device)` block, else the default HAL's bound
-    dispatcher (every op call comes here: one frame, one `use()` lookup, one dict lookup)."""
+def dispatch(op: str, *args: Any) -> Any:
+    """Run registry op `op` (a core op or one a plugin defined) on positional `args`, as the ops
+    of this module do: through the HAL of the innermost `hal.use(device)` block, else the
+    default HAL, on the device of the first tensor. What a plugin's own `torch.library.custom_op`
+    wrapper calls (adapter guide §8). An op no HAL defines raises `UnknownOpError`, naming the op
+    and the defined ones. (Every op call of this module comes here: one frame, one `use()`
+    lookup, one dict lookup.)"""
     use = active_use()
     if use is not None:
         return use[0].dispatch(op, *args)
@@ -70,7 +75,7 @@ def _dispatch(op: str, *args: Any) -> Any:
 
 
 def _dispatch_seen(op: str, args: tuple[Any, ...]) -> Any:
-    """The default HAL's `dispatch_seen` (NOT_SEEN inside a `use()` block: those take `_dispatch`)."""
+    """The default HAL's `dispatch_seen` (NOT_SEEN inside a `use()` block: those take `dispatch`)."""
     if active_use() is not None:
         return NOT_SEEN
     dispatchers = _default_seen_dispatchers
@@ -81,14 +86,20 @@ def _dispatch_seen(op: str, args: tuple[Any, ...]) -> Any:
 def _bind_default(
     dispatchers: dict[str, Callable[..., Any]], op: str, *, seen_only: bool
 ) -> Callable[..., Any]:
-    call = dispatchers[op] = default_hal().dispatcher(op, seen_only=seen_only)
+    """The default HAL's dispatcher for `op`, kept for the next call. An op the HAL does not
+    define raises its UnknownOpError here, before anything is kept: a misspelt name, or a
+    tensor passed where the op's name goes, stayed in the dict (and the tensor alive) for good."""
+    hal = default_hal()
+    call = hal.dispatcher(op, seen_only=seen_only)
+    hal.kernels.op(op)
+    dispatchers[op] = call
     return call
 
 
 def _public(spec: AutogradSpec) -> Callable[..., Any]:
     """The op's DifferentiableOp as its bound `__call__`: calling the instance would go through
     its type's call slot, a tenth of a µs more on every op call."""
-    return DifferentiableOp(spec, _dispatch, _dispatch_seen).__call__
+    return DifferentiableOp(spec, dispatch, _dispatch_seen).__call__
 
 
 _MATMUL = _public(_matmul.AUTOGRAD)

@@ -77,6 +77,8 @@ class Unsupported:
 
 
 Predicate = Callable[["DeviceCapabilities", Any], "Unsupported | None"]
+# (device, dtype, generator) -> argument tuples: an op's inputs for the conformance kit
+Examples = Callable[["torch.device", "torch.dtype", "torch.Generator"], "list[tuple[Any, ...]]"]
 Locate = Callable[[str, Any], "Device"]  # (op, first argument) -> the device to run on
 
 
@@ -108,6 +110,8 @@ class OpDef:
     # The signature depends only on the arguments' dtypes, shapes, strides, devices and scalar
     # values, never on tensor contents: calls can then skip validation for arguments seen before.
     memoize: bool = True
+    # fresh random argument tuples for the conformance kit, for an op outside the kit's own inputs
+    examples: Examples | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,12 +158,18 @@ class KernelRegistry:
         signature: Callable[..., Hashable],
         doc: str = "",
         memoize: bool = True,
+        examples: Examples | None = None,
     ) -> None:
         """Define an op with its reference implementation, which is also its last candidate.
-        `memoize=False` for an op whose signature reads tensor contents (e.g. offsets)."""
+        `memoize=False` for an op whose signature reads tensor contents (e.g. offsets).
+        `examples(device, dtype, generator)` returns a list of argument tuples (fresh random
+        inputs at odd shapes) on which the conformance kit checks the op's candidates against
+        its reference; without it the kit cannot check them (the core's ops have the kit's own)."""
+        opdef = OpDef(name, reference, signature, doc, memoize, examples)
+        _check_op(opdef)
         if name in self._ops:
             raise TorchHALError(f"op {name!r} is already defined (by {self._ops[name].reference!r})")
-        self._ops[name] = OpDef(name, reference, signature, doc, memoize)
+        self._ops[name] = opdef
         self._candidates[name] = [Candidate(name, REFERENCE, "torchhal", reference, None, -math.inf)]
         self._cache[name] = {}
         if memoize:
@@ -810,6 +820,19 @@ def _check_candidate(candidate: Candidate) -> None:
         value = getattr(candidate, part)
         if value is not None and not callable(value):
             raise InvalidArgumentError(f"{where}: {part} must be callable or None, got {value!r}")
+
+
+def _check_op(opdef: OpDef) -> None:
+    """What `define_op` refuses, naming the op: a reference or signature that is not callable
+    was accepted, and every call of the op then failed far from its definition."""
+    if not isinstance(opdef.name, str) or not opdef.name:
+        raise InvalidArgumentError(f"define_op: the op's name must be a non-empty string, got {opdef.name!r}")
+    where = f"define_op: op {opdef.name!r}"
+    for part in ("reference", "signature"):
+        if not callable(getattr(opdef, part)):
+            raise InvalidArgumentError(f"{where}: {part} must be callable, got {getattr(opdef, part)!r}")
+    if opdef.examples is not None and not callable(opdef.examples):
+        raise InvalidArgumentError(f"{where}: examples must be callable or None, got {opdef.examples!r}")
 
 
 def _outranked(

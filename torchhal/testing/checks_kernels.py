@@ -2,7 +2,8 @@
 
 Candidates are called directly, never through `KernelRegistry.call`, whose fallback would
 hide a raising candidate behind the reference. Each runs on every device of the adapter, in
-every declared floating dtype, on the kit's random cases whose signature its predicate
+every declared floating dtype, on the kit's random cases (for an op a plugin defines, the
+arguments its `examples` returns for that device and dtype) whose signature its predicate
 accepts; a predicate must answer None or an `Unsupported`, never raise.
 The candidate gets its own copies of the inputs and the references read pristine ones, so a
 candidate that writes into its inputs cannot move its own yardstick; it then fails for the
@@ -113,6 +114,11 @@ def _run_case(
     try:
         sig = registry.signature(cand.op, *case.args, **case.kwargs)
     except Exception as exc:
+        if registry.op(cand.op).examples is not None:
+            raise CheckFailed(
+                f"the op's signature rejected its own examples ({describe(exc)}): "
+                "examples and signature disagree"
+            ) from exc
         raise CheckFailed(
             f"the op's signature rejected the kit's inputs ({describe(exc)}): a torchhal.testing/op mismatch"
         ) from exc
@@ -186,22 +192,32 @@ def candidate_check(op: str, qualified_name: str) -> Callable[[AdapterUnderTest]
         registry = ctx.kernel_registry()
         ctx.require_synchronize()
         cand = next(c for c in registry.candidates(op) if c.qualified_name == qualified_name)
-        if op not in kernel_inputs.CASES:
-            raise NotApplicable(f"the kit has no inputs for op {op!r} (known: {sorted(kernel_inputs.CASES)})")
+        opdef = registry.op(op)
+        if opdef.examples is None and op not in kernel_inputs.CASES:
+            raise NotApplicable(
+                f"the kit has no inputs for op {op!r}: give them where the op is defined, as "
+                f"define_op({op!r}, ..., examples=fn), fn(device, dtype, generator) returning a "
+                "list of argument tuples (fresh random inputs at odd shapes)"
+            )
         generator = ctx.generator(f"kernel:{op}/{qualified_name}")
-        host_cases: dict[torch.dtype, list[kernel_inputs.Case]] = {}
-        tested, rejected = 0, []
+        host_cases: dict[torch.dtype, list[kernel_inputs.Case]] = {}  # the kit's own, per dtype
+        drawn, tested, rejected = False, 0, []
         worst: tolerance.Comparison | None = None
         for device in ctx.devices():
             for dtype in CANDIDATE_DTYPES:
                 torch_dtype = dtype.to_torch()
                 if dtype not in device.capabilities.dtypes or torch_dtype is None:
                     continue
-                if torch_dtype not in host_cases:
+                drawn = True
+                if opdef.examples is not None:  # the op's own, drawn for each device and dtype
+                    cases = kernel_inputs.examples(op, opdef.examples, device, torch_dtype, generator)
+                elif torch_dtype in host_cases:
+                    cases = host_cases[torch_dtype]
+                else:
                     made = kernel_inputs.cases(op, generator, torch_dtype, registry)
                     assert made is not None  # op is in kernel_inputs.CASES
-                    host_cases[torch_dtype] = made
-                for case in host_cases[torch_dtype]:
+                    cases = host_cases[torch_dtype] = made
+                for case in cases:
                     label = f"{device.id} {dtype.value} {case.label}"
                     try:
                         outcome = _run_case(cand, registry, device, case)
@@ -213,7 +229,7 @@ def candidate_check(op: str, qualified_name: str) -> Callable[[AdapterUnderTest]
                     tested += 1
                     if worst is None or outcome.ratio > worst.ratio:
                         worst = outcome
-        if not host_cases:  # no case was drawn, so none was rejected either
+        if not drawn:  # no case was drawn, so none was rejected either
             raise NotApplicable(
                 "no device declares a dtype the kit runs kernels in "
                 f"({', '.join(d.value for d in CANDIDATE_DTYPES)})"

@@ -214,7 +214,12 @@ class AdapterUnderTest:
         for name in core.kernels.ops():
             opdef = core.kernels.op(name)
             registry.define_op(
-                name, opdef.reference, signature=opdef.signature, doc=opdef.doc, memoize=opdef.memoize
+                name,
+                opdef.reference,
+                signature=opdef.signature,
+                doc=opdef.doc,
+                memoize=opdef.memoize,
+                examples=opdef.examples,
             )
         self.devices()
         self.adapter.register_kernels(registry)

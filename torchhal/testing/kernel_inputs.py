@@ -10,7 +10,9 @@ kit runs each candidate on every device and dtype); each op also gets the sizes 
 insist on (head_dim 64 and 128, rows of 256, matmul and cross-entropy dims of 64 and more), on
 short sequences and few rows, since a candidate whose predicate declines every case is never run
 and reports not applicable.
-Ops not listed here have no inputs: their candidates are reported not applicable with that reason.
+An op outside this list (one a plugin defines) brings its own inputs as `define_op(...,
+examples=fn)`, turned into cases by `examples`; one with neither has no inputs, and its
+candidates are reported not applicable with that reason.
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torchhal.testing.context import ADAPTER_ERRORS, CheckFailed, describe, where
+
 if TYPE_CHECKING:
     import torch
 
     from torchhal.hal_core import Device, KernelRegistry
+    from torchhal.hal_core.kernels import Examples
 
 
 @dataclass(frozen=True)
@@ -347,3 +352,40 @@ def cases(op: str, g: torch.Generator, dtype: torch.dtype, registry: KernelRegis
         return None
     finish = FINISH.get(op)
     return [cast(c, dtype) if finish is None else finish(c, dtype, registry) for c in make(g)]
+
+
+def examples(op: str, make: Examples, device: Device, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
+    """Host cases from `op`'s own `make(device, dtype, generator)`, its `examples` (see
+    `KernelRegistry.define_op`), each tensor copied to the host (the pristine inputs the kit
+    keeps). One that raises or returns anything but a non-empty list of argument tuples is the
+    op's defect: CheckFailed naming the op and what was wrong."""
+    import torch
+
+    called = f"op {op!r}: examples({device.torch_device}, {dtype}, generator)"
+    try:
+        made = make(device.torch_device, dtype, g)
+    except ADAPTER_ERRORS as exc:
+        raise CheckFailed(f"{called} raised {describe(exc)} ({where(exc)})") from exc
+    if not isinstance(made, list):
+        raise CheckFailed(f"{called} must return a list of argument tuples, got {type(made).__name__}")
+    if not made:
+        raise CheckFailed(f"{called} returned an empty list: no inputs to check the op's candidates on")
+    cases = []
+    for i, args in enumerate(made):
+        if not isinstance(args, tuple):
+            raise CheckFailed(
+                f"{called}: item {i} must be a tuple of the op's arguments, got {type(args).__name__}"
+            )
+        host = tuple(a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in args)
+        cases.append(Case(f"example {i} ({_summary(host)})", host))
+    return cases
+
+
+def _summary(args: tuple[Any, ...]) -> str:
+    """Arguments as a case label shows them: a tensor by its shape, anything else by its repr."""
+    import torch
+
+    return ", ".join(
+        ("x".join(map(str, a.shape)) or "scalar tensor") if isinstance(a, torch.Tensor) else repr(a)
+        for a in args
+    )
