@@ -53,7 +53,10 @@ class UnknownOpError(TorchHALError, LookupError):
 
     def __init__(self, op: str, known: Iterable[str]) -> None:
         self.op = op
-        super().__init__(f"unknown op {op!r}; defined ops: {', '.join(sorted(known)) or 'none'}")
+        # an op name is a string; anything else (a tensor passed where the name goes) is named by
+        # its type, not printed whole
+        named = repr(op) if isinstance(op, str) else f"of type {type(op).__name__} (op names are strings)"
+        super().__init__(f"unknown op {named}; defined ops: {', '.join(sorted(known)) or 'none'}")
 
 
 class KernelFailedError(TorchHALError, RuntimeError):
