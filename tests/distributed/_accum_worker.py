@@ -3,12 +3,14 @@
 Run as a script by test_accumulation_multiprocess.py, through `_worker.main` (same arguments,
 same result files); this module adds the scenario "accumulate" to `_worker.SCENARIOS`:
 DDP and FSDP2 with gradient_accumulation_steps=k against k=1 on the concatenated micro-batches,
-each counting its gradient reductions; a rank short mid-accumulation; and a checkpoint of each
-rank's (different) data position, resumed to the exact remaining batches. The scenario
-"memory20" (run by test_accumulation_memory20.py): under DDP, FSDP2 and an explicit grad_sync, a
-step holds one micro-batch at a time; a rank whose batches run out at any micro-batch of a step
-stops both ranks within seconds, naming it, with that step's gradients dropped (FSDP2's
-unsharded ones too), so a later `train` call matches a run that never saw them.
+each counting its gradient reductions; a rank short mid-accumulation; a checkpoint of each
+rank's (different) data position, resumed to the exact remaining batches; and a step stopped
+after a micro-batch ran forward, which leaves each rank's BatchNorm statistics as the completed
+steps left them. The scenario "memory20" (run by test_accumulation_memory20.py): under DDP,
+FSDP2 and an explicit grad_sync, a step holds one micro-batch at a time; a rank whose batches
+run out at any micro-batch of a step stops both ranks within seconds, naming it, with that
+step's gradients dropped (FSDP2's unsharded ones too), so a later `train` call matches a run
+that never saw them.
 """
 
 from __future__ import annotations
@@ -268,7 +270,7 @@ w.SCENARIOS["accumulate"] = [
     check_fsdp_accumulation_matches_concatenated_batches_and_reduces_once_per_step,
     check_a_rank_short_mid_accumulation_stops_every_rank_naming_it,
     check_a_checkpoint_resumes_each_ranks_data_where_it_stopped,
-]
+]  # and (below, after the helpers it shares with "memory20") a stopped step's buffers
 
 # -- scenario "memory20" (twentieth session): a step holds one micro-batch; ranks that run out --
 
@@ -466,6 +468,35 @@ def check_a_micro_batch_that_raises_under_fsdp_leaves_no_unsharded_gradient(stat
     _assert_same(_parameters(prepared), _parameters(fresh), "the step after the error")
 
 
+def check_a_step_stopped_after_a_forward_leaves_the_buffers_of_the_completed_steps(state: Any) -> None:
+    """Rank 1's batches run out after the last step's first micro-batch, which both ranks ran
+    forward and backward: each rank's model (BatchNorm's running statistics, which each rank
+    keeps from its own micro-batches, and the parameters) equals one trained on the completed
+    steps only, under DDP and FSDP2. Fails before: the statistics kept that micro-batch."""
+    steps = 3
+    for kind in ("ddp", "fsdp"):
+        completed = _prepare(state, kind)
+        _train_kind(state, kind, completed, tracked(state, kind, (steps - 1) * K), steps - 1)
+        prepared = _prepare(state, kind)
+        count = (steps - 1) * K + (1 if state.rank == 1 else K)
+        try:
+            _train_kind(state, kind, prepared, tracked(state, kind, count), steps)
+        except InvalidArgumentError as exc:
+            text = str(exc)
+            assert f"after {steps - 1} of {steps} steps" in text and "on rank(s) [1]" in text, text
+        else:
+            raise AssertionError(f"{kind}: train finished although rank 1 ran out")
+        torch.testing.assert_close(
+            dict(prepared.model.named_buffers()),
+            dict(completed.model.named_buffers()),
+            rtol=0,
+            atol=0,
+            msg=lambda m, kind=kind: f"{kind}, rank {state.rank}: {m}",
+        )
+        _assert_same(_parameters(prepared), _parameters(completed), f"{kind}: after the stopped step")
+        dist.barrier()
+
+
 w.SCENARIOS["memory20"] = [
     check_init,
     check_one_micro_batch_is_held_at_a_time,
@@ -473,6 +504,9 @@ w.SCENARIOS["memory20"] = [
     check_a_loss_fn_with_its_own_collective_stops_cleanly_when_a_rank_runs_out,
     check_a_micro_batch_that_raises_under_fsdp_leaves_no_unsharded_gradient,
 ]
+w.SCENARIOS["accumulate"].append(
+    check_a_step_stopped_after_a_forward_leaves_the_buffers_of_the_completed_steps
+)
 check_names = w.check_names
 
 if __name__ == "__main__":

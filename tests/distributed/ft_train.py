@@ -2,6 +2,7 @@
 
 Run by `ft_launch` (RANK/WORLD_SIZE set, a FileStore under OUT) or by torchrun (env://):
     python ft_train.py OUT CKPT_DIR [--steps N] [--save-every S] [--fault kill|hang --fault-at K]
+        [--collective-timeout SECONDS]
 `--strategy fsdp` shards with FSDP2 instead of DDP. The fault fires only in generation 0, after
 step K's checkpoint decision, on rank R: `kill` is a SIGKILL of the process, `hang` sleeps forever.
 Every rank writes OUT/rank<r>.json: the generation, the step it resumed from, and either its
@@ -28,7 +29,11 @@ from torchhal.distributed.elastic import ElasticJob
 from torchhal.hal_core import CollectiveError
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_tiny_gpt.py"
-COLLECTIVE_TIMEOUT = timedelta(seconds=3)
+COLLECTIVE_TIMEOUT = timedelta(seconds=30)
+"""Bounds every collective. A killed rank's peers hear of it at once (its sockets close), so the
+kill worlds need no short bound, and a short one failed generation 0 under load on 2 cores before
+it reached the fault; only a hung rank's peers wait for it, so the hang test passes HANG_TIMEOUT."""
+HANG_TIMEOUT = timedelta(seconds=3)
 HEARTBEAT_INTERVAL, HEARTBEAT_DEADLINE = 0.25, 2.0
 
 
@@ -61,6 +66,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--generation", type=int, help="outside torchrun: this launch's generation")
     p.add_argument("--async-save", action="store_true")
     p.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--collective-timeout", type=float, default=COLLECTIVE_TIMEOUT.total_seconds())
     return p.parse_args(argv)
 
 
@@ -77,7 +83,7 @@ def main() -> None:
         device="cpu",
         store=store,
         gen=args.generation,
-        timeout=COLLECTIVE_TIMEOUT,
+        timeout=timedelta(seconds=args.collective_timeout),
         keep=2,
         save_every=args.save_every,
         heartbeat_interval=HEARTBEAT_INTERVAL,

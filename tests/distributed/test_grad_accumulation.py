@@ -5,6 +5,7 @@ optimizer step give what one batch of them all gives under a mean loss. The mult
 from __future__ import annotations
 
 import copy
+import io
 import random
 import time
 
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchhal import distributed as thd
-from torchhal.hal_core import InvalidArgumentError
+from torchhal.hal_core import InvalidArgumentError, telemetry
 
 DIM = 9
 
@@ -204,6 +205,118 @@ def test_a_failing_micro_batch_leaves_no_gradient_behind(ctx):
     assert all(p.grad is None for p in prepared.model.parameters())
     for p, q in zip(prepared.model.parameters(), before, strict=True):
         assert torch.equal(p, q)
+
+
+class Normed(Net):
+    """Net after a BatchNorm, whose training forwards update its running statistics in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(DIM)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x), y)
+
+
+class Averaged(Net):
+    """Net that keeps a moving average of its inputs in a buffer, assigned anew by each training
+    forward (not updated in place, as BatchNorm's statistics are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(DIM))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+        return super().forward(x - self.mean, y)
+
+
+def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
+    """Bit for bit: a stopped step's buffers are restored from a copy, not recomputed."""
+    torch.testing.assert_close(dict(a.named_buffers()), dict(b.named_buffers()), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("make", "strategy"), [(Normed, "local"), (Normed, "ddp"), (Averaged, "local")])
+def test_a_step_stopped_after_a_forward_leaves_the_buffers_as_they_were(ctx, make, strategy):
+    """The last step's batches run out after its first micro-batch ran forward and backward: the
+    model equals one trained on the completed steps only. Fails before: BatchNorm's running
+    statistics (a moving average's buffer) kept that micro-batch: its gradients were dropped,
+    its forward's updates not."""
+    steps, k = 3, 3
+    model = make()
+    micro = micro_batches(steps, k, 4)[: (steps - 1) * k + 1]
+    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy=strategy)
+    with pytest.raises(InvalidArgumentError, match=r"batches ran out after 2 of 3 steps"):
+        thd.train(
+            prepared.model,
+            prepared.optimizer,
+            micro,
+            steps=steps,
+            ctx=ctx,
+            policy=prepared.policy,
+            gradient_accumulation_steps=k,
+        )
+    completed, _ = run(
+        ctx, model, micro[: (steps - 1) * k], steps - 1, strategy, gradient_accumulation_steps=k
+    )
+    stopped = prepared.model.module if strategy == "ddp" else prepared.model
+    assert_same_buffers(stopped, completed)
+    assert_same_parameters(stopped, completed)
+
+
+class NormedWithPayload(Normed):
+    """Normed with a packed integer payload in a persistent buffer, as GPTQ/AWQ layers keep their
+    quantized weights: no forward updates it, so a copy each step would only double it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("packed", torch.randint(-(2**31), 2**31 - 1, (DIM, DIM), dtype=torch.int32))
+
+
+def test_a_stopped_step_restores_the_statistics_and_leaves_integer_payloads_alone(ctx):
+    """BatchNorm's three buffers are restored (the warning counts them); the int32 payload is not
+    copied, so not counted."""
+    stream = io.StringIO()
+    telemetry.configure(log_level="warning", log_stream=stream)
+    model = NormedWithPayload()
+    packed = model.packed.clone()
+    prepared = thd.prepare(model, sgd, ctx=ctx, strategy="local")
+    with pytest.raises(InvalidArgumentError, match=r"batches ran out after 1 of 2 steps"):
+        thd.train(
+            prepared.model, prepared.optimizer, micro_batches(2, 2, 4)[:3], steps=2, ctx=ctx,
+            policy=prepared.policy, gradient_accumulation_steps=2,
+        )  # fmt: skip
+    assert "its buffers restored" in stream.getvalue() and "restored_buffers=3" in stream.getvalue()
+    assert torch.equal(prepared.model.packed, packed)
+
+
+def test_a_failing_forward_leaves_the_running_statistics_as_they_were(ctx):
+    """One batch a step (no accumulation), its loss not a scalar: the error leaves the model as
+    the completed step left it. Fails before: the failed forward had updated the statistics."""
+    model = Normed()
+    data = micro_batches(2, 1, 4)
+    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
+    calls = []
+
+    def second_fails(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        calls.append(1)
+        loss = model(*batch)
+        return loss.expand(2) if len(calls) == 2 else loss
+
+    with pytest.raises(InvalidArgumentError, match=r"the loss must be a scalar tensor"):
+        thd.train(
+            prepared.model,
+            prepared.optimizer,
+            data,
+            steps=2,
+            ctx=ctx,
+            policy=prepared.policy,
+            loss_fn=second_fails,
+        )
+    completed, _ = run(ctx, model, data[:1], 1, "local")
+    assert_same_buffers(prepared.model, completed)
+    assert_same_parameters(prepared.model, completed)
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "2", None])

@@ -91,7 +91,8 @@ def train(
     all-gather of one number on the group's host side), so a rank whose batches ran out stops
     every rank with an error naming it, instead of leaving its peers waiting in a collective
     until the process-group timeout. The gradients a
-    step had accumulated when it stopped are dropped (logged and counted).
+    step had accumulated when it stopped are dropped (logged and counted), and the model's
+    persistent buffers (BatchNorm's running statistics) are restored to what they were before it.
     """
     if steps < 0:
         raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
@@ -115,6 +116,7 @@ def train(
     agree = steps_synchronise(ctx.world_size, policy, grad_sync)
     no_sync = _gradient_sync_off(model) if accumulate > 1 else None
     model.train()
+    buffers = _Buffers(model)
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
             feed = _MicroBatches(source, ctx, accumulate, agree, step - first_step, steps)
@@ -125,6 +127,7 @@ def train(
                     optimizer,
                     feed,
                     no_sync,
+                    buffers,
                     step,
                     ctx,
                     policy,
@@ -263,6 +266,7 @@ def _step(
     optimizer: torch.optim.Optimizer,
     feed: _MicroBatches,
     no_sync: Callable[[], contextlib.AbstractContextManager[None]] | None,
+    buffers: _Buffers,
     step: int,
     ctx: DistContext,
     policy: PrecisionPolicy,
@@ -275,6 +279,7 @@ def _step(
     clock = _real_time(ctx)
     timer = ctx.device.timer() if grad_sync is not None else None  # compute_s, for a grad_sync
     micro: list[_Micro] = []
+    buffers.save()
     try:
         for index in range(feed.count):
             last = index == feed.count - 1
@@ -293,7 +298,8 @@ def _step(
                 )
             )
     except BaseException:
-        _drop_gradients(model, optimizer, step, len(micro), no_sync is not None)
+        restored = buffers.restore()
+        _drop_gradients(model, optimizer, step, len(micro), no_sync is not None, restored)
         raise
     compute_s = None if timer is None else sum(timer.elapsed_ms(*m.compute) for m in micro) / 1e3
     if grad_sync is not None:
@@ -375,18 +381,80 @@ def _forward_backward(
 
 
 def _drop_gradients(
-    model: nn.Module, optimizer: torch.optim.Optimizer, step: int, done: int, accumulating: bool
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    done: int,
+    accumulating: bool,
+    restored: int,
 ) -> None:
     """A step stopped (an error, or a rank's batches ran out): drop what its `done` micro-batches
-    accumulated, so that a retry or a later `train` call starts clean."""
+    accumulated, so that a retry or a later `train` call starts clean (`restored`: the buffers
+    put back as they were before the step)."""
     optimizer.zero_grad(set_to_none=True)
     if accumulating:
         _drop_unsharded_gradients(model)
     if done:
         log.warning(
-            "train: step stopped; its accumulated gradients were dropped", step=step, micro_batches=done
+            "train: step stopped; its accumulated gradients were dropped and its buffers restored",
+            step=step,
+            micro_batches=done,
+            restored_buffers=restored,
         )
         telemetry.count("torchhal.train.dropped_micro_batches", done)
+
+
+class _Buffers:
+    """The model's persistent buffers (those `state_dict` saves) that hold statistics, copied
+    before each step and put back when the step stops. A training forward may update any of them
+    (BatchNorm's running statistics, spectral norm's power-iteration vectors, a quantization
+    observer's ranges, a user's moving average), and torch does not say which: BatchNorm's own
+    update does not even bump the buffer's version counter. Statistics are floating point, or
+    integer counters of one element (`num_batches_tracked`); integer and bool buffers of more
+    elements are payloads no forward updates (GPTQ/AWQ's packed weights, index tables, masks),
+    which copying would double in memory. Non-persistent buffers are caches (rotary tables, masks)
+    by torch's definition, recomputable, so they are not copied; nor is a lazy module's buffer
+    before its first forward (there is no value yet to copy). Found once per `train` call: a
+    model without such buffers pays nothing more a step."""
+
+    def __init__(self, model: nn.Module) -> None:
+        found: dict[int, tuple[nn.Module, str]] = {}
+        for module in model.modules():
+            skip = module._non_persistent_buffers_set
+            for name, buffer in module.named_buffers(recurse=False):
+                if name not in skip and not nn.parameter.is_lazy(buffer) and _statistic(buffer):
+                    found.setdefault(id(buffer), (module, name))  # a shared buffer once
+        self._where = list(found.values())
+        self._held: list[tuple[nn.Module, str, torch.Tensor]] = []  # what the last save copied
+        self._saved: list[torch.Tensor] = []  # its copies, reused step after step
+
+    def save(self) -> None:
+        """Copy the buffers before a step's first forward (fused, into copies made once)."""
+        if not self._where:
+            return
+        # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer): a forward
+        # may have assigned a module a new buffer (or None) since the last step
+        current = [(m, name, b) for m, name in self._where if (b := m._buffers[name]) is not None]
+        if [id(b) for _, _, b in current] != [id(b) for _, _, b in self._held]:
+            self._held = current
+            self._saved = [torch.empty_like(b) for _, _, b in self._held]
+        with torch.no_grad():
+            torch._foreach_copy_(self._saved, [b for _, _, b in self._held])
+
+    def restore(self) -> int:
+        """Put each buffer back in place (DDP and FSDP2 hold these very tensors), and back on its
+        module where a forward assigned it a new tensor (`self.avg = self.avg * d + ...`)."""
+        with torch.no_grad():
+            for (module, name, buffer), copy in zip(self._held, self._saved, strict=True):
+                buffer.copy_(copy)
+                if module._buffers[name] is not buffer:
+                    setattr(module, name, buffer)
+        return len(self._held)
+
+
+def _statistic(buffer: torch.Tensor) -> bool:
+    """A buffer a training forward may update: floating point, or a one-element counter."""
+    return buffer.is_floating_point() or buffer.is_complex() or buffer.numel() == 1
 
 
 def _drop_unsharded_gradients(model: nn.Module) -> None:
