@@ -70,3 +70,13 @@ def test_example_trains_on_two_gpus(tmp_path, strategy, accumulate):
         assert losses[-1] < 0.5 * losses[0], losses
         batch = report["batch"]  # every micro-batch of a step counted
         assert [s["tokens"] for s in report["steps"]] == [batch["local"] * batch["seq_len"]] * 10
+
+
+def test_a_stopped_step_leaves_each_gpus_model_as_the_completed_steps_left_it(tmp_path):
+    """DDP and FSDP2 over NCCL: BatchNorm's statistics (restored on the GPU by a fused copy) and
+    the parameters after a step that stopped part-way equal those of the completed steps."""
+    torchrun("tests/distributed/gpu/stopped_step.py", str(tmp_path), timeout=180)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert report["ok"], report["error"]
+        assert report["device"] == f"cuda:{rank}"
