@@ -12,9 +12,11 @@ import errno
 import hashlib
 import json
 import os
+import re
 import secrets
 import statistics
 import sys
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from functools import cache, partial
@@ -91,6 +93,10 @@ def measure_or_load(
 ABSENT = (FileNotFoundError, NotADirectoryError)
 
 
+_TEMP_NAME = re.compile(r"\..+\.[0-9a-f]{16}\.tmp")  # write_cached's temporary files
+STALE_TEMP_S = 3600.0  # a write takes milliseconds: a temporary file this old is a killed writer's
+
+
 def write_cached(path: Path, text: str) -> bool:
     """Write a cache file atomically (a crash never leaves half of one). One that cannot be
     written (TORCHHAL_CACHE_DIR is a file, or read-only) is logged and counted, not raised: the
@@ -113,7 +119,39 @@ def write_cached(path: Path, text: str) -> bool:
     except OSError as exc:
         _not_written(path, exc)
         return False
+    _remove_stale_temps(path.parent)
     return True
+
+
+def _remove_stale_temps(directory: Path) -> None:
+    """Remove `write_cached`'s temporary files in `directory` older than `STALE_TEMP_S`: a writer
+    killed between writing one and renaming it left it there for good. Younger ones may be
+    another writer's, still writing, and are left alone. Each removal is logged and counted, and
+    so is one that fails (another user's file in a sticky directory); the write stands."""
+    cutoff = time.time() - STALE_TEMP_S
+    try:
+        with os.scandir(directory) as entries:
+            names = [entry.path for entry in entries if _TEMP_NAME.fullmatch(entry.name)]
+    except OSError as exc:
+        _stale_temp_kept(str(directory), exc)
+        return
+    for name in names:
+        try:
+            if os.lstat(name).st_mtime >= cutoff:
+                continue
+            os.unlink(name)
+        except FileNotFoundError:
+            continue  # another writer removed it first
+        except OSError as exc:
+            _stale_temp_kept(name, exc)
+            continue
+        telemetry.count("torchhal.cache.stale_temps_removed")
+        log.info("removed a killed writer's temporary cache file", path=name)
+
+
+def _stale_temp_kept(path: str, exc: OSError) -> None:
+    telemetry.count("torchhal.cache.stale_temps_kept")
+    log.info("stale temporary cache file not removed", path=path, error=f"{type(exc).__name__}: {exc}")
 
 
 def update_cached(path: Path, render: Callable[[], str]) -> bool:
@@ -137,8 +175,18 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
     """An advisory lock, held through this open file until it is closed: flock on POSIX (it
     excludes two opens in one process too, where fcntl's record locks are per process), msvcrt's
     one-byte lock on Windows (it retries for 10 s, then raises OSError). Where flock says the
-    filesystem has no locks, nothing is held (`_unlocked`)."""
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    filesystem has no locks, nothing is held (`_unlocked`).
+
+    A lock file it may not write (another user's, made under umask 022 in a group-shared cache)
+    is opened read-only, which flock locks as well (NFS's emulation of flock wants a writable
+    file: there that user's write fails as before, logged and counted). Opened for writing only,
+    it kept every other user of the cache from writing to it."""
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+    except PermissionError:
+        if not os.path.lexists(lock_path):  # not there, and this user may not make it: said as is
+            raise
+        fd = os.open(lock_path, os.O_RDONLY)
     try:
         if sys.platform == "win32":
             msvcrt.locking(fd, msvcrt.LK_LOCK, 1)

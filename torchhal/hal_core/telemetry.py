@@ -52,6 +52,7 @@ class _State:
         self.log_level = _LEVELS["warning"]
         self.log_format = "console"
         self.log_stream: Any = None  # None: sys.stderr at the time of writing
+        self.failed_streams: list[Any] = []  # streams a write failed on: written no more
         self.env_applied = False
         self.provider_in_env = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ  # a provider to load
 
@@ -129,6 +130,7 @@ def reset() -> None:
     configure(exporter="none", log_level="warning", log_format="console")
     with _state.lock:
         _state.log_stream = None
+        _state.failed_streams.clear()
         _Logger.reset_all()
 
 
@@ -305,9 +307,18 @@ class _Logger:
         # sys.stderr as it is now: a logger kept the one of its first line, and wrote to it
         # closed once that was a capture (contextlib.redirect_stderr, pytest's) that had ended
         stream = _state.log_stream or sys.stderr
+        if any(failed is stream for failed in _state.failed_streams):
+            count("torchhal.log.lines_dropped")
+            return
         if self._logger is None or self._stream is not stream:
             self._logger, self._stream = _make_structlog(self.name, stream), stream
-        getattr(self._logger, level)(event, **kw)
+        try:
+            getattr(self._logger, level)(event, **kw)
+        except (OSError, ValueError) as exc:
+            # a ValueError is a closed stream's ("I/O operation on closed file"), or a bug to see
+            if isinstance(exc, ValueError) and not getattr(stream, "closed", False):
+                raise
+            _stream_failed(stream, exc)
 
     def debug(self, event: str, **kw: Any) -> None:
         self._emit("debug", event, kw)
@@ -325,18 +336,43 @@ class _Logger:
         return _LEVELS[level] >= _state.log_level
 
 
+def _stream_failed(stream: Any, exc: Exception) -> None:
+    """A log stream a write failed on (a pipe whose reader exited, as `torchhal info 2>&1 | head
+    -1` leaves stderr; a file closed under the logger) is written no more: the error raised out of
+    the user's op call, and `torchhal info` printed nothing. Its lines are counted as dropped, and
+    the failure said once on the process's own stderr unless that is the stream that failed."""
+    with _state.lock:
+        if any(failed is stream for failed in _state.failed_streams):
+            return  # another thread's line met the failure first and said so
+        _state.failed_streams.append(stream)
+    count("torchhal.log.lines_dropped")
+    notice = sys.__stderr__
+    if notice is None or notice is stream:
+        return
+    with contextlib.suppress(OSError, ValueError):  # that one broken too: nowhere left to say it
+        print(
+            f"torchhal: log stream {stream!r} failed ({type(exc).__name__}: {exc}); "
+            "torchhal's log lines to it are dropped (counted as torchhal.log.lines_dropped)",
+            file=notice,
+            flush=True,
+        )
+
+
 def _make_structlog(name: str, stream: Any) -> Any:
     import structlog
 
     # JSON: a traceback as text (`exc_info=True` was written `true`), and always valid JSON
     json_only = [structlog.processors.format_exc_info, structlog.processors.JSONRenderer(_json_line)]
+    # console: Python's own traceback text for exc_info; structlog's default formatter (rich's, or
+    # better-exceptions') printed every frame's locals: whole tensors, tokens, secrets in variables
+    console = structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     return structlog.wrap_logger(
         structlog.PrintLogger(stream),
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             _otel_ids,
-            *(json_only if _state.log_format == "json" else [structlog.dev.ConsoleRenderer(colors=False)]),
+            *(json_only if _state.log_format == "json" else [console]),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
         context_class=dict,
