@@ -8,6 +8,7 @@ import io
 import os
 import secrets
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -117,6 +118,21 @@ def _in_child_as_another_user(work: Callable[[], bool]) -> tuple[int, int]:
         os._exit(code)
 
 
+def _wait_for(pid: int, timeout_s: float) -> int:
+    """The child's wait status, or a failure naming why after `timeout_s`: a child forked from
+    this multi-threaded process could hang on a lock another thread held at the fork."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            pytest.fail(f"the forked writer had not finished after {timeout_s} s (a lock held at the fork?)")
+        time.sleep(0.02)
+
+
 def test_a_lock_file_this_user_may_not_write_still_locks_and_the_cache_is_written() -> None:
     with _shared_dir() as directory:
         path = directory / "selections" / "device.json"
@@ -134,7 +150,7 @@ def test_a_lock_file_this_user_may_not_write_still_locks_and_the_cache_is_writte
                 written_while_locked = path.exists()
         finally:
             os.close(go)  # the child goes on (and ends) whatever happened here
-            _, status = os.waitpid(pid, 0)
+            status = _wait_for(pid, timeout_s=60)
         assert not written_while_locked  # it waited on the lock it took through a read-only file
         assert os.waitstatus_to_exitcode(status) == 0  # was 1: PermissionError opening the lock
         assert path.read_text() == text
