@@ -62,10 +62,12 @@ def set_default_hal(hal: HardwareAbstractionLayer | None) -> None:
 def dispatch(op: str, *args: Any) -> Any:
     """Run registry op `op` (a core op or one a plugin defined) on positional `args`, as the ops
     of this module do: through the HAL of the innermost `hal.use(device)` block, else the
-    default HAL, on the device of the first tensor. What a plugin's own `torch.library.custom_op`
-    wrapper calls (adapter guide §8). An op no HAL defines raises `UnknownOpError`, naming the op
-    and the defined ones. (Every op call of this module comes here: one frame, one `use()`
-    lookup, one dict lookup.)"""
+    default HAL, on the device of the first argument (a tensor). What a plugin's own
+    `torch.library.custom_op` wrapper calls (adapter guide §8). Autocast is the caller's: this
+    module's ops apply torch's autocast rule and then call here with it off, and a wrapper turns
+    it off itself. An op no HAL defines raises `UnknownOpError`, naming the op and the defined
+    ones. (Every op call of this module comes here: one frame, one `use()` lookup, one dict
+    lookup.)"""
     use = active_use()
     if use is not None:
         return use[0].dispatch(op, *args)

@@ -225,6 +225,25 @@ def test_a_raising_or_malformed_examples_fails_the_ops_checks_naming_the_op():
         )
 
 
+def test_examples_that_ignore_the_dtype_asked_fail_instead_of_certifying_it():
+    """Examples always in fp32 ran the bf16 and fp16 cases in fp32: a candidate wrong only in
+    bf16 passed, certified for bf16. An fp32 side tensor beside one in the dtype asked is fine."""
+
+    def always_fp32(device: torch.device, dtype: torch.dtype, generator: torch.Generator) -> list[tuple]:
+        return softcap_examples(device, torch.float32, generator)
+
+    def wrong_in_bf16(x: torch.Tensor, cap: float) -> torch.Tensor:
+        out = softcap_fp32(x, cap)
+        return out * 2 + 1 if x.dtype == torch.bfloat16 else out
+
+    (result,) = kernel_results(hook_with(always_fp32, wrong=wrong_in_bf16)).values()
+    assert result.status is CheckStatus.FAILED
+    assert (
+        f"op {OP!r}: examples(cpu, torch.bfloat16, generator): item 0 has no floating tensor in "
+        "torch.bfloat16 (its floating tensors are torch.float32)"
+    ) in result.reason, result.reason
+
+
 def test_examples_the_ops_signature_refuses_fail_naming_the_disagreement():
     def wrong_cap(device: torch.device, dtype: torch.dtype, generator: torch.Generator) -> list[tuple]:
         return [(x, 2) for x, _ in softcap_examples(device, dtype, generator)]  # an int cap
@@ -257,3 +276,15 @@ def test_define_op_refuses_what_cannot_be_called_naming_the_op(part, value):
     ):
         registry.define_op(OP, reference, **given)
     assert OP not in registry.ops()  # nothing half-defined
+
+
+def test_define_op_names_a_long_refused_value_by_its_type_and_a_shortened_repr():
+    """A list of example tuples passed where the callable goes printed whole (14,000 characters)."""
+    value = [(torch.randn(1000), 1.0)] * 8
+    with pytest.raises(InvalidArgumentError) as raised:
+        KernelRegistry().define_op(OP, softcap_reference, signature=softcap_signature, examples=value)
+    message = str(raised.value)
+    assert message.startswith(
+        "define_op: op 'softcap': examples must be callable or None, got list [(tensor("
+    )
+    assert len(message) < 400, len(message)  # whole, it was over 100,000

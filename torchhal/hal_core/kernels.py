@@ -15,6 +15,7 @@ import importlib
 import math
 import operator
 import os
+import reprlib
 import threading
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -813,26 +814,37 @@ def _check_candidate(candidate: Candidate) -> None:
     inconsistent (a priority 1000 lost to 100), a string left the op's list unsorted."""
     where = f"register: candidate {candidate.qualified_name!r} of op {candidate.op!r}"
     if not is_finite_number(candidate.priority):
-        raise InvalidArgumentError(f"{where}: priority must be a finite number, got {candidate.priority!r}")
+        raise InvalidArgumentError(
+            f"{where}: priority must be a finite number, got {_seen(candidate.priority)}"
+        )
     if not callable(candidate.fn):
-        raise InvalidArgumentError(f"{where}: fn must be callable, got {candidate.fn!r}")
+        raise InvalidArgumentError(f"{where}: fn must be callable, got {_seen(candidate.fn)}")
     for part in ("supports", "bind"):
         value = getattr(candidate, part)
         if value is not None and not callable(value):
-            raise InvalidArgumentError(f"{where}: {part} must be callable or None, got {value!r}")
+            raise InvalidArgumentError(f"{where}: {part} must be callable or None, got {_seen(value)}")
 
 
 def _check_op(opdef: OpDef) -> None:
     """What `define_op` refuses, naming the op: a reference or signature that is not callable
     was accepted, and every call of the op then failed far from its definition."""
     if not isinstance(opdef.name, str) or not opdef.name:
-        raise InvalidArgumentError(f"define_op: the op's name must be a non-empty string, got {opdef.name!r}")
+        raise InvalidArgumentError(
+            f"define_op: the op's name must be a non-empty string, got {_seen(opdef.name)}"
+        )
     where = f"define_op: op {opdef.name!r}"
     for part in ("reference", "signature"):
         if not callable(getattr(opdef, part)):
-            raise InvalidArgumentError(f"{where}: {part} must be callable, got {getattr(opdef, part)!r}")
+            raise InvalidArgumentError(f"{where}: {part} must be callable, got {_seen(getattr(opdef, part))}")
     if opdef.examples is not None and not callable(opdef.examples):
-        raise InvalidArgumentError(f"{where}: examples must be callable or None, got {opdef.examples!r}")
+        raise InvalidArgumentError(f"{where}: examples must be callable or None, got {_seen(opdef.examples)}")
+
+
+def _seen(value: object) -> str:
+    """A refused value as an error names it: its repr, or where that is long, its type and a
+    shortened repr (a list of tensors passed by mistake printed whole, 14,000 characters)."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{type(value).__name__} {reprlib.repr(value)}"
 
 
 def _outranked(

@@ -377,15 +377,24 @@ def examples(op: str, make: Examples, device: Device, dtype: torch.dtype, g: tor
                 f"{called}: item {i} must be a tuple of the op's arguments, got {type(args).__name__}"
             )
         host = tuple(a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in args)
-        cases.append(Case(f"example {i} ({_summary(host)})", host))
+        floating = [a.dtype for a in host if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        if floating and dtype not in floating:  # fp32 side tensors (tables, weights) may stay
+            seen = ", ".join(sorted({str(d) for d in floating}))
+            raise CheckFailed(
+                f"{called}: item {i} has no floating tensor in {dtype} (its floating tensors are "
+                f"{seen}): its candidates would be certified in {dtype} on inputs of another dtype"
+            )
+        cases.append(Case(f"example {i} ({_summary(host, dtype)})", host))
     return cases
 
 
-def _summary(args: tuple[Any, ...]) -> str:
-    """Arguments as a case label shows them: a tensor by its shape, anything else by its repr."""
+def _summary(args: tuple[Any, ...], dtype: torch.dtype) -> str:
+    """Arguments as a case label shows them: a tensor by its shape (and its dtype where it is not
+    the case's), anything else by its repr."""
     import torch
 
-    return ", ".join(
-        ("x".join(map(str, a.shape)) or "scalar tensor") if isinstance(a, torch.Tensor) else repr(a)
-        for a in args
-    )
+    def tensor(t: torch.Tensor) -> str:
+        shape = "x".join(map(str, t.shape)) or "scalar tensor"
+        return shape if t.dtype == dtype else f"{shape} {str(t.dtype).removeprefix('torch.')}"
+
+    return ", ".join(tensor(a) if isinstance(a, torch.Tensor) else repr(a) for a in args)
