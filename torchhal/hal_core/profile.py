@@ -14,6 +14,7 @@ import json
 import os
 import re
 import secrets
+import stat
 import statistics
 import sys
 import time
@@ -180,14 +181,25 @@ def _exclusive(lock_path: Path) -> Iterator[None]:
     A lock file it may not write (another user's, made under umask 022 in a group-shared cache)
     is opened read-only, which flock locks as well (NFS's emulation of flock wants a writable
     file: there that user's write fails as before, logged and counted). Opened for writing only,
-    it kept every other user of the cache from writing to it."""
+    it kept every other user of the cache from writing to it.
+
+    Opened without blocking and without following a symbolic link, and refused unless it is a
+    regular file: a FIFO left there by another user hung the read-only open for good, waiting for
+    a writer. O_NONBLOCK does not make flock non-blocking."""
+    flags = getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | flags, 0o666)
     except PermissionError:
         if not os.path.lexists(lock_path):  # not there, and this user may not make it: said as is
             raise
-        fd = os.open(lock_path, os.O_RDONLY)
+        fd = os.open(lock_path, os.O_RDONLY | flags)
     try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise OSError(
+                errno.EINVAL,
+                f"lock file {str(lock_path)!r} is not a regular file (mode {stat.filemode(mode)})",
+            )
         if sys.platform == "win32":
             msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
             try:

@@ -20,7 +20,7 @@ import sys
 import threading
 import weakref
 from collections import Counter
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
@@ -52,7 +52,9 @@ class _State:
         self.log_level = _LEVELS["warning"]
         self.log_format = "console"
         self.log_stream: Any = None  # None: sys.stderr at the time of writing
-        self.failed_streams: list[Any] = []  # streams a write failed on: written no more
+        # streams a write failed on, written no more: id -> a weak reference (a failed pipe's fd
+        # closes with its wrapper), or the stream itself where its type takes no weak references
+        self.failed_streams: dict[int, Callable[[], Any]] = {}
         self.env_applied = False
         self.provider_in_env = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ  # a provider to load
 
@@ -108,6 +110,7 @@ def _configure(
             _state.log_level = _LEVELS[log_level]
         if log_stream is not None:
             _state.log_stream = log_stream
+            _state.failed_streams.pop(id(log_stream), None)  # given again: written again
         _Logger.reset_all()
         # Only now: a failed call (say TORCHHAL_OTEL_EXPORTER=otlp without the extra) must fail
         # again on the next use, not leave tracing silently off.
@@ -298,7 +301,7 @@ class _Logger:
     def reset_all(cls) -> None:
         with cls._all_lock:
             for logger in cls._all:
-                logger._logger = None
+                logger._logger = logger._stream = None
 
     def _emit(self, level: str, event: str, kw: dict[str, Any]) -> None:
         _apply_environment()
@@ -307,18 +310,16 @@ class _Logger:
         # sys.stderr as it is now: a logger kept the one of its first line, and wrote to it
         # closed once that was a capture (contextlib.redirect_stderr, pytest's) that had ended
         stream = _state.log_stream or sys.stderr
-        if any(failed is stream for failed in _state.failed_streams):
+        if _has_failed(stream):
             count("torchhal.log.lines_dropped")
             return
-        if self._logger is None or self._stream is not stream:
-            self._logger, self._stream = _make_structlog(self.name, stream), stream
-        try:
-            getattr(self._logger, level)(event, **kw)
-        except (OSError, ValueError) as exc:
-            # a ValueError is a closed stream's ("I/O operation on closed file"), or a bug to see
-            if isinstance(exc, ValueError) and not getattr(stream, "closed", False):
-                raise
-            _stream_failed(stream, exc)
+        logger = self._logger  # read once: a configure() in another thread resets it to None
+        if logger is None or self._stream is not stream:
+            logger = self._logger = _make_structlog(self.name, stream)
+            self._stream = stream
+        # errors of rendering (a value's __repr__) are the caller's, raised; the stream's own are
+        # handled by _StreamLogger
+        getattr(logger, level)(event, **kw)
 
     def debug(self, event: str, **kw: Any) -> None:
         self._emit("debug", event, kw)
@@ -336,15 +337,69 @@ class _Logger:
         return _LEVELS[level] >= _state.log_level
 
 
+class _StreamLogger:
+    """structlog's logger: each rendered line goes to `stream` in one write, then a flush, and
+    only the errors of that write and flush are handled here (structlog's PrintLogger printed the
+    line and its newline apart, and took weak references the stream's type may not allow).
+
+    A character the stream's encoding lacks is written backslash-escaped (`\\xe4`): an ASCII or
+    cp1252 stream raised UnicodeEncodeError out of the user's call. A write that would block (a
+    non-blocking pipe that is full, EAGAIN) drops that line, counted; the stream stays in use.
+    Any other OSError, or a ValueError of a closed stream, fails the stream (`_stream_failed`);
+    another ValueError is the stream's bug, raised."""
+
+    _lock: ClassVar[threading.Lock] = threading.Lock()  # lines of two threads are not interleaved
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def msg(self, message: str) -> None:
+        line = message + "\n"
+        with self._lock:
+            try:
+                try:
+                    self._stream.write(line)
+                except UnicodeEncodeError as exc:  # nothing written yet: the text is encoded first
+                    encoding = getattr(self._stream, "encoding", None)
+                    encoding = encoding if isinstance(encoding, str) else exc.encoding
+                    self._stream.write(line.encode(encoding, "backslashreplace").decode(encoding))
+                self._stream.flush()
+            except BlockingIOError:
+                count("torchhal.log.lines_dropped")
+            except (OSError, ValueError) as exc:
+                # a ValueError is a closed stream's ("I/O operation on closed file"), or a bug to see
+                if isinstance(exc, ValueError) and not getattr(self._stream, "closed", False):
+                    raise
+                _stream_failed(self._stream, exc)
+
+    debug = info = warning = error = msg  # the levels _Logger has
+
+
+def _has_failed(stream: Any) -> bool:
+    held = _state.failed_streams.get(id(stream))
+    return held is not None and held() is stream
+
+
 def _stream_failed(stream: Any, exc: Exception) -> None:
     """A log stream a write failed on (a pipe whose reader exited, as `torchhal info 2>&1 | head
     -1` leaves stderr; a file closed under the logger) is written no more: the error raised out of
     the user's op call, and `torchhal info` printed nothing. Its lines are counted as dropped, and
-    the failure said once on the process's own stderr unless that is the stream that failed."""
+    the failure said once on the process's own stderr unless that is the stream that failed.
+    Remembered by a weak reference, so the stream (and a pipe's fd) is not kept open for good."""
+    key = id(stream)
+
+    def forget(ref: weakref.ref[Any]) -> None:  # the stream is gone: its id may be reused
+        if _state.failed_streams.get(key) is ref:
+            _state.failed_streams.pop(key, None)
+
     with _state.lock:
-        if any(failed is stream for failed in _state.failed_streams):
+        if _has_failed(stream):
             return  # another thread's line met the failure first and said so
-        _state.failed_streams.append(stream)
+        try:
+            _state.failed_streams[key] = weakref.ref(stream, forget)
+        except TypeError:  # a type without weak references: held until reset() or configure()
+            _state.failed_streams[key] = lambda: stream
+    _Logger.reset_all()  # loggers let go of it too (rebuilt on their next line)
     count("torchhal.log.lines_dropped")
     notice = sys.__stderr__
     if notice is None or notice is stream:
@@ -367,7 +422,7 @@ def _make_structlog(name: str, stream: Any) -> Any:
     # better-exceptions') printed every frame's locals: whole tensors, tokens, secrets in variables
     console = structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)
     return structlog.wrap_logger(
-        structlog.PrintLogger(stream),
+        _StreamLogger(stream),
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
