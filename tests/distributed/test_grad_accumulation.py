@@ -8,11 +8,14 @@ import copy
 import io
 import random
 import time
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
 from torchhal import distributed as thd
 from torchhal.hal_core import InvalidArgumentError, telemetry
@@ -60,6 +63,21 @@ def run(ctx, model: nn.Module, data, steps: int, strategy: str, **options) -> tu
 def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def train_until_batches_run_out(ctx, prepared: thd.Prepared, data, steps: int, k: int, match: str) -> None:
+    """Train `steps` steps of `k` micro-batches over `data`, too few for them: it must stop
+    with the error `match` describes."""
+    with pytest.raises(InvalidArgumentError, match=match):
+        thd.train(
+            prepared.model,
+            prepared.optimizer,
+            data,
+            steps=steps,
+            ctx=ctx,
+            policy=prepared.policy,
+            gradient_accumulation_steps=k,
+        )
 
 
 @pytest.mark.parametrize("strategy", ["local", "ddp"])
@@ -157,19 +175,14 @@ def test_batches_running_out_mid_step_apply_nothing_of_that_step(ctx):
     model = Net()
     micro = micro_batches(steps, k, 2)[:-1]  # the last step is one micro-batch short
     prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
-    with pytest.raises(
-        InvalidArgumentError,
-        match=r"batches ran out after 2 of 3 steps \(gradient_accumulation_steps 2: this rank had 1 of them",
-    ):
-        thd.train(
-            prepared.model,
-            prepared.optimizer,
-            micro,
-            steps=steps,
-            ctx=ctx,
-            policy=prepared.policy,
-            gradient_accumulation_steps=k,
-        )
+    train_until_batches_run_out(
+        ctx,
+        prepared,
+        micro,
+        steps,
+        k,
+        r"batches ran out after 2 of 3 steps \(gradient_accumulation_steps 2: this rank had 1 of them",
+    )
     two_steps, _ = run(ctx, copy.deepcopy(model), micro[: 2 * k], 2, "local", gradient_accumulation_steps=k)
     assert_same_parameters(prepared.model, two_steps)
     assert all(p.grad is None for p in prepared.model.parameters())
@@ -247,16 +260,7 @@ def test_a_step_stopped_after_a_forward_leaves_the_buffers_as_they_were(ctx, mak
     model = make()
     micro = micro_batches(steps, k, 4)[: (steps - 1) * k + 1]
     prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy=strategy)
-    with pytest.raises(InvalidArgumentError, match=r"batches ran out after 2 of 3 steps"):
-        thd.train(
-            prepared.model,
-            prepared.optimizer,
-            micro,
-            steps=steps,
-            ctx=ctx,
-            policy=prepared.policy,
-            gradient_accumulation_steps=k,
-        )
+    train_until_batches_run_out(ctx, prepared, micro, steps, k, r"batches ran out after 2 of 3 steps")
     completed, _ = run(
         ctx, model, micro[: (steps - 1) * k], steps - 1, strategy, gradient_accumulation_steps=k
     )
@@ -282,11 +286,9 @@ def test_a_stopped_step_restores_the_statistics_and_leaves_integer_payloads_alon
     model = NormedWithPayload()
     packed = model.packed.clone()
     prepared = thd.prepare(model, sgd, ctx=ctx, strategy="local")
-    with pytest.raises(InvalidArgumentError, match=r"batches ran out after 1 of 2 steps"):
-        thd.train(
-            prepared.model, prepared.optimizer, micro_batches(2, 2, 4)[:3], steps=2, ctx=ctx,
-            policy=prepared.policy, gradient_accumulation_steps=2,
-        )  # fmt: skip
+    train_until_batches_run_out(
+        ctx, prepared, micro_batches(2, 2, 4)[:3], 2, 2, r"batches ran out after 1 of 2 steps"
+    )
     assert "its buffers restored" in stream.getvalue() and "restored_buffers=3" in stream.getvalue()
     assert torch.equal(prepared.model.packed, packed)
 
@@ -317,6 +319,164 @@ def test_a_failing_forward_leaves_the_running_statistics_as_they_were(ctx):
     completed, _ = run(ctx, model, data[:1], 1, "local")
     assert_same_buffers(prepared.model, completed)
     assert_same_parameters(prepared.model, completed)
+
+
+def test_a_buffer_copy_that_fails_takes_no_batch(ctx, monkeypatch):
+    """The copy of a buffer a forward assigned anew runs out of memory before the second step:
+    train raises that error before taking the step's batch, so the caller's loader still holds
+    it. Fails before: the batch was fetched first and lost."""
+    prepared = thd.prepare(Averaged(), sgd, ctx=ctx, strategy="local")
+    first = prepared.model.mean
+    empty_like = torch.empty_like
+
+    def out_of_memory_for_a_new_buffer(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if tensor is prepared.model.mean and tensor is not first:
+            raise torch.OutOfMemoryError("no memory for the copy")
+        return empty_like(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty_like", out_of_memory_for_a_new_buffer)
+    data = micro_batches(3, 1, 4)
+    source = iter(data)
+    with pytest.raises(torch.OutOfMemoryError, match="no memory for the copy"):
+        thd.train(prepared.model, prepared.optimizer, source, steps=3, ctx=ctx, policy=prepared.policy)
+    assert next(source) is data[1]
+
+
+class QuantizationAware(nn.Module):
+    """Net's shape for eager-mode quantization-aware training: fake-quantized activations and
+    per-channel weights, whose observers' ranges start with no element (scales with one) and
+    are resized in place by their first forward."""
+
+    def __init__(self) -> None:
+        from torch.ao.quantization import DeQuantStub, QuantStub
+
+        super().__init__()
+        self.quant, self.dequant = QuantStub(), DeQuantStub()
+        self.hidden, self.head = nn.Linear(DIM, DIM), nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        out = self.dequant(self.head(torch.relu(self.hidden(self.quant(x)))))
+        return F.mse_loss(out.squeeze(-1), y)
+
+
+@pytest.mark.parametrize("completed", [0, 2])
+def test_quantization_aware_training_runs_and_a_stopped_step_restores_the_observers(ctx, completed):
+    """`prepare_qat` with fbgemm's QAT qconfig: the steps after the first run (fails before: the
+    observers' resized buffers no longer fit their copies at step 2), and a step stopped after
+    its first micro-batch leaves the observers as the completed steps left them, as they were
+    built when it is the first (fails before: restoring into a resized buffer raised)."""
+    tq = pytest.importorskip("torch.ao.quantization", reason="eager-mode QAT needs torch.ao.quantization")
+    model = QuantizationAware()
+    model.train()
+    model.qconfig = tq.get_default_qat_qconfig("fbgemm")
+    with warnings.catch_warnings():  # torch.ao.quantization's deprecation and reduce_range notes
+        warnings.simplefilter("ignore")
+        tq.prepare_qat(model, inplace=True)
+    steps, k = completed + 1, 2
+    micro = micro_batches(steps, k, 4)[: completed * k + 1]
+    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
+    train_until_batches_run_out(
+        ctx, prepared, micro, steps, k, rf"ran out after {completed} of {steps} steps"
+    )
+    reference, stats = run(
+        ctx, model, micro[: completed * k], completed, "local", gradient_accumulation_steps=k
+    )
+    assert len(stats) == completed
+    assert_same_buffers(prepared.model, reference)
+    assert_same_parameters(prepared.model, reference)
+
+
+class Awkward(Normed):
+    """Normed with a buffer made under `torch.inference_mode()` (written only in inference mode)
+    and one that is an expanded view (`copy_` into it raises), both on a submodule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Module()
+        with torch.inference_mode():
+            self.inner.register_buffer("table", torch.randn(DIM))
+        self.inner.register_buffer("spread", torch.randn(1).expand(DIM))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(x + self.inner.table + self.inner.spread, y)
+
+
+def test_a_buffer_that_cannot_be_restored_is_logged_and_the_users_error_raised(ctx):
+    """The second step's loss_fn deletes BatchNorm's running mean and raises: that error is the
+    one raised, the running statistics (the deleted one back on its module) and the
+    inference-mode buffer are restored, the expanded buffer is logged by name and counted, and
+    no gradient is left. Fails before: restoring raised its own error in place of the user's."""
+    stream = io.StringIO()
+    telemetry.configure(log_level="warning", log_stream=stream)
+    key = "torchhal.train.buffers_not_restored"
+    before = telemetry.counts().get(key, 0)
+    model = Awkward()
+    data = micro_batches(2, 1, 4)
+    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
+    calls = []
+
+    def second_fails(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        calls.append(1)
+        loss = model(*batch)
+        if len(calls) == 2:
+            del model.norm.running_mean
+            raise KeyError("the user's own error")
+        return loss
+
+    with pytest.raises(KeyError, match="the user's own error"):
+        thd.train(
+            prepared.model, prepared.optimizer, data, steps=2, ctx=ctx, policy=prepared.policy,
+            loss_fn=second_fails,
+        )  # fmt: skip
+    assert telemetry.counts().get(key, 0) == before + 1
+    assert "a buffer was not restored" in stream.getvalue() and "buffer=inner.spread" in stream.getvalue()
+    assert "running_mean" in prepared.model.norm._buffers
+    assert all(p.grad is None for p in prepared.model.parameters())
+    completed, _ = run(ctx, model, data[:1], 1, "local")
+    assert_same_buffers(prepared.model, completed)
+    assert_same_parameters(prepared.model, completed)
+
+
+class Replicated(Normed):
+    """Normed replicated over a device mesh (`distribute_module`: its parameters and buffers are
+    DTensors), with a plain buffer registered after: a step count its forward keeps."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        super().__init__()
+        distribute_module(
+            self,
+            mesh,
+            input_fn=lambda _, inputs, mesh: tuple(
+                DTensor.from_local(t, mesh, [Replicate()]) for t in inputs
+            ),
+            output_fn=lambda _, out, mesh: out.to_local(),
+        )
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.seen.add_(1)
+        return super().forward(x, y)
+
+
+def test_a_stopped_step_restores_dtensor_buffers(ctx):
+    """DTensor and plain buffers together, on a mesh of this one rank: the completed steps run
+    and a stopped one is undone. Fails before: the first step's copy raised (`_foreach_copy_` has
+    no DTensor rule, nor takes DTensors and tensors together)."""
+    model = Replicated(init_device_mesh("cpu", (1,)))
+    assert isinstance(model.norm.running_mean, DTensor) and not isinstance(model.seen, DTensor)
+    steps, k = 3, 2
+    micro = micro_batches(steps, k, 4)[: (steps - 1) * k + 1]
+    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
+    train_until_batches_run_out(ctx, prepared, micro, steps, k, r"batches ran out after 2 of 3 steps")
+    completed, _ = run(
+        ctx, model, micro[: (steps - 1) * k], steps - 1, "local", gradient_accumulation_steps=k
+    )
+
+    def full(module: nn.Module) -> dict[str, torch.Tensor]:
+        return {name: b.full_tensor() if isinstance(b, DTensor) else b for name, b in module.named_buffers()}
+
+    torch.testing.assert_close(full(prepared.model), full(completed), rtol=0, atol=0)
+    assert float(completed.seen) == (steps - 1) * k
 
 
 @pytest.mark.parametrize("value", [0, -2, 1.5, True, "2", None])

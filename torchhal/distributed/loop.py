@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -120,6 +121,7 @@ def train(
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
             feed = _MicroBatches(source, ctx, accumulate, agree, step - first_step, steps)
+            buffers.save()  # before the fetch: an error here loses no batch
             feed.fetch_first()  # before the step begins, as when all were fetched here
             with telemetry.span("torchhal.train.step", step=step, rank=ctx.rank) as span:
                 result = _step(
@@ -279,7 +281,6 @@ def _step(
     clock = _real_time(ctx)
     timer = ctx.device.timer() if grad_sync is not None else None  # compute_s, for a grad_sync
     micro: list[_Micro] = []
-    buffers.save()
     try:
         for index in range(feed.count):
             last = index == feed.count - 1
@@ -298,7 +299,7 @@ def _step(
                 )
             )
     except BaseException:
-        restored = buffers.restore()
+        restored = buffers.restore()  # logs each buffer it cannot put back, raising nothing
         _drop_gradients(model, optimizer, step, len(micro), no_sync is not None, restored)
         raise
     compute_s = None if timer is None else sum(timer.elapsed_ms(*m.compute) for m in micro) / 1e3
@@ -418,38 +419,84 @@ class _Buffers:
     model without such buffers pays nothing more a step."""
 
     def __init__(self, model: nn.Module) -> None:
-        found: dict[int, tuple[nn.Module, str]] = {}
-        for module in model.modules():
+        found: dict[int, tuple[str, nn.Module, str]] = {}
+        for prefix, module in model.named_modules():
             skip = module._non_persistent_buffers_set
             for name, buffer in module.named_buffers(recurse=False):
                 if name not in skip and not nn.parameter.is_lazy(buffer) and _statistic(buffer):
-                    found.setdefault(id(buffer), (module, name))  # a shared buffer once
+                    qualified = f"{prefix}.{name}" if prefix else name
+                    found.setdefault(id(buffer), (qualified, module, name))  # a shared buffer once
         self._where = list(found.values())
-        self._held: list[tuple[nn.Module, str, torch.Tensor]] = []  # what the last save copied
+        # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer)
+        self._dicts = [module._buffers for _, module, _ in self._where]
+        self._names = [name for _, _, name in self._where]
+        self._held: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # what the last save copied
         self._saved: list[torch.Tensor] = []  # its copies, reused step after step
+        self._ids: list[int] = []  # of the held buffers
+        self._kinds: list[tuple[torch.Size, torch.dtype, torch.device]] = []  # theirs when copied
+        self._fused: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies, plain buffers
+        self._each: list[tuple[torch.Tensor, torch.Tensor]] = []  # copy, subclass buffer (DTensor)
 
     def save(self) -> None:
-        """Copy the buffers before a step's first forward (fused, into copies made once)."""
+        """Copy the buffers before a step's first forward: plain tensors with one fused copy, into
+        copies kept from step to step while each buffer stays the same tensor of the same shape,
+        dtype and device (an observer's forward `resize_`s its ranges in place); tensor
+        subclasses (a replicated DTensor) one by one, as `_foreach_copy_` has no DTensor rule."""
         if not self._where:
             return
-        # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer): a forward
-        # may have assigned a module a new buffer (or None) since the last step
-        current = [(m, name, b) for m, name in self._where if (b := m._buffers[name]) is not None]
-        if [id(b) for _, _, b in current] != [id(b) for _, _, b in self._held]:
-            self._held = current
-            self._saved = [torch.empty_like(b) for _, _, b in self._held]
+        # a forward may have assigned a module a new buffer, None, or deleted it since the last step
+        present = [b for b in map(dict.get, self._dicts, self._names) if b is not None]
+        ids, kinds = list(map(id, present)), list(map(_KIND, present))
+        if ids != self._ids or kinds != self._kinds:
+            self._remake(ids, kinds)
         with torch.no_grad():
-            torch._foreach_copy_(self._saved, [b for _, _, b in self._held])
+            if self._fused[0]:  # _foreach_copy_ refuses empty lists
+                torch._foreach_copy_(*self._fused)
+            for copy, buffer in self._each:
+                copy.copy_(buffer)
+
+    def _remake(self, ids: list[int], kinds: list[tuple[torch.Size, torch.dtype, torch.device]]) -> None:
+        """New copies for the buffers that changed, the others kept."""
+        held = [(*w, b) for w in self._where if (b := w[1]._buffers.get(w[2])) is not None]
+        kept = dict(zip(zip(self._ids, self._kinds, strict=True), self._saved, strict=True))
+        found = [kept.pop(key, None) for key in zip(ids, kinds, strict=True)]
+        saved = [torch.empty_like(b) if c is None else c for c, (*_, b) in zip(found, held, strict=True)]
+        pairs = [(copy, b) for copy, (*_, b) in zip(saved, held, strict=True)]
+        plain = [(copy, b) for copy, b in pairs if type(b) is torch.Tensor]
+        self._fused = ([copy for copy, _ in plain], [b for _, b in plain])
+        self._each = [(copy, b) for copy, b in pairs if type(b) is not torch.Tensor]
+        self._held, self._saved, self._ids, self._kinds = held, saved, ids, kinds
 
     def restore(self) -> int:
         """Put each buffer back in place (DDP and FSDP2 hold these very tensors), and back on its
-        module where a forward assigned it a new tensor (`self.avg = self.avg * d + ...`)."""
-        with torch.no_grad():
-            for (module, name, buffer), copy in zip(self._held, self._saved, strict=True):
-                buffer.copy_(copy)
-                if module._buffers[name] is not buffer:
-                    setattr(module, name, buffer)
-        return len(self._held)
+        module where a forward assigned it a new tensor (`self.avg = self.avg * d + ...`) or
+        deleted it. One that cannot be put back is logged and counted, and the others still are:
+        this runs while the step's own error propagates, which it must not replace. Returns how
+        many were put back."""
+        restored = 0
+        for (qualified, module, name, buffer), copy in zip(self._held, self._saved, strict=True):
+            try:
+                # an inference tensor (made under inference_mode) is written in inference mode only
+                with torch.inference_mode() if buffer.is_inference() else torch.no_grad():
+                    if buffer.shape != copy.shape:  # resized in place by the forward
+                        buffer.resize_(copy.shape)
+                    buffer.copy_(copy)
+                if module._buffers.get(name) is not buffer:
+                    module._buffers[name] = buffer
+            except Exception as error:
+                log.warning(
+                    "train: a buffer was not restored after the step stopped; it keeps that step's value",
+                    buffer=qualified,
+                    error=f"{type(error).__name__}: {error}",
+                )
+                telemetry.count("torchhal.train.buffers_not_restored")
+            else:
+                restored += 1
+        return restored
+
+
+_KIND = operator.attrgetter("shape", "dtype", "device")
+"""What a buffer's copy must match: `_foreach_copy_` broadcasts and converts without a word."""
 
 
 def _statistic(buffer: torch.Tensor) -> bool:
