@@ -207,10 +207,16 @@ def test_clear_cache_overwrites_twice_the_l2_before_every_sample(monkeypatch):
     clear = harness._cache_clearer(with_l2)
     buffer = clear.__self__  # the bound zero_ of the buffer it overwrites
     assert buffer.numel() * buffer.element_size() == 2 << 20
-    buffer.fill_(3.0)
+    buffer.fill_(3)
     clear()
     assert not buffer.any()
     assert harness._cache_clearer(cpu) is None  # no declared L2: nothing to clear, logged
+    # a device that computes in int8 alone (no fp32 declared) still has its cache cleared
+    int8_only = cpu.capabilities.model_copy(
+        update={"l2_cache_bytes": 1 << 20, "dtypes": frozenset({DType.INT8})}
+    )
+    buffer = harness._cache_clearer(Device(cpu.adapter, int8_only)).__self__
+    assert buffer.numel() * buffer.element_size() == 2 << 20
 
     events: list[str] = []
     monkeypatch.setattr(harness, "_cache_clearer", lambda device: lambda: events.append("clear"))

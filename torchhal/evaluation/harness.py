@@ -325,7 +325,9 @@ def _cache_clearer(device: Device) -> Callable[[], object] | None:
         return None
     import torch
 
-    buffer = device.empty((2 * l2 // 4,), torch.float32)  # fp32: a dtype every device declares
+    # bytes: storage every adapter takes, where fp32 is a format a device may not declare (an
+    # int8-only ASIC refused the buffer, and with it every measurement asking to clear the cache)
+    buffer = device.empty((2 * l2,), torch.uint8)
     return buffer.zero_
 
 
