@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import random
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -215,7 +216,6 @@ def test_a_raising_or_malformed_examples_fails_the_ops_checks_naming_the_op():
         " raised ValueError: no inputs today": raising,
         " must return a list of argument tuples, got tuple": lambda *a: tuple(softcap_examples(*a)),
         ": item 1 must be a tuple of the op's arguments, got list": one_list,
-        " returned an empty list: no inputs to check the op's candidates on": lambda *a: [],
     }
     for what, examples in said.items():
         (result,) = kernel_results(hook_with(examples, fp32=softcap_fp32)).values()
@@ -242,6 +242,51 @@ def test_examples_that_ignore_the_dtype_asked_fail_instead_of_certifying_it():
         f"op {OP!r}: examples(cpu, torch.bfloat16, generator): item 0 has no floating tensor in "
         "torch.bfloat16 (its floating tensors are torch.float32)"
     ) in result.reason, result.reason
+
+
+def test_examples_give_no_inputs_in_a_dtype_the_op_does_not_take():
+    """An empty list: that dtype is skipped, and said; none in any dtype is not applicable."""
+
+    def fp32_only(device: torch.device, dtype: torch.dtype, generator: torch.Generator) -> list[tuple]:
+        return softcap_examples(device, dtype, generator) if dtype == torch.float32 else []
+
+    (result,) = kernel_results(hook_with(fp32_only, fp32=softcap_fp32)).values()
+    assert result.status is CheckStatus.PASSED, result.reason
+    assert re.match(
+        r"2 case\(s\) within tolerance, .*; its op's examples give no inputs in cpu ", result.reason
+    )
+    assert "cpu bf16" in result.reason and "cpu fp32" not in result.reason
+    (result,) = kernel_results(hook_with(lambda *a: [], fp32=softcap_fp32)).values()
+    assert result.status is CheckStatus.NOT_APPLICABLE
+    assert result.reason.startswith("no inputs: its op's examples give none in cpu "), result.reason
+
+
+def test_examples_may_keep_fixed_dtype_inputs_beside_the_dtype_asked_as_an_argument():
+    """A dequantize: int8 values and fp32 scales whatever the output dtype, which it takes as an
+    argument; its candidates are checked in every dtype."""
+    op = "dequantize"
+
+    def reference(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (q.double() * scale.double()[:, None]).to(dtype)
+
+    def signature(q: Any, scale: Any, dtype: Any) -> tuple[Any, ...]:
+        return (q.dtype, scale.dtype, dtype, q.dim())
+
+    def examples(device: torch.device, dtype: torch.dtype, generator: torch.Generator) -> list[tuple]:
+        q = torch.randint(-128, 128, (7, 33), generator=generator, dtype=torch.int8)
+        return [(q.to(device), torch.rand(7, generator=generator).to(device), dtype)]
+
+    def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return (q.float() * scale[:, None]).to(dtype)
+
+    def hook(registry: KernelRegistry) -> None:
+        registry.define_op(op, reference, signature=signature, examples=examples)
+        registry.register(op, "fp32", dequantize, provider="acme")
+
+    suite = ConformanceSuite(SoftcapOnTheHost(hook), seed=random.randrange(2**63))
+    (result,) = [suite.run_check(c) for c in suite.checks() if c.id == f"kernel.{op}/acme/fp32"]
+    assert result.status is CheckStatus.PASSED, result.reason
+    assert result.reason.startswith(f"{len(CANDIDATE_DTYPES)} case(s) within tolerance"), result.reason
 
 
 def test_examples_the_ops_signature_refuses_fail_naming_the_disagreement():

@@ -9,6 +9,7 @@ import io
 import random
 import time
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -245,21 +246,62 @@ class Averaged(Net):
         return super().forward(x - self.mean, y)
 
 
+class SharedAverage(Net):
+    """A moving average kept in a buffer that two modules share; the forward reassigns the
+    submodule's slot only, which must be restored though the root's holds the same tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(DIM))
+        self.sub = nn.Module()
+        self.sub.register_buffer("mean", self.mean)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.sub.mean = 0.9 * self.sub.mean + 0.1 * x.mean(0)
+        return super().forward(x - self.sub.mean, y)
+
+
+class ScriptableNormed(nn.Module):
+    """A BatchNorm model TorchScript compiles (its `_buffers` are a wrapper, not a dict)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(DIM)
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(self.head(self.norm(x)).squeeze(-1), y)
+
+
+def scripted() -> nn.Module:
+    return torch.jit.script(ScriptableNormed())
+
+
+def seeded(make: Callable[[], nn.Module], seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return make()
+
+
 def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
     """Bit for bit: a stopped step's buffers are restored from a copy, not recomputed."""
     torch.testing.assert_close(dict(a.named_buffers()), dict(b.named_buffers()), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize(("make", "strategy"), [(Normed, "local"), (Normed, "ddp"), (Averaged, "local")])
+@pytest.mark.parametrize(
+    ("make", "strategy"),
+    [(Normed, "local"), (Normed, "ddp"), (Averaged, "local"), (SharedAverage, "local"), (scripted, "local")],
+)
 def test_a_step_stopped_after_a_forward_leaves_the_buffers_as_they_were(ctx, make, strategy):
     """The last step's batches run out after its first micro-batch ran forward and backward: the
     model equals one trained on the completed steps only. Fails before: BatchNorm's running
     statistics (a moving average's buffer) kept that micro-batch: its gradients were dropped,
     its forward's updates not."""
     steps, k = 3, 3
-    model = make()
+    seed = random.randrange(2**31)
+    model, twin = seeded(make, seed), seeded(make, seed)  # twins: a ScriptModule's deepcopy breaks
     micro = micro_batches(steps, k, 4)[: (steps - 1) * k + 1]
-    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy=strategy)
+    prepared = thd.prepare(twin, sgd, ctx=ctx, strategy=strategy)
     train_until_batches_run_out(ctx, prepared, micro, steps, k, r"batches ran out after 2 of 3 steps")
     completed, _ = run(
         ctx, model, micro[: (steps - 1) * k], steps - 1, strategy, gradient_accumulation_steps=k

@@ -419,17 +419,20 @@ class _Buffers:
     model without such buffers pays nothing more a step."""
 
     def __init__(self, model: nn.Module) -> None:
-        found: dict[int, tuple[str, nn.Module, str]] = {}
-        for prefix, module in model.named_modules():
-            skip = module._non_persistent_buffers_set
-            for name, buffer in module.named_buffers(recurse=False):
-                if name not in skip and not nn.parameter.is_lazy(buffer) and _statistic(buffer):
-                    qualified = f"{prefix}.{name}" if prefix else name
-                    found.setdefault(id(buffer), (qualified, module, name))  # a shared buffer once
-        self._where = list(found.values())
-        # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer)
+        # every slot, a buffer two modules share included: a forward may reassign either
+        self._where = [
+            (f"{prefix}.{name}" if prefix else name, module, name)
+            for prefix, module in model.named_modules(remove_duplicate=False)
+            for name, buffer in module.named_buffers(recurse=False)
+            if name not in module._non_persistent_buffers_set
+            and not nn.parameter.is_lazy(buffer)
+            and _statistic(buffer)
+        ]
+        # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer); a ScriptModule's
+        # is a wrapper without `dict.get`
         self._dicts = [module._buffers for _, module, _ in self._where]
         self._names = [name for _, _, name in self._where]
+        self._get = dict.get if all(type(d) is dict for d in self._dicts) else _slot
         self._held: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # what the last save copied
         self._saved: list[torch.Tensor] = []  # its copies, reused step after step
         self._ids: list[int] = []  # of the held buffers
@@ -445,7 +448,7 @@ class _Buffers:
         if not self._where:
             return
         # a forward may have assigned a module a new buffer, None, or deleted it since the last step
-        present = [b for b in map(dict.get, self._dicts, self._names) if b is not None]
+        present = [b for b in map(self._get, self._dicts, self._names) if b is not None]
         ids, kinds = list(map(id, present)), list(map(_KIND, present))
         if ids != self._ids or kinds != self._kinds:
             self._remake(ids, kinds)
@@ -457,7 +460,11 @@ class _Buffers:
 
     def _remake(self, ids: list[int], kinds: list[tuple[torch.Size, torch.dtype, torch.device]]) -> None:
         """New copies for the buffers that changed, the others kept."""
-        held = [(*w, b) for w in self._where if (b := w[1]._buffers.get(w[2])) is not None]
+        held = [
+            (*w, b)
+            for w, d in zip(self._where, self._dicts, strict=True)
+            if (b := _slot(d, w[2])) is not None
+        ]
         kept = dict(zip(zip(self._ids, self._kinds, strict=True), self._saved, strict=True))
         found = [kept.pop(key, None) for key in zip(ids, kinds, strict=True)]
         saved = [torch.empty_like(b) if c is None else c for c, (*_, b) in zip(found, held, strict=True)]
@@ -481,7 +488,7 @@ class _Buffers:
                     if buffer.shape != copy.shape:  # resized in place by the forward
                         buffer.resize_(copy.shape)
                     buffer.copy_(copy)
-                if module._buffers.get(name) is not buffer:
+                if _slot(module._buffers, name) is not buffer:
                     module._buffers[name] = buffer
             except Exception as error:
                 log.warning(
@@ -493,6 +500,12 @@ class _Buffers:
             else:
                 restored += 1
         return restored
+
+
+def _slot(buffers: Any, name: str) -> torch.Tensor | None:
+    """A module's buffer `name`, or None where it was deleted or set to None (`buffers` is the
+    module's `_buffers`: a dict, or a ScriptModule's wrapper of one, which has no `get`)."""
+    return buffers[name] if name in buffers else None
 
 
 _KIND = operator.attrgetter("shape", "dtype", "device")

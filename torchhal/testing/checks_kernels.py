@@ -201,7 +201,7 @@ def candidate_check(op: str, qualified_name: str) -> Callable[[AdapterUnderTest]
             )
         generator = ctx.generator(f"kernel:{op}/{qualified_name}")
         host_cases: dict[torch.dtype, list[kernel_inputs.Case]] = {}  # the kit's own, per dtype
-        drawn, tested, rejected = False, 0, []
+        drawn, tested, rejected, without = False, 0, [], []  # without: dtypes its examples skip
         worst: tolerance.Comparison | None = None
         for device in ctx.devices():
             for dtype in CANDIDATE_DTYPES:
@@ -211,6 +211,8 @@ def candidate_check(op: str, qualified_name: str) -> Callable[[AdapterUnderTest]
                 drawn = True
                 if opdef.examples is not None:  # the op's own, drawn for each device and dtype
                     cases = kernel_inputs.examples(op, opdef.examples, device, torch_dtype, generator)
+                    if not cases:
+                        without.append(f"{device.id} {dtype.value}")
                 elif torch_dtype in host_cases:
                     cases = host_cases[torch_dtype]
                 else:
@@ -234,11 +236,16 @@ def candidate_check(op: str, qualified_name: str) -> Callable[[AdapterUnderTest]
                 "no device declares a dtype the kit runs kernels in "
                 f"({', '.join(d.value for d in CANDIDATE_DTYPES)})"
             )
+        skipped = f"; its op's examples give no inputs in {', '.join(without)}" if without else ""
+        if worst is None and not rejected:
+            raise NotApplicable(f"no inputs: its op's examples give none in {', '.join(without)}")
         if worst is None:
-            raise NotApplicable("its predicate rejected every case the kit tried: " + "; ".join(rejected))
+            raise NotApplicable(
+                "its predicate rejected every case the kit tried: " + "; ".join(rejected) + skipped
+            )
         return (
             f"{tested} case(s) within tolerance, worst {worst.ratio:.2f} of the allowed error ({worst}); "
-            f"{len(rejected)} case(s) declined by its predicate"
+            f"{len(rejected)} case(s) declined by its predicate" + skipped
         )
 
     return check

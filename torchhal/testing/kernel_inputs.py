@@ -357,8 +357,9 @@ def cases(op: str, g: torch.Generator, dtype: torch.dtype, registry: KernelRegis
 def examples(op: str, make: Examples, device: Device, dtype: torch.dtype, g: torch.Generator) -> list[Case]:
     """Host cases from `op`'s own `make(device, dtype, generator)`, its `examples` (see
     `KernelRegistry.define_op`), each tensor copied to the host (the pristine inputs the kit
-    keeps). One that raises or returns anything but a non-empty list of argument tuples is the
-    op's defect: CheckFailed naming the op and what was wrong."""
+    keeps); an empty list where the op takes no inputs in `dtype`. One that raises or returns
+    anything but a list of argument tuples, or inputs not in `dtype`, is the op's defect:
+    CheckFailed naming the op and what was wrong."""
     import torch
 
     called = f"op {op!r}: examples({device.torch_device}, {dtype}, generator)"
@@ -368,9 +369,7 @@ def examples(op: str, make: Examples, device: Device, dtype: torch.dtype, g: tor
         raise CheckFailed(f"{called} raised {describe(exc)} ({where(exc)})") from exc
     if not isinstance(made, list):
         raise CheckFailed(f"{called} must return a list of argument tuples, got {type(made).__name__}")
-    if not made:
-        raise CheckFailed(f"{called} returned an empty list: no inputs to check the op's candidates on")
-    cases = []
+    cases = []  # an empty list: the op takes no inputs in this dtype
     for i, args in enumerate(made):
         if not isinstance(args, tuple):
             raise CheckFailed(
@@ -378,11 +377,14 @@ def examples(op: str, make: Examples, device: Device, dtype: torch.dtype, g: tor
             )
         host = tuple(a.detach().cpu() if isinstance(a, torch.Tensor) else a for a in args)
         floating = [a.dtype for a in host if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        if floating and dtype not in floating:  # fp32 side tensors (tables, weights) may stay
+        # fp32 side tensors (tables, scales) may stay beside one in the dtype asked, or beside the
+        # dtype itself as an argument (a dequantize's output dtype)
+        if floating and dtype not in floating and dtype not in host:
             seen = ", ".join(sorted({str(d) for d in floating}))
             raise CheckFailed(
                 f"{called}: item {i} has no floating tensor in {dtype} (its floating tensors are "
-                f"{seen}): its candidates would be certified in {dtype} on inputs of another dtype"
+                f"{seen}), nor {dtype} as an argument: its candidates would be certified in {dtype} "
+                "on inputs of another dtype (return [] for a dtype the op does not take)"
             )
         cases.append(Case(f"example {i} ({_summary(host, dtype)})", host))
     return cases
