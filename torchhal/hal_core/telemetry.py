@@ -55,6 +55,9 @@ class _State:
         # streams a write failed on, written no more: id -> a weak reference (a failed pipe's fd
         # closes with its wrapper), or the stream itself where its type takes no weak references
         self.failed_streams: dict[int, Callable[[], Any]] = {}
+        # streams whose last line got only partly into them (EAGAIN): torchhal's next line to one
+        # begins with a newline, so that only the fragment is malformed; held as failed_streams
+        self.torn_streams: dict[int, Callable[[], Any]] = {}
         self.env_applied = False
         self.provider_in_env = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ  # a provider to load
 
@@ -134,6 +137,7 @@ def reset() -> None:
     with _state.lock:
         _state.log_stream = None
         _state.failed_streams.clear()
+        _state.torn_streams.clear()
         _Logger.reset_all()
 
 
@@ -292,8 +296,9 @@ class _Logger:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._logger: Any = None
-        self._stream: Any = None  # what `_logger` writes to
+        # (stream, the structlog logger writing to it), read and written as one value: kept in two
+        # attributes, two threads' lines could leave a logger paired with another's stream
+        self._bound: tuple[Any, Any] | None = None
         with _Logger._all_lock:
             _Logger._all.add(self)
 
@@ -301,7 +306,7 @@ class _Logger:
     def reset_all(cls) -> None:
         with cls._all_lock:
             for logger in cls._all:
-                logger._logger = logger._stream = None
+                logger._bound = None
 
     def _emit(self, level: str, event: str, kw: dict[str, Any]) -> None:
         _apply_environment()
@@ -309,17 +314,19 @@ class _Logger:
             return
         # sys.stderr as it is now: a logger kept the one of its first line, and wrote to it
         # closed once that was a capture (contextlib.redirect_stderr, pytest's) that had ended
-        stream = _state.log_stream or sys.stderr
-        if _has_failed(stream):
+        # (`is None`: a stream whose len() is 0 is still the one given). sys.stderr is None under
+        # pythonw, in Windows services, with fd 2 closed: the line is dropped, not sent to stdout
+        # (which may be the program's data)
+        stream = _state.log_stream if _state.log_stream is not None else sys.stderr
+        if stream is None or _holds(_state.failed_streams, stream):
             count("torchhal.log.lines_dropped")
             return
-        logger = self._logger  # read once: a configure() in another thread resets it to None
-        if logger is None or self._stream is not stream:
-            logger = self._logger = _make_structlog(self.name, stream)
-            self._stream = stream
+        bound = self._bound  # read once: a configure() in another thread resets it to None
+        if bound is None or bound[0] is not stream:
+            bound = self._bound = (stream, _make_structlog(self.name, stream))
         # errors of rendering (a value's __repr__) are the caller's, raised; the stream's own are
         # handled by _StreamLogger
-        getattr(logger, level)(event, **kw)
+        getattr(bound[1], level)(event, **kw)
 
     def debug(self, event: str, **kw: Any) -> None:
         self._emit("debug", event, kw)
@@ -338,46 +345,107 @@ class _Logger:
 
 
 class _StreamLogger:
-    """structlog's logger: each rendered line goes to `stream` in one write, then a flush, and
-    only the errors of that write and flush are handled here (structlog's PrintLogger printed the
-    line and its newline apart, and took weak references the stream's type may not allow).
+    """structlog's logger: each rendered line goes to `stream` in one write, and only the errors of
+    the stream's own write and flush are handled here (structlog's PrintLogger printed the line and
+    its newline apart, and took weak references the stream's type may not allow). A stream without
+    `flush` is written without.
 
     A character the stream's encoding lacks is written backslash-escaped (`\\xe4`): an ASCII or
-    cp1252 stream raised UnicodeEncodeError out of the user's call. A write that would block (a
-    non-blocking pipe that is full, EAGAIN) drops that line, counted; the stream stays in use.
+    cp1252 stream raised UnicodeEncodeError out of the user's call. Where that fails too (an
+    encoding Python does not know, a stream that says utf-8 and writes ASCII) the line is dropped,
+    counted; a tee may have written part of it to its first stream already.
+
+    A stream that would block (a full non-blocking pipe, EAGAIN) is flushed before the line: while
+    it still holds earlier output the line is dropped, counted, and once it has room, io's buffered
+    classes take the whole line (a BlockingIOError saying 0 characters written is then the
+    line-buffered flush of a line they hold, not a loss). A line of which only part got in (longer
+    than the buffer) is counted dropped too, and the next line to that stream begins with a
+    newline: only the fragment is malformed, not the line after it. The stream stays in use.
+
     Any other OSError, or a ValueError of a closed stream, fails the stream (`_stream_failed`);
     another ValueError is the stream's bug, raised."""
 
-    _lock: ClassVar[threading.Lock] = threading.Lock()  # lines of two threads are not interleaved
+    # lines of two threads are not interleaved; reentrant, as logging's handler locks: a signal
+    # handler that logs runs in the thread it interrupts, maybe in the middle of a write
+    _lock: ClassVar[threading.RLock] = threading.RLock()
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
 
     def msg(self, message: str) -> None:
-        line = message + "\n"
         with self._lock:
             try:
-                try:
-                    self._stream.write(line)
-                except UnicodeEncodeError as exc:  # nothing written yet: the text is encoded first
-                    encoding = getattr(self._stream, "encoding", None)
-                    encoding = encoding if isinstance(encoding, str) else exc.encoding
-                    self._stream.write(line.encode(encoding, "backslashreplace").decode(encoding))
-                self._stream.flush()
-            except BlockingIOError:
-                count("torchhal.log.lines_dropped")
+                self._write(message + "\n")
             except (OSError, ValueError) as exc:
                 # a ValueError is a closed stream's ("I/O operation on closed file"), or a bug to see
                 if isinstance(exc, ValueError) and not getattr(self._stream, "closed", False):
                     raise
                 _stream_failed(self._stream, exc)
 
-    debug = info = warning = error = msg  # the levels _Logger has
+    debug = info = warning = error = critical = msg  # the levels structlog's loggers call
+
+    def _write(self, line: str) -> None:
+        stream = self._stream
+        flush = getattr(stream, "flush", None)
+        if flush is not None:
+            try:
+                flush()  # earlier output out first: its buffer then has room for the whole line
+            except BlockingIOError:  # still full: the line is not written
+                count("torchhal.log.lines_dropped")
+                return
+        if _holds(_state.torn_streams, stream):
+            line = "\n" + line  # ends the fragment of the last line
+        wrote = False
+        try:
+            try:
+                stream.write(line)
+            except UnicodeEncodeError as exc:  # nothing written yet: the text is encoded first
+                try:
+                    stream.write(_escaped(line, stream, exc))
+                except (LookupError, UnicodeError):  # no encoding the stream writes in is known
+                    count("torchhal.log.lines_dropped")
+                    return
+            wrote = True
+            if flush is not None:
+                flush()
+        except BlockingIOError as exc:
+            # how much of the line the stream took, as io's buffered classes say: 0 where the line
+            # is in their buffer and only its flush would block (a line-buffered write flushes)
+            written = getattr(exc, "characters_written", 0 if wrote else None)
+            if written != 0:  # None: nothing of the line got in; more: only part of it
+                count("torchhal.log.lines_dropped")
+                if written:
+                    _hold(_state.torn_streams, stream)
+                return
+        _state.torn_streams.pop(id(stream), None)
 
 
-def _has_failed(stream: Any) -> bool:
-    held = _state.failed_streams.get(id(stream))
+def _escaped(line: str, stream: Any, exc: UnicodeEncodeError) -> str:
+    """`line` with the characters that the stream's encoding lacks backslash-escaped."""
+    encoding = getattr(stream, "encoding", None)
+    encoding = encoding if isinstance(encoding, str) else exc.encoding
+    return line.encode(encoding, "backslashreplace").decode(encoding)
+
+
+def _holds(streams: dict[int, Callable[[], Any]], stream: Any) -> bool:
+    held = streams.get(id(stream))
     return held is not None and held() is stream
+
+
+def _hold(streams: dict[int, Callable[[], Any]], stream: Any) -> None:
+    """Puts `stream` in `streams` by a weak reference, so it (and a pipe's fd) is not kept open
+    for good; directly where its type takes no weak references (held until reset() or
+    configure())."""
+    key = id(stream)
+
+    def forget(ref: weakref.ref[Any]) -> None:  # the stream is gone: its id may be reused
+        if streams.get(key) is ref:
+            streams.pop(key, None)
+
+    try:
+        streams[key] = weakref.ref(stream, forget)
+    except TypeError:
+        streams[key] = lambda: stream
 
 
 def _stream_failed(stream: Any, exc: Exception) -> None:
@@ -385,20 +453,11 @@ def _stream_failed(stream: Any, exc: Exception) -> None:
     -1` leaves stderr; a file closed under the logger) is written no more: the error raised out of
     the user's op call, and `torchhal info` printed nothing. Its lines are counted as dropped, and
     the failure said once on the process's own stderr unless that is the stream that failed.
-    Remembered by a weak reference, so the stream (and a pipe's fd) is not kept open for good."""
-    key = id(stream)
-
-    def forget(ref: weakref.ref[Any]) -> None:  # the stream is gone: its id may be reused
-        if _state.failed_streams.get(key) is ref:
-            _state.failed_streams.pop(key, None)
-
+    Remembered by a weak reference (`_hold`)."""
     with _state.lock:
-        if _has_failed(stream):
+        if _holds(_state.failed_streams, stream):
             return  # another thread's line met the failure first and said so
-        try:
-            _state.failed_streams[key] = weakref.ref(stream, forget)
-        except TypeError:  # a type without weak references: held until reset() or configure()
-            _state.failed_streams[key] = lambda: stream
+        _hold(_state.failed_streams, stream)
     _Logger.reset_all()  # loggers let go of it too (rebuilt on their next line)
     count("torchhal.log.lines_dropped")
     notice = sys.__stderr__
