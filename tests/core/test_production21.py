@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog  # noqa: F401  imported before any fork: the user a child becomes may not read it
@@ -23,6 +24,12 @@ import structlog  # noqa: F401  imported before any fork: the user a child becom
 from torchhal.hal_core import profile, telemetry
 
 NOBODY = 65534  # the unprivileged user and group of Debian-like systems
+
+
+def logging_to(stream: Any) -> Any:
+    """torchhal's log lines to `stream`, and this module's logger."""
+    telemetry.configure(log_stream=stream)
+    return telemetry.get_logger("test.production21")
 
 
 def _raise_holding(secret: str, message: str) -> None:
@@ -49,8 +56,7 @@ def test_log_stream_closed_under_the_logger_drops_lines_and_says_so_once(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     stream = io.StringIO()
-    telemetry.configure(log_stream=stream)
-    log = telemetry.get_logger("test.production21")
+    log = logging_to(stream)
     log.warning("first")
     assert "first" in stream.getvalue()
     stream.close()
@@ -121,8 +127,7 @@ class _EagainOnce(io.StringIO):
 
 def test_a_write_that_would_block_drops_that_line_only(capfd: pytest.CaptureFixture[str]) -> None:
     stream = _EagainOnce()
-    telemetry.configure(log_stream=stream)
-    log = telemetry.get_logger("test.production21")
+    log = logging_to(stream)
     before = telemetry.counts().get("torchhal.log.lines_dropped", 0)
     lines = [secrets.token_hex(8) for _ in range(3)]
     for line in lines:
@@ -142,8 +147,7 @@ def test_an_error_rendering_a_value_is_the_callers_and_the_stream_stays(
     capfd: pytest.CaptureFixture[str],
 ) -> None:
     stream = io.StringIO()
-    telemetry.configure(log_stream=stream)
-    log = telemetry.get_logger("test.production21")
+    log = logging_to(stream)
     with pytest.raises(OSError, match="the value's own repr failed"):
         log.warning("first", value=_Unprintable())
     after = secrets.token_hex(8)
@@ -178,8 +182,7 @@ class _BreakableFile(_BreakableStream):
 
 def test_a_failed_log_stream_given_again_is_written_again() -> None:
     stream = _BreakableFile()
-    telemetry.configure(log_stream=stream)
-    log = telemetry.get_logger("test.production21")
+    log = logging_to(stream)
     stream.broken = True
     log.warning("lost")
     stream.broken = False
@@ -194,8 +197,7 @@ def test_a_failed_log_stream_given_again_is_written_again() -> None:
 def test_a_failed_log_stream_is_not_kept_alive() -> None:
     """A dead pipe's wrapper (and its fd) stayed referenced until reset(): for the process's life."""
     stream = io.StringIO()
-    telemetry.configure(log_stream=stream)
-    log = telemetry.get_logger("test.production21")
+    log = logging_to(stream)
     stream.close()
     log.warning("fails the stream")
     gone = weakref.ref(stream)
@@ -207,8 +209,7 @@ def test_a_failed_log_stream_is_not_kept_alive() -> None:
 
 def test_a_stream_without_weak_references_is_written_and_when_failed_written_no_more() -> None:
     stream = _BreakableStream()
-    telemetry.configure(log_stream=stream)
-    log = telemetry.get_logger("test.production21")
+    log = logging_to(stream)
     line = secrets.token_hex(8)
     log.warning(line)  # raised TypeError: cannot create weak reference
     assert line in "".join(stream.lines)

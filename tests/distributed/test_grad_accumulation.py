@@ -69,7 +69,14 @@ def assert_same_parameters(a: nn.Module, b: nn.Module) -> None:
 def train_until_batches_run_out(ctx, prepared: thd.Prepared, data, steps: int, k: int, match: str) -> None:
     """Train `steps` steps of `k` micro-batches over `data`, too few for them: it must stop
     with the error `match` describes."""
-    with pytest.raises(InvalidArgumentError, match=match):
+    train_raising(ctx, prepared, data, steps, InvalidArgumentError, match, gradient_accumulation_steps=k)
+
+
+def train_raising(
+    ctx, prepared: thd.Prepared, data, steps: int, error: type[BaseException], match: str, **options
+) -> None:
+    """Train `steps` steps over `data`: it must stop with `error`, its message matching `match`."""
+    with pytest.raises(error, match=match):
         thd.train(
             prepared.model,
             prepared.optimizer,
@@ -77,8 +84,22 @@ def train_until_batches_run_out(ctx, prepared: thd.Prepared, data, steps: int, k
             steps=steps,
             ctx=ctx,
             policy=prepared.policy,
-            gradient_accumulation_steps=k,
+            **options,
         )
+
+
+def on_second_call(
+    then: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+) -> Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]:
+    """A loss_fn that runs the model and, on its second call, returns `then(model, loss)`."""
+    calls = []
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        calls.append(1)
+        loss = model(*batch)
+        return then(model, loss) if len(calls) == 2 else loss
+
+    return loss_fn
 
 
 @pytest.mark.parametrize("strategy", ["local", "ddp"])
@@ -341,23 +362,16 @@ def test_a_failing_forward_leaves_the_running_statistics_as_they_were(ctx):
     model = Normed()
     data = micro_batches(2, 1, 4)
     prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
-    calls = []
-
-    def second_fails(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        calls.append(1)
-        loss = model(*batch)
-        return loss.expand(2) if len(calls) == 2 else loss
-
-    with pytest.raises(InvalidArgumentError, match=r"the loss must be a scalar tensor"):
-        thd.train(
-            prepared.model,
-            prepared.optimizer,
-            data,
-            steps=2,
-            ctx=ctx,
-            policy=prepared.policy,
-            loss_fn=second_fails,
-        )
+    not_a_scalar = on_second_call(lambda model, loss: loss.expand(2))
+    train_raising(
+        ctx,
+        prepared,
+        data,
+        2,
+        InvalidArgumentError,
+        r"the loss must be a scalar tensor",
+        loss_fn=not_a_scalar,
+    )
     completed, _ = run(ctx, model, data[:1], 1, "local")
     assert_same_buffers(prepared.model, completed)
     assert_same_parameters(prepared.model, completed)
@@ -455,21 +469,14 @@ def test_a_buffer_that_cannot_be_restored_is_logged_and_the_users_error_raised(c
     model = Awkward()
     data = micro_batches(2, 1, 4)
     prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
-    calls = []
 
-    def second_fails(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        calls.append(1)
-        loss = model(*batch)
-        if len(calls) == 2:
-            del model.norm.running_mean
-            raise KeyError("the user's own error")
-        return loss
+    def delete_and_raise(model: nn.Module, loss: torch.Tensor) -> torch.Tensor:
+        del model.norm.running_mean
+        raise KeyError("the user's own error")
 
-    with pytest.raises(KeyError, match="the user's own error"):
-        thd.train(
-            prepared.model, prepared.optimizer, data, steps=2, ctx=ctx, policy=prepared.policy,
-            loss_fn=second_fails,
-        )  # fmt: skip
+    train_raising(
+        ctx, prepared, data, 2, KeyError, "the user's own error", loss_fn=on_second_call(delete_and_raise)
+    )
     assert telemetry.counts().get(key, 0) == before + 1
     assert "a buffer was not restored" in stream.getvalue() and "buffer=inner.spread" in stream.getvalue()
     assert "running_mean" in prepared.model.norm._buffers
