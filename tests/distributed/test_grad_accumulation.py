@@ -253,6 +253,17 @@ class Normed(Net):
         return super().forward(self.norm(x), y)
 
 
+class LazyNormed(Net):
+    """Net after a lazy BatchNorm, whose buffers exist from its first forward on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LazyBatchNorm1d(affine=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x), y)
+
+
 class Averaged(Net):
     """Net that keeps a moving average of its inputs in a buffer, assigned anew by each training
     forward (not updated in place, as BatchNorm's statistics are)."""
@@ -311,13 +322,20 @@ def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
 
 @pytest.mark.parametrize(
     ("make", "strategy"),
-    [(Normed, "local"), (Normed, "ddp"), (Averaged, "local"), (SharedAverage, "local"), (scripted, "local")],
+    [
+        (Normed, "local"),
+        (Normed, "ddp"),
+        (Averaged, "local"),
+        (SharedAverage, "local"),
+        (scripted, "local"),
+        (LazyNormed, "local"),
+    ],
 )
 def test_a_step_stopped_after_a_forward_leaves_the_buffers_as_they_were(ctx, make, strategy):
     """The last step's batches run out after its first micro-batch ran forward and backward: the
     model equals one trained on the completed steps only. Fails before: BatchNorm's running
     statistics (a moving average's buffer) kept that micro-batch: its gradients were dropped,
-    its forward's updates not."""
+    its forward's updates not; a lazy BatchNorm's, made by the first step, were never copied."""
     steps, k = 3, 3
     seed = random.randrange(2**31)
     model, twin = seeded(make, seed), seeded(make, seed)  # twins: a ScriptModule's deepcopy breaks

@@ -91,9 +91,12 @@ def train(
     ranks (DDP, FSDP, a grad_sync), the ranks agree before each micro-batch that each has it (an
     all-gather of one number on the group's host side), so a rank whose batches ran out stops
     every rank with an error naming it, instead of leaving its peers waiting in a collective
-    until the process-group timeout. The gradients a
-    step had accumulated when it stopped are dropped (logged and counted), and the model's
-    persistent buffers (BatchNorm's running statistics) are restored to what they were before it.
+    until the process-group timeout. A step stopped before the optimizer's update (batches ran
+    out, or an error in a micro-batch, grad_sync or clipping) leaves the model, the optimizer and
+    the scaler as they were before it: the gradients it had accumulated are dropped (logged and
+    counted), the model's persistent buffers (BatchNorm's running statistics) restored, the
+    scaler's record of unscaling dropped. An error in the optimizer's own step does the same,
+    but the parameters and optimizer state it had updated stay updated (logged and counted).
     """
     if steps < 0:
         raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
@@ -298,29 +301,36 @@ def _step(
                     compute_loss,
                 )
             )
+        compute_s = None if timer is None else sum(timer.elapsed_ms(*m.compute) for m in micro) / 1e3
+        if grad_sync is not None:
+            grad_sync(model)
+        norm = None
+        if clip is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            norm = _as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
     except BaseException:
-        restored = buffers.restore()  # logs each buffer it cannot put back, raising nothing
-        _drop_gradients(model, optimizer, step, len(micro), no_sync is not None, restored)
+        _stop(model, optimizer, scaler, buffers, step, len(micro), no_sync is not None)
         raise
-    compute_s = None if timer is None else sum(timer.elapsed_ms(*m.compute) for m in micro) / 1e3
-    if grad_sync is not None:
-        grad_sync(model)
-    norm = None
-    if clip is not None:
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        norm = _as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+    scale_before = None if scaler is None else scaler.get_scale()
+    try:
+        _optimizer_step(optimizer, scaler)
+    except BaseException:
+        log.warning(
+            "train: the optimizer's step raised; the parameters and the optimizer's state may be "
+            "partly updated (an optimizer's update cannot be undone)",
+            step=step,
+        )
+        telemetry.count("torchhal.train.partial_optimizer_steps")
+        _stop(model, optimizer, scaler, buffers, step, len(micro), no_sync is not None)
+        raise
     skipped, scale = False, None
     if scaler is not None:
         # GradScaler skips the optimizer step on inf/nan gradients and then lowers its scale
         # (it never lowers it otherwise): a smaller scale after update() means a skipped step.
-        scale_before = scaler.get_scale()
-        scaler.step(optimizer)
         scaler.update()
         scale = float(scaler.get_scale())
         skipped = scale < scale_before
-    else:
-        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     losses = [m.loss for m in micro]
     value = float(losses[0]) if len(losses) == 1 else float(torch.stack([x.float() for x in losses]).mean())
@@ -340,6 +350,64 @@ def _step(
         compute_s=compute_s,
         forward_s=forward_s,
     )
+
+
+def _optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None) -> None:
+    """The optimizer's step, through the scaler where there is one. For an optimizer that
+    unscales inside its own step (fused Adam), GradScaler sets `grad_scale` and `found_inf` on it
+    and deletes them after a step that returns; an optimizer that raised keeps them, and the next
+    step would unscale by the scale squared, so they are deleted here as GradScaler would."""
+    if scaler is None:
+        optimizer.step()
+        return
+    try:
+        scaler.step(optimizer)
+    except BaseException:
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            for name in _SCALER_SETS:
+                vars(optimizer).pop(name, None)
+        raise
+
+
+_SCALER_SETS = ("grad_scale", "found_inf")
+"""What GradScaler.step sets on an optimizer that unscales in its own step."""
+
+
+def _stop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    buffers: _Buffers,
+    step: int,
+    done: int,
+    accumulating: bool,
+) -> None:
+    """A step stopped (an error, or a rank's batches ran out): put the buffers back, drop the
+    gradients and the scaler's record of this step, so that a retry or a later `train` call
+    starts as the step did. Raises nothing: the step's own error is the one to raise."""
+    restored = buffers.restore()  # logs each buffer it cannot put back
+    _drop_gradients(model, optimizer, step, done, accumulating, restored)
+    if scaler is not None:
+        _forget_unscaling(scaler, optimizer)
+
+
+def _forget_unscaling(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    """GradScaler records that it unscaled an optimizer's gradients (and what its inf check found)
+    until its next update(): after a step stopped past unscale_, the next step's unscale_ would
+    raise. update() clears the record but also moves the scale as if the step were taken, so the
+    record alone is dropped, through GradScaler's internals; where those moved, says so."""
+    if not scaler.is_enabled():
+        return
+    states = getattr(scaler, "_per_optimizer_states", None)
+    if isinstance(states, dict):
+        states.pop(id(optimizer), None)
+        return
+    log.warning(
+        "train: cannot clear the gradient scaler's record of the stopped step in this torch "
+        "version; call scaler.update() before training again",
+        torch=torch.__version__,
+    )
+    telemetry.count("torchhal.train.scaler_not_reset")
 
 
 @dataclass(frozen=True)
@@ -415,24 +483,12 @@ class _Buffers:
     elements are payloads no forward updates (GPTQ/AWQ's packed weights, index tables, masks),
     which copying would double in memory. Non-persistent buffers are caches (rotary tables, masks)
     by torch's definition, recomputable, so they are not copied; nor is a lazy module's buffer
-    before its first forward (there is no value yet to copy). Found once per `train` call: a
-    model without such buffers pays nothing more a step."""
+    before its first forward (there is no value yet to copy; from the step after, it is). Found
+    once per `train` call: a model without such buffers pays nothing more a step."""
 
     def __init__(self, model: nn.Module) -> None:
-        # every slot, a buffer two modules share included: a forward may reassign either
-        self._where = [
-            (f"{prefix}.{name}" if prefix else name, module, name)
-            for prefix, module in model.named_modules(remove_duplicate=False)
-            for name, buffer in module.named_buffers(recurse=False)
-            if name not in module._non_persistent_buffers_set
-            and not nn.parameter.is_lazy(buffer)
-            and _statistic(buffer)
-        ]
-        # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer); a ScriptModule's
-        # is a wrapper without `dict.get`
-        self._dicts = [module._buffers for _, module, _ in self._where]
-        self._names = [name for _, _, name in self._where]
-        self._get = dict.get if all(type(d) is dict for d in self._dicts) else _slot
+        self._model = model
+        self._find()
         self._held: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # what the last save copied
         self._saved: list[torch.Tensor] = []  # its copies, reused step after step
         self._ids: list[int] = []  # of the held buffers
@@ -440,11 +496,34 @@ class _Buffers:
         self._fused: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])  # copies, plain buffers
         self._each: list[tuple[torch.Tensor, torch.Tensor]] = []  # copy, subclass buffer (DTensor)
 
+    def _find(self) -> None:
+        """The buffers to copy, and the lazy ones, looked for again once a forward made them."""
+        slots = [
+            (f"{prefix}.{name}" if prefix else name, module, name, buffer)
+            # every slot, a buffer two modules share included: a forward may reassign either
+            for prefix, module in self._model.named_modules(remove_duplicate=False)
+            for name, buffer in module.named_buffers(recurse=False)
+            if name not in module._non_persistent_buffers_set
+        ]
+        self._lazy = [buffer for *_, buffer in slots if nn.parameter.is_lazy(buffer)]
+        self._where = [
+            (qualified, module, name)
+            for qualified, module, name, buffer in slots
+            if not nn.parameter.is_lazy(buffer) and _statistic(buffer)
+        ]
+        # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer); a ScriptModule's
+        # is a wrapper without `dict.get`
+        self._dicts = [module._buffers for _, module, _ in self._where]
+        self._names = [name for _, _, name in self._where]
+        self._get = dict.get if all(type(d) is dict for d in self._dicts) else _slot
+
     def save(self) -> None:
         """Copy the buffers before a step's first forward: plain tensors with one fused copy, into
         copies kept from step to step while each buffer stays the same tensor of the same shape,
         dtype and device (an observer's forward `resize_`s its ranges in place); tensor
         subclasses (a replicated DTensor) one by one, as `_foreach_copy_` has no DTensor rule."""
+        if self._lazy and not any(map(nn.parameter.is_lazy, self._lazy)):
+            self._find()  # a forward materialised them (in place: they are the same tensors now)
         if not self._where:
             return
         # a forward may have assigned a module a new buffer, None, or deleted it since the last step

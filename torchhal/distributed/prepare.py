@@ -125,7 +125,7 @@ def _fsdp(
     predicate: Callable[[nn.Module], bool] | None,
     mesh: DeviceMesh | None,
 ) -> tuple[nn.Module, int]:
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if mesh is None:
         from torchhal.distributed.mesh import Mesh
@@ -140,10 +140,34 @@ def _fsdp(
             containers=BLOCK_CONTAINERS,
         )
         telemetry.count("torchhal.distributed.fsdp_root_only")
+    norms = _batch_norms(model) if mp.param_dtype is not None else []
+    if norms:
+        log.info(
+            "FSDP keeps BatchNorm parameters in fp32 (as autocast does), each layer sharded on its own",
+            layers=len(norms),
+            compute_dtype=str(mp.param_dtype),
+        )
+    for norm in norms:  # before the blocks that may contain them
+        fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy())
     for block in reversed(blocks):  # inner modules before the modules that contain them
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model, len(blocks)
+
+
+def _batch_norms(model: nn.Module) -> list[nn.Module]:
+    """The BatchNorm layers whose parameters FSDP2 would cast to the compute dtype. torch's
+    batch_norm takes low-precision input with fp32 parameters and running statistics, but not
+    low-precision parameters with fp32 statistics (FSDP2 casts parameters, not buffers): it
+    raises. FSDP1 wrapped these layers apart for the same reason."""
+    return [
+        m
+        for m in model.modules()
+        if m is not model
+        and isinstance(m, nn.modules.batchnorm._BatchNorm)
+        and m.track_running_stats
+        and any(True for _ in m.parameters(recurse=False))
+    ]
 
 
 def _check_not_wrapped(model: nn.Module) -> None:

@@ -3,7 +3,10 @@
 Under DDP and FSDP2 over NCCL, in fp32: rank 1's micro-batches run out after the last step's
 first one, which both ranks ran forward and backward. Each rank's model (BatchNorm's running
 statistics, which each rank keeps from its own micro-batches, and its parameters) must equal one
-trained on the completed steps only. Writes OUT/rank<r>.json: "ok" or the failure.
+trained on the completed steps only. Then in fp16 with the gradient scaler and clipping: the
+optimizer's second step raises on both ranks after clipping unscaled the gradients; that step
+run again, and the last after it, must give the model and scale of a run without the failure.
+Writes OUT/rank<r>.json: "ok" or the failure.
 """
 
 from __future__ import annotations
@@ -79,12 +82,79 @@ def check(ctx: thd.DistContext) -> None:
         dist.barrier()
 
 
+class SGDFailingOnce(torch.optim.SGD):
+    """SGD whose second step raises before it updates anything."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, lr=0.1, momentum=0.9)
+        self.calls = 0
+
+    def step(self, closure=None):
+        self.calls += 1
+        if self.calls == 2:
+            raise RuntimeError("the optimizer's second step fails")
+        return super().step(closure)
+
+
+def scaled(ctx: thd.DistContext, strategy: str, optimizer) -> thd.Prepared:
+    torch.manual_seed(7)
+    policy = thd.choose_precision(ctx.device, prefer="fp16")
+    return thd.prepare(Normed(), optimizer, ctx=ctx, strategy=strategy, policy=policy)
+
+
+def train_scaled(
+    ctx: thd.DistContext, job: thd.Prepared, scaler: torch.amp.GradScaler, data: list, steps: int
+) -> None:
+    stats = thd.train(
+        job.model,
+        job.optimizer,
+        data,
+        steps=steps,
+        ctx=ctx,
+        policy=job.policy,
+        scaler=scaler,
+        clip_grad_norm=1.0,
+        gradient_accumulation_steps=K,
+    )
+    # a skipped step calls no optimizer step, and the failing one would come a step later
+    assert not any(s.scaler_skipped for s in stats), [s.scale for s in stats]
+
+
+def scaler(ctx: thd.DistContext) -> torch.amp.GradScaler:
+    """A scale small enough that no step overflows (the default's first steps may)."""
+    return torch.amp.GradScaler(ctx.device.torch_device.type, init_scale=2.0**10)
+
+
+def check_after_backward(ctx: thd.DistContext) -> None:
+    rank = dist.get_rank()
+    data = batches(ctx, STEPS * K)
+    for strategy in ("ddp", "fsdp"):
+        reference, its_scaler = (
+            scaled(ctx, strategy, lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+            scaler(ctx),
+        )
+        train_scaled(ctx, reference, its_scaler, data, STEPS)
+        retried, shared = scaled(ctx, strategy, SGDFailingOnce), scaler(ctx)
+        try:
+            train_scaled(ctx, retried, shared, data, STEPS)
+        except RuntimeError as exc:
+            assert "second step fails" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"{strategy}: train finished although the optimizer raised")
+        train_scaled(ctx, retried, shared, data[K:], STEPS - 1)  # the failed step again, then the last
+        got, want = state(retried.model), state(reference.model)
+        torch.testing.assert_close(got, want, msg=lambda m, s=strategy: f"{s} fp16, rank {rank}: {m}")
+        assert shared.get_scale() == its_scaler.get_scale(), strategy
+        dist.barrier()
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     ctx = thd.init()
     rank = dist.get_rank()
     try:
         check(ctx)
+        check_after_backward(ctx)
         result = {"ok": True, "device": str(ctx.device.torch_device)}
     except BaseException as exc:  # reported to the test, which fails with it
         result = {"ok": False, "error": f"{exc!r}\n{traceback.format_exc()}"}
