@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from torchhal.hal_core import telemetry
+from torchhal.hal_core import ConfigurationError, telemetry
 
 DROPPED = "torchhal.log.lines_dropped"
 
@@ -86,6 +86,23 @@ def test_a_stderr_without_flush_is_written(monkeypatch: pytest.MonkeyPatch) -> N
     line = secrets.token_hex(8)
     telemetry.get_logger("test.streams21").warning(line)
     assert [text for text in stream.lines if line in text] != []
+
+
+def test_configure_takes_a_stream_without_flush() -> None:
+    """logging.StreamHandler takes a stream without flush, and torchhal's writer does too. Fails
+    before: configure refused it ("callable write and flush")."""
+    stream = _WriteOnly()
+    telemetry.configure(log_level="warning", log_stream=stream)
+    line = secrets.token_hex(8)
+    telemetry.get_logger("test.streams22").warning(line)
+    assert [text for text in stream.lines if line in text] != []
+
+
+def test_configure_refuses_a_stream_without_write() -> None:
+    with pytest.raises(
+        telemetry.ConfigurationError, match=r"log_stream must be a text stream \(a callable write\)"
+    ):
+        telemetry.configure(log_stream=object())
 
 
 class _PartialOnce(io.StringIO):

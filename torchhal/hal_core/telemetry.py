@@ -93,9 +93,11 @@ def _configure(
     exporter = _choice("exporter", exporter, EXPORTERS)
     log_format = _choice("log_format", log_format, LOG_FORMATS)
     log_level = _choice("log_level", log_level, tuple(_LEVELS))
-    if log_stream is not None and not all(callable(getattr(log_stream, m, None)) for m in ("write", "flush")):
+    if log_stream is not None and not callable(
+        getattr(log_stream, "write", None)
+    ):  # flush optional, as logging's
         raise ConfigurationError(
-            f"telemetry log_stream must be a text stream (callable write and flush), got {log_stream!r}"
+            f"telemetry log_stream must be a text stream (a callable write), got {log_stream!r}"
         )
     with _state.lock:  # held while building too: a configure racing this one waits, then wins
         if from_environment and _state.env_applied:
