@@ -99,9 +99,7 @@ def test_configure_takes_a_stream_without_flush() -> None:
 
 
 def test_configure_refuses_a_stream_without_write() -> None:
-    with pytest.raises(
-        telemetry.ConfigurationError, match=r"log_stream must be a text stream \(a callable write\)"
-    ):
+    with pytest.raises(ConfigurationError, match=r"log_stream must be a text stream \(a callable write\)"):
         telemetry.configure(log_stream=object())
 
 

@@ -474,20 +474,23 @@ def _drop_gradients(
 
 
 class _Buffers:
-    """The model's persistent buffers (those `state_dict` saves) that hold statistics, copied
-    before each step and put back when the step stops. A training forward may update any of them
-    (BatchNorm's running statistics, spectral norm's power-iteration vectors, a quantization
-    observer's ranges, a user's moving average), and torch does not say which: BatchNorm's own
-    update does not even bump the buffer's version counter. Statistics are floating point, or
-    integer counters of one element (`num_batches_tracked`); integer and bool buffers of more
-    elements are payloads no forward updates (GPTQ/AWQ's packed weights, index tables, masks),
-    which copying would double in memory. Non-persistent buffers are caches (rotary tables, masks)
-    by torch's definition, recomputable, so they are not copied; nor is a lazy module's buffer
-    before its first forward (there is no value yet to copy; from the step after, it is). Found
-    once per `train` call: a model without such buffers pays nothing more a step."""
+    """The model's buffers that a training forward changes, copied before each step and put back
+    when the step stops. Persistent statistics (those `state_dict` saves, floating point, or
+    integer counters of one element: BatchNorm's running statistics, spectral norm's vectors, a
+    quantization observer's ranges, a user's moving average) are copied from the first step:
+    torch does not say which a forward updates, and BatchNorm's own update does not even bump
+    the buffer's version counter. The other buffers (non-persistent ones, by torch's definition
+    recomputable caches such as rotary tables; integer payloads such as GPTQ/AWQ's packed weights)
+    are copied only once seen changing (another tensor in the slot, or a bumped version counter:
+    an MoE's `tokens_per_expert` accumulated with `add_`), since copying every one would double
+    their memory; a stopped step that is the first of the `train` call to change one leaves it
+    changed, logged and counted. A lazy module's buffers are looked at once its first forward
+    made them. Found once per `train` call: a model without buffers pays two empty-list checks
+    a step."""
 
     def __init__(self, model: nn.Module) -> None:
         self._model = model
+        self._promoted: set[str] = set()  # buffers of the other kind seen changing: copied too
         self._find()
         self._held: list[tuple[str, nn.Module, str, torch.Tensor]] = []  # what the last save copied
         self._saved: list[torch.Tensor] = []  # its copies, reused step after step
@@ -497,25 +500,53 @@ class _Buffers:
         self._each: list[tuple[torch.Tensor, torch.Tensor]] = []  # copy, subclass buffer (DTensor)
 
     def _find(self) -> None:
-        """The buffers to copy, and the lazy ones, looked for again once a forward made them."""
+        """The buffers to copy, those to watch, and the lazy ones, looked for again once a forward
+        made them or one watched is seen changing."""
         slots = [
             (f"{prefix}.{name}" if prefix else name, module, name, buffer)
             # every slot, a buffer two modules share included: a forward may reassign either
             for prefix, module in self._model.named_modules(remove_duplicate=False)
             for name, buffer in module.named_buffers(recurse=False)
-            if name not in module._non_persistent_buffers_set
         ]
         self._lazy = [buffer for *_, buffer in slots if nn.parameter.is_lazy(buffer)]
-        self._where = [
-            (qualified, module, name)
-            for qualified, module, name, buffer in slots
-            if not nn.parameter.is_lazy(buffer) and _statistic(buffer)
-        ]
+        self._where: list[tuple[str, nn.Module, str]] = []
+        self._watched: list[tuple[str, nn.Module, str]] = []
+        for qualified, module, name, buffer in slots:
+            if nn.parameter.is_lazy(buffer):
+                continue
+            persistent = name not in module._non_persistent_buffers_set
+            copied = (persistent and _statistic(buffer)) or qualified in self._promoted
+            (self._where if copied else self._watched).append((qualified, module, name))
         # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer); a ScriptModule's
         # is a wrapper without `dict.get`
         self._dicts = [module._buffers for _, module, _ in self._where]
         self._names = [name for _, _, name in self._where]
-        self._get = dict.get if all(type(d) is dict for d in self._dicts) else _slot
+        self._watched_dicts = [module._buffers for _, module, _ in self._watched]
+        self._watched_names = [name for _, _, name in self._watched]
+        every = self._dicts + self._watched_dicts
+        self._get = dict.get if all(type(d) is dict for d in every) else _slot
+        self._marks = self._watch()
+
+    def _watch(self) -> list[tuple[int, int | None] | None]:
+        """What tells a watched buffer changed: the tensor in its slot and its version counter (an
+        inference tensor has none, and a training forward cannot write it in place)."""
+        return [
+            None if b is None else (id(b), None if b.is_inference() else b._version)
+            for b in map(self._get, self._watched_dicts, self._watched_names)
+        ]
+
+    def _changed(self) -> list[str]:
+        """The watched buffers changed since the marks were taken."""
+        return [
+            w[0]
+            for w, then, now in zip(self._watched, self._marks, self._watch(), strict=True)
+            if then != now
+        ]
+
+    def _promote(self, changed: list[str]) -> None:
+        """Copy `changed` before each step from now on."""
+        self._promoted.update(changed)
+        self._find()
 
     def save(self) -> None:
         """Copy the buffers before a step's first forward: plain tensors with one fused copy, into
@@ -524,6 +555,12 @@ class _Buffers:
         subclasses (a replicated DTensor) one by one, as `_foreach_copy_` has no DTensor rule."""
         if self._lazy and not any(map(nn.parameter.is_lazy, self._lazy)):
             self._find()  # a forward materialised them (in place: they are the same tensors now)
+        if self._watched and (changed := self._changed()):
+            log.info(
+                "train: buffers the last step changed are copied before each step from now on",
+                buffers=changed,
+            )
+            self._promote(changed)
         if not self._where:
             return
         # a forward may have assigned a module a new buffer, None, or deleted it since the last step
@@ -559,6 +596,14 @@ class _Buffers:
         deleted it. One that cannot be put back is logged and counted, and the others still are:
         this runs while the step's own error propagates, which it must not replace. Returns how
         many were put back."""
+        unsaved = self._changed() if self._watched else []
+        for qualified in unsaved:
+            log.warning(
+                "train: a buffer was not restored after the step stopped; it keeps that step's value "
+                "(no step of this train call had changed it before, so it had no copy)",
+                buffer=qualified,
+            )
+            telemetry.count("torchhal.train.buffers_not_restored")
         restored = 0
         for (qualified, module, name, buffer), copy in zip(self._held, self._saved, strict=True):
             try:

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The twenty-second session's GPU checks (wheels: ../shared/tools/device-wheels, then
+# benchmarks/build_device_wheels.sh). No kernel or dispatch code changed this session; these
+# check what did change, on 2 GPUs:
+#   bash benchmarks/gpu_session22.sh dist   # the distributed GPU tests (a step stopped after its
+#                                           # micro-batches, in fp16 with the scaler and clipping,
+#                                           # run again under DDP and FSDP2; FSDP2 in fp16 shards
+#                                           # BatchNorm apart in fp32), the collectives, and this
+#                                           # session's CPU tests on the image's torch
+set -uo pipefail
+phase=${1:?dist}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+export PYTHONUNBUFFERED=1 TORCHHAL_CACHE_DIR=$OUT/cache PYTHONPATH=/tmp/site
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+python3 -c "import torch; print('torch', torch.__version__)"
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/distributed/gpu tests/collectives \
+  2>&1 | tee "$OUT/gpu_tests_distributed.log" | tail -8
+echo "gpu tests rc=${PIPESTATUS[0]}"
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_stopped_after_backward22.py \
+  tests/distributed/test_fsdp_batch_norm22.py tests/distributed/test_grad_accumulation.py \
+  ${EXTRA_CPU_TESTS:-} 2>&1 | tee "$OUT/cpu_tests_torch_image.log" | tail -4
+echo "cpu tests on the image's torch rc=${PIPESTATUS[0]}"

@@ -1,0 +1,102 @@
+"""Buffers outside the persistent statistics (non-persistent ones, integer buffers of more than
+one element) that a training forward changes: copied once a step of the `train` call is seen
+changing them, restored when a later step stops; a buffer that never changes is never copied."""
+
+from __future__ import annotations
+
+import copy
+import io
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed.test_grad_accumulation import (
+    DIM,
+    Net,
+    assert_same_buffers,
+    assert_same_parameters,
+    micro_batches,
+    run,
+    sgd,
+    train_until_batches_run_out,
+)
+from torchhal import distributed as thd
+from torchhal.distributed.loop import _Buffers
+from torchhal.hal_core import telemetry
+
+NOT_RESTORED = "torchhal.train.buffers_not_restored"
+
+
+class Routed(Net):
+    """Net with an MoE-style router's counters: `tokens_per_expert` non-persistent (torchtitan's
+    MoE keeps it so, accumulated with `add_` by each forward), an integer histogram of more than
+    one element (persistent), and a rotary-style table no forward changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("tokens_per_expert", torch.zeros(4), persistent=False)
+        self.register_buffer("histogram", torch.zeros(4, dtype=torch.int64))
+        self.register_buffer("table", torch.randn(DIM), persistent=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            chosen = x[:, :4].argmax(1)
+            self.tokens_per_expert.add_(torch.bincount(chosen, minlength=4).float())
+            self.histogram.index_add_(0, chosen, torch.ones_like(chosen))
+        return super().forward(x + self.table, y)
+
+
+def watched_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b for name, b in model.named_buffers() if name != "table"}
+
+
+@pytest.mark.parametrize("strategy", ["local", "ddp"])
+def test_a_stopped_step_restores_counters_an_earlier_step_changed(ctx, strategy):
+    """The last step's batches run out after its first micro-batch: the counters equal those of a
+    model trained on the completed steps only. Fails before: non-persistent buffers and integer
+    buffers of more than one element were never copied, so they kept that micro-batch's counts."""
+    steps, k = 3, 3
+    torch.manual_seed(random.randrange(2**31))
+    model = Routed()
+    micro = micro_batches(steps, k, 5)[: (steps - 1) * k + 1]
+    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy=strategy)
+    train_until_batches_run_out(ctx, prepared, micro, steps, k, r"batches ran out after 2 of 3 steps")
+    completed, _ = run(
+        ctx, model, micro[: (steps - 1) * k], steps - 1, strategy, gradient_accumulation_steps=k
+    )
+    stopped = prepared.model.module if strategy == "ddp" else prepared.model
+    assert stopped.tokens_per_expert.sum() == (steps - 1) * k * 5  # the forwards ran and counted
+    assert_same_buffers(stopped, completed)
+    assert_same_parameters(stopped, completed)
+
+
+def test_a_counter_first_changed_by_the_stopped_step_is_logged_and_counted(ctx):
+    """The first step stops: nothing had copied the counters, so they keep its first micro-batch's
+    counts, and that is said by name and counted."""
+    stream = io.StringIO()
+    telemetry.configure(log_level="warning", log_stream=stream)
+    before = telemetry.counts().get(NOT_RESTORED, 0)
+    prepared = thd.prepare(Routed(), sgd, ctx=ctx, strategy="local")
+    train_until_batches_run_out(
+        ctx, prepared, micro_batches(1, 2, 5)[:1], 1, 2, r"batches ran out after 0 of 1"
+    )
+    assert telemetry.counts().get(NOT_RESTORED, 0) == before + 2
+    text = stream.getvalue()
+    assert "buffer=tokens_per_expert" in text and "buffer=histogram" in text and "buffer=table" not in text
+    assert prepared.model.tokens_per_expert.sum() == 5
+
+
+def test_a_buffer_no_forward_changes_is_never_copied(ctx):
+    """The rotary-style table and an integer payload stay uncopied however many steps run; the
+    counters are copied from the step after the first that changed them."""
+    model = Routed()
+    model.register_buffer("packed", torch.randint(0, 2**7, (64, DIM), dtype=torch.int8))
+    buffers = _Buffers(model)
+    held = []
+    for _ in range(3):
+        buffers.save()
+        held.append(sorted(qualified for qualified, *_ in buffers._held))
+        model(*micro_batches(1, 1, 5)[0]).backward()
+    assert held == [[], ["histogram", "tokens_per_expert"], ["histogram", "tokens_per_expert"]]
