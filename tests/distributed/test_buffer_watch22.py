@@ -100,3 +100,45 @@ def test_a_buffer_no_forward_changes_is_never_copied(ctx):
         held.append(sorted(qualified for qualified, *_ in buffers._held))
         model(*micro_batches(1, 1, 5)[0]).backward()
     assert held == [[], ["histogram", "tokens_per_expert"], ["histogram", "tokens_per_expert"]]
+
+
+class FirstBatchMean(Net):
+    """Net that centres its inputs on a mean taken from its first training batch, kept in a
+    buffer registered as None until then (data-dependent initialisation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("centre", None)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.training and self.centre is None:
+            self.centre = x.mean(0).detach()
+        return super().forward(x - (0 if self.centre is None else self.centre), y)
+
+
+def test_a_buffer_a_stopped_first_step_filled_is_emptied_again(ctx):
+    """The first step stops after its first micro-batch filled `centre`: it is None again, so the
+    retried run takes its mean from the same batch as a run that never stopped. Fails before: it
+    kept the stopped batch's mean."""
+    stream = io.StringIO()
+    telemetry.configure(log_level="warning", log_stream=stream)
+    torch.manual_seed(random.randrange(2**31))
+    model = FirstBatchMean()
+    prepared = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local")
+    micro = micro_batches(2, 2, 5)
+    train_until_batches_run_out(ctx, prepared, micro[:1], 1, 2, r"batches ran out after 0 of 1")
+    assert prepared.model.centre is None
+    assert "was not restored" not in stream.getvalue()
+    thd.train(
+        prepared.model,
+        prepared.optimizer,
+        micro[1:3],
+        steps=1,
+        ctx=ctx,
+        policy=prepared.policy,
+        gradient_accumulation_steps=2,
+    )
+    completed, _ = run(ctx, model, micro[1:3], 1, "local", gradient_accumulation_steps=2)
+    torch.testing.assert_close(prepared.model.centre, micro[1][0].mean(0), rtol=0, atol=0)
+    assert_same_buffers(prepared.model, completed)
+    assert_same_parameters(prepared.model, completed)

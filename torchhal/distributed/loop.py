@@ -504,9 +504,10 @@ class _Buffers:
         made them or one watched is seen changing."""
         slots = [
             (f"{prefix}.{name}" if prefix else name, module, name, buffer)
-            # every slot, a buffer two modules share included: a forward may reassign either
+            # every slot, a buffer two modules share included: a forward may reassign either; and
+            # one holding None, which a first forward may fill (`if self.ema is None: self.ema = ...`)
             for prefix, module in self._model.named_modules(remove_duplicate=False)
-            for name, buffer in module.named_buffers(recurse=False)
+            for name, buffer in module._buffers.items()
         ]
         self._lazy = [buffer for *_, buffer in slots if nn.parameter.is_lazy(buffer)]
         self._where: list[tuple[str, nn.Module, str]] = []
@@ -515,7 +516,8 @@ class _Buffers:
             if nn.parameter.is_lazy(buffer):
                 continue
             persistent = name not in module._non_persistent_buffers_set
-            copied = (persistent and _statistic(buffer)) or qualified in self._promoted
+            statistic = buffer is not None and persistent and _statistic(buffer)
+            copied = statistic or qualified in self._promoted
             (self._where if copied else self._watched).append((qualified, module, name))
         # `_buffers`, not getattr (Module.__getattr__ costs microseconds a buffer); a ScriptModule's
         # is a wrapper without `dict.get`
@@ -535,10 +537,10 @@ class _Buffers:
             for b in map(self._get, self._watched_dicts, self._watched_names)
         ]
 
-    def _changed(self) -> list[str]:
-        """The watched buffers changed since the marks were taken."""
+    def _changed(self) -> list[tuple[str, nn.Module, str, bool]]:
+        """The watched buffers changed since the marks were taken, each with whether it was None."""
         return [
-            w[0]
+            (*w, then is None)
             for w, then, now in zip(self._watched, self._marks, self._watch(), strict=True)
             if then != now
         ]
@@ -555,7 +557,7 @@ class _Buffers:
         subclasses (a replicated DTensor) one by one, as `_foreach_copy_` has no DTensor rule."""
         if self._lazy and not any(map(nn.parameter.is_lazy, self._lazy)):
             self._find()  # a forward materialised them (in place: they are the same tensors now)
-        if self._watched and (changed := self._changed()):
+        if self._watched and (changed := [qualified for qualified, *_ in self._changed()]):
             log.info(
                 "train: buffers the last step changed are copied before each step from now on",
                 buffers=changed,
@@ -596,15 +598,18 @@ class _Buffers:
         deleted it. One that cannot be put back is logged and counted, and the others still are:
         this runs while the step's own error propagates, which it must not replace. Returns how
         many were put back."""
-        unsaved = self._changed() if self._watched else []
-        for qualified in unsaved:
+        restored = 0
+        for qualified, module, name, was_none in self._changed() if self._watched else ():
+            if was_none:  # filled by the step: emptied again
+                module._buffers[name] = None
+                restored += 1
+                continue
             log.warning(
                 "train: a buffer was not restored after the step stopped; it keeps that step's value "
                 "(no step of this train call had changed it before, so it had no copy)",
                 buffer=qualified,
             )
             telemetry.count("torchhal.train.buffers_not_restored")
-        restored = 0
         for (qualified, module, name, buffer), copy in zip(self._held, self._saved, strict=True):
             try:
                 # an inference tensor (made under inference_mode) is written in inference mode only
