@@ -15,6 +15,7 @@ that never saw them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import importlib.util
 import time
@@ -30,8 +31,9 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from torchhal import distributed as thd
+from torchhal.distributed import loop
 from torchhal.distributed.checkpoint import Checkpointer
-from torchhal.hal_core import InvalidArgumentError
+from torchhal.hal_core import CollectiveError, InvalidArgumentError
 
 
 def _load_worker() -> Any:
@@ -497,12 +499,91 @@ def check_a_step_stopped_after_a_forward_leaves_the_buffers_of_the_completed_ste
         dist.barrier()
 
 
+class CorruptSample(RuntimeError):
+    """What a loader raises in `check_a_rank_whose_loader_raises_stops_every_rank_at_once`."""
+
+
+class RaisingAt(Tracked):
+    """Tracked, raising CorruptSample at its micro-batch `at` (counted from 0) instead."""
+
+    def __init__(self, base: Tracked, at: int) -> None:
+        self.__dict__.update(base.__dict__)
+        self._fetched, self._at = 0, at
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self._fetched += 1
+        if self._fetched - 1 == self._at:
+            raise CorruptSample(f"micro-batch {self._at} cannot be decoded")
+        return super().__next__()
+
+
+def _stops_at_once(state: Any, kind: str, what: str, began: float, error: BaseException) -> None:
+    """Rank 1 raised its own error, rank 0 a CollectiveError naming rank 1, neither after a
+    wait on the process-group timeout."""
+    text = f"{type(error).__name__}: {error}"
+    if state.rank == 1:
+        assert isinstance(error, (CorruptSample, MemoryError)), f"{kind}, {what}: {text}"
+    else:
+        assert isinstance(error, CollectiveError) and "rank(s) [1] raised before" in text, (
+            f"{kind}, {what}: {text}"
+        )
+    assert time.monotonic() - began < w.TIMEOUT.total_seconds() / 2, f"{kind}, {what}: waited on a timeout"
+
+
+@contextlib.contextmanager
+def buffer_copy_failing_on_rank_1(state: Any, nth: int) -> Iterator[None]:
+    """Rank 1's `nth` buffer copy (the one before step `nth`) raises MemoryError."""
+    real = loop._Buffers.save
+    calls = 0
+
+    def save(buffers: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == nth and state.rank == 1:
+            raise MemoryError("no room for the buffers' copies")
+        real(buffers)
+
+    loop._Buffers.save = save  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        loop._Buffers.save = real  # type: ignore[method-assign]
+
+
+def check_a_rank_whose_loader_raises_stops_every_rank_at_once(state: Any) -> None:
+    """Rank 1's loader raises at each micro-batch of step 2 in turn, then rank 1's buffer copy
+    before step 2: rank 1 raises that error, rank 0 a CollectiveError naming rank 1, both within
+    seconds; no gradient is left and the parameters are step 1's. Fails before: rank 0 waited in
+    the next agreement until the process-group timeout."""
+    for kind in KINDS:
+        after_one = _prepare(state, kind)
+        _train_kind(state, kind, after_one, tracked(state, kind, K), 1)
+        want_one = _parameters(after_one)
+        for at in [*range(K), None]:  # None: the buffer copy before step 2 fails instead
+            prepared = _prepare(state, kind)
+            loader: Tracked = tracked(state, kind, 2 * K)
+            if at is not None and state.rank == 1:
+                loader = RaisingAt(loader, K + at)
+            began = time.monotonic()
+            try:
+                with buffer_copy_failing_on_rank_1(state, 2) if at is None else contextlib.nullcontext():
+                    _train_kind(state, kind, prepared, loader, 2)
+            except (CorruptSample, MemoryError, CollectiveError) as exc:
+                _stops_at_once(state, kind, f"at {at}", began, exc)
+            else:
+                raise AssertionError(f"{kind}: train finished although rank 1 raised at {at}")
+            assert all(p.grad is None for p in prepared.model.parameters()), f"{kind}: gradients left"
+            _assert_same(_parameters(prepared), want_one, f"{kind}, rank 1 raising at {at}: after the error")
+        dist.barrier()
+
+
 w.SCENARIOS["memory20"] = [
     check_init,
     check_one_micro_batch_is_held_at_a_time,
     check_a_rank_out_of_batches_at_any_micro_batch_stops_both_and_drops_the_step,
     check_a_loss_fn_with_its_own_collective_stops_cleanly_when_a_rank_runs_out,
     check_a_micro_batch_that_raises_under_fsdp_leaves_no_unsharded_gradient,
+    check_a_rank_whose_loader_raises_stops_every_rank_at_once,
 ]
 w.SCENARIOS["accumulate"].append(
     check_a_step_stopped_after_a_forward_leaves_the_buffers_of_the_completed_steps

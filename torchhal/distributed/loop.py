@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torchhal.hal_core import DeviceTimer, HostTimer, InvalidArgumentError, telemetry
+from torchhal.hal_core import CollectiveError, DeviceTimer, HostTimer, InvalidArgumentError, telemetry
 
 if TYPE_CHECKING:
     from torchhal.distributed.init import DistContext
@@ -124,7 +124,11 @@ def train(
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
             feed = _MicroBatches(source, ctx, accumulate, agree, step - first_step, steps)
-            buffers.save()  # before the fetch: an error here loses no batch
+            try:
+                buffers.save()  # before the fetch: an error here loses no batch
+            except BaseException:
+                feed.fail(0)  # the peers are in micro-batch 0's agreement: they stop too
+                raise
             feed.fetch_first()  # before the step begins, as when all were fetched here
             with telemetry.span("torchhal.train.step", step=step, rank=ctx.rank) as span:
                 result = _step(
@@ -171,10 +175,12 @@ class _MicroBatches:
     """One step's micro-batches, fetched one at a time as the step runs them, so that the step
     holds one (the loader's own prefetch aside), where fetching all k before the step held k.
     With `agree`, the ranks agree before each micro-batch that each has it, and every rank raises
-    naming those that ran out. Before each, not only where DDP or FSDP2 run collectives (FSDP2's
-    forward all-gathers, DDP's first forward broadcasts buffers, the last backward reduces): a
-    model or loss_fn may run its own (SyncBatchNorm, a contrastive loss's all_gather), and an
-    agreement on the host side costs no device time."""
+    naming those that ran out, or those whose loader (or buffer copy) raised: such a rank takes
+    part in the agreement before it raises its own error, so its peers stop at once instead of
+    waiting there until the process-group timeout. Before each, not only where DDP or FSDP2 run
+    collectives (FSDP2's forward all-gathers, DDP's first forward broadcasts buffers, the last
+    backward reduces): a model or loss_fn may run its own (SyncBatchNorm, a contrastive loss's
+    all_gather), and an agreement on the host side costs no device time."""
 
     def __init__(
         self,
@@ -206,21 +212,45 @@ class _MicroBatches:
         # only the loader's time is not step time: an agreement waits for the other ranks, as
         # the gradient all-reduce does (on the host side of the group, not on the device queue)
         began = time.perf_counter()
-        batch = next(self._source, _EXHAUSTED)
+        try:
+            batch = next(self._source, _EXHAUSTED)
+        except BaseException:
+            self.fail(index)
+            raise
         self.loading_s += time.perf_counter() - began
         have = batch is not _EXHAUSTED
         if have and not self._agree:
             return batch
-        short = _ranks_without_batch(self._ctx, have) if self._agree else []
+        flags = self._ctx.communicator.host_all_gather(_HAVE if have else _RAN_OUT) if self._agree else []
+        failed = [rank for rank, flag in enumerate(flags) if flag == _FAILED]
+        if failed:
+            raise CollectiveError(
+                f"train: rank(s) {failed} raised before micro-batch {index} of step {self._done} "
+                "(in the loader or the buffer copy; their error is in their own log), so every "
+                "rank stops here rather than wait in a collective"
+            )
+        short = [rank for rank, flag in enumerate(flags) if flag == _RAN_OUT]
         if have and not short:
             return batch
         raise InvalidArgumentError(_ran_out(short, self._done, self._steps, index, have, self.count))
 
+    def fail(self, index: int) -> None:
+        """This rank raised before micro-batch `index`: where ranks agree, say so in the agreement
+        its peers wait in, then let the rank's own error be raised (never one from here)."""
+        if not self._agree:
+            return
+        try:
+            self._ctx.communicator.host_all_gather(_FAILED)
+        except Exception as error:  # a peer gone too: the rank's own error is the one to raise
+            log.warning(
+                "train: could not tell the other ranks that this rank stopped",
+                error=f"{type(error).__name__}: {error}",
+            )
 
-def _ranks_without_batch(ctx: DistContext, have: bool) -> list[int]:
-    """The ranks whose batches ran out (collective: every rank calls it)."""
-    flags = ctx.communicator.host_all_gather(float(have))  # the host side: no device queue drained
-    return [rank for rank, flag in enumerate(flags) if not flag]
+
+_HAVE, _RAN_OUT, _FAILED = 1.0, 0.0, -1.0
+"""What each rank says in the agreement before a micro-batch (on the host side of the group: no
+device queue drained)."""
 
 
 def _ran_out(short: list[int], done: int, steps: int, got: int, have: bool, accumulate: int) -> str:
