@@ -343,17 +343,23 @@ def _step(
         _stop(model, optimizer, scaler, buffers, step, len(micro), no_sync is not None)
         raise
     scale_before = None if scaler is None else scaler.get_scale()
+    # whether the optimizer's own step began (GradScaler may refuse before it: fp16 gradients)
+    began: list[object] = []
+    hook = optimizer.register_step_pre_hook(lambda *_: began.append(True))
     try:
         _optimizer_step(optimizer, scaler)
     except BaseException:
-        log.warning(
-            "train: the optimizer's step raised; the parameters and the optimizer's state may be "
-            "partly updated (an optimizer's update cannot be undone)",
-            step=step,
-        )
-        telemetry.count("torchhal.train.partial_optimizer_steps")
+        if began:
+            log.warning(
+                "train: the optimizer's step raised; the parameters and the optimizer's state may be "
+                "partly updated (an optimizer's update cannot be undone)",
+                step=step,
+            )
+            telemetry.count("torchhal.train.partial_optimizer_steps")
         _stop(model, optimizer, scaler, buffers, step, len(micro), no_sync is not None)
         raise
+    finally:
+        hook.remove()
     skipped, scale = False, None
     if scaler is not None:
         # GradScaler skips the optimizer step on inf/nan gradients and then lowers its scale
@@ -416,9 +422,69 @@ def _stop(
     gradients and the scaler's record of this step, so that a retry or a later `train` call
     starts as the step did. Raises nothing: the step's own error is the one to raise."""
     restored = buffers.restore()  # logs each buffer it cannot put back
+    _reset_wrapper(model)
     _drop_gradients(model, optimizer, step, done, accumulating, restored)
     if scaler is not None:
         _forget_unscaling(scaler, optimizer)
+
+
+def _reset_wrapper(model: nn.Module) -> None:
+    """A backward that raised part-way leaves DDP's reducer waiting for the rest of its buckets
+    (the next step raises "Expected to have finished reduction in the prior iteration", which
+    points at unused parameters) and FSDP2's iteration open (parameters unsharded, its trackers
+    set: the steps after compute other updates, silently). The outermost wrapper is reset: DDP's
+    reducer where it is not finalised, FSDP2's root with `reset_iter_state` (torch 2.13); where
+    torch has neither, or the reset raises, that is said (logged and counted), never raised."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapper = next((m for m in model.modules() if isinstance(m, (DistributedDataParallel, FSDPModule))), None)
+    if wrapper is None:
+        return
+    try:
+        if isinstance(wrapper, DistributedDataParallel):
+            reset = _reducer_reset(wrapper)
+        else:
+            reset = _fsdp_reset(wrapper)
+        if reset is not None:
+            reset()
+            return
+    except Exception as error:
+        why = f"the reset raised {type(error).__name__}: {error}"
+    else:
+        why = f"torch {torch.__version__} has no call that resets it"
+    log.warning(
+        "train: the stopped step left the model's wrapper mid-iteration and it was not reset; "
+        "rebuild the model (prepare it again, from a checkpoint) before training it again",
+        wrapper=type(wrapper).__name__,
+        why=why,
+    )
+    telemetry.count("torchhal.train.wrapper_not_reset")
+
+
+def _reducer_reset(ddp: nn.Module) -> Callable[[], None] | None:
+    """What resets DDP's reducer; a no-op where its last backward finished."""
+    reducer = getattr(ddp, "reducer", None)
+    check, reset = getattr(reducer, "_check_reducer_finalized", None), getattr(reducer, "_reset_state", None)
+    if check is None or reset is None:
+        return None
+    try:
+        check()
+    except RuntimeError:  # "Expected to have finished reduction ...": a backward stopped part-way
+        return reset
+    return lambda: None
+
+
+def _fsdp_reset(root: nn.Module) -> Callable[[], None] | None:
+    """What resets FSDP2's iteration state; a no-op where no iteration is open (torch before 2.13
+    has no `reset_iter_state`, and its state is read to tell)."""
+    reset = getattr(root, "reset_iter_state", None)
+    if reset is not None:
+        return reset
+    context = getattr(root._get_fsdp_state(), "_state_ctx", None)
+    if context is not None and getattr(context, "iter_forward_root", None) is None:
+        return lambda: None  # between iterations: nothing to reset
+    return None
 
 
 def _forget_unscaling(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
@@ -585,8 +651,8 @@ class _Buffers:
         copies kept from step to step while each buffer stays the same tensor of the same shape,
         dtype and device (an observer's forward `resize_`s its ranges in place); tensor
         subclasses (a replicated DTensor) one by one, as `_foreach_copy_` has no DTensor rule."""
-        if self._lazy and not any(map(nn.parameter.is_lazy, self._lazy)):
-            self._find()  # a forward materialised them (in place: they are the same tensors now)
+        if self._lazy and not all(map(nn.parameter.is_lazy, self._lazy)):
+            self._find()  # a forward materialised some (in place: they are the same tensors now)
         if self._watched and (changed := [qualified for qualified, *_ in self._changed()]):
             log.info(
                 "train: buffers the last step changed are copied before each step from now on",
