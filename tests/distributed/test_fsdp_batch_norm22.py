@@ -83,3 +83,34 @@ def test_fsdp_in_low_precision_trains_batch_norm_layers_with_fp32_parameters(ctx
     torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
     assert all(b.dtype == want[name].dtype for name, b in got.items())
     assert not torch.equal(got["norm.running_mean"], torch.zeros(DIM))
+
+
+class BatchNormBlocks(nn.Module):
+    """An MLP whose `layers` hold the BatchNorm itself: a block FSDP shards one by one that is
+    also a BatchNorm kept in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(DIM, DIM), nn.BatchNorm1d(DIM), nn.Tanh(), nn.Linear(DIM, 1)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return nn.functional.mse_loss(x.squeeze(-1).float(), y.float())
+
+
+def test_a_batch_norm_that_is_a_block_is_sharded_once_in_fp32(ctx):
+    """Fails before: prepare sharded the BatchNorm apart, then again as a block, and torch raised
+    "fully_shard has already been applied", leaving the model half-wrapped."""
+    policy = thd.choose_precision(ctx.device, prefer="bf16")
+    prepared = thd.prepare(BatchNormBlocks(), sgd, ctx=ctx, strategy="fsdp", policy=policy)
+    assert prepared.sharded_blocks == 4
+    seen = dtypes_seen(prepared.model)
+    thd.train(
+        prepared.model, prepared.optimizer, micro_batches(2, 1, 16), steps=2, ctx=ctx, policy=prepared.policy
+    )
+    assert seen == {
+        "layers.0": (torch.bfloat16, torch.bfloat16),
+        "layers.1": (torch.bfloat16, torch.float32),
+        "layers.3": (torch.bfloat16, torch.bfloat16),
+    }

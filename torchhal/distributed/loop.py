@@ -280,6 +280,12 @@ def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractCont
     modules = list(model.modules())
     replicated = next((m for m in modules if isinstance(m, DistributedDataParallel)), None)
     if replicated is not None:
+        if replicated.static_graph:
+            raise InvalidArgumentError(
+                "train: gradient_accumulation_steps > 1 needs DDP's no_sync, which a DDP model made "
+                "with static_graph=True does not support (torch fails an internal assertion, "
+                "pytorch issue 143580); prepare without static_graph, or accumulate 1 step"
+            )
         return replicated.no_sync
     sharded = [m for m in modules if isinstance(m, FSDPModule)]
 

@@ -2,13 +2,14 @@
 
 Both strategies are torch's own (`DistributedDataParallel`, `fully_shard`); this module adds
 the HAL's device, the precision policy from its capabilities, and FSDP2's rules made
-automatic: shard each transformer block, then the root, and build the optimizer over the
-sharded parameters.
+automatic: shard each transformer block, then the root, and give the optimizer the sharded
+parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import inspect
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -59,23 +60,35 @@ def prepare(
     policy: PrecisionPolicy | None = None,
     blocks: Callable[[nn.Module], bool] | None = None,
     mesh: DeviceMesh | None = None,
+    ddp_options: Mapping[str, Any] | None = None,
 ) -> Prepared:
     """Move `model` to `ctx.device` and wrap it for `strategy` ("ddp", "fsdp", or "local").
 
     `optimizer` is an optimizer over `model`'s parameters or a factory `params -> optimizer`.
     FSDP2 replaces parameters with sharded ones, so under "fsdp" an optimizer instance (which
-    must not have stepped yet) is rebuilt with the same class, groups and hyperparameters over
-    the sharded parameters. `blocks` selects the modules FSDP shards one by one (default: the
-    entries of the first ModuleList named layers, blocks or h). "local" wraps nothing: for
+    must not have stepped yet) gets the sharded parameters in its groups, in place: the returned
+    optimizer is that instance, and an LR scheduler or hook made on it keeps working. `blocks`
+    selects the modules FSDP shards one by one (default: the entries of the first ModuleList
+    named layers, blocks or h). "local" wraps nothing: for
     heterogeneous runs whose gradients are synchronised explicitly (`hetero.HeteroGroup`).
-    `policy` defaults to `choose_precision(ctx.device)`.
+    `policy` defaults to `choose_precision(ctx.device)`. `ddp_options` go to
+    `DistributedDataParallel` (strategy "ddp" only), as Lightning's `DDPStrategy(**kwargs)` takes
+    them: `find_unused_parameters=True` for a model whose steps leave parameters without a
+    gradient (mixture-of-experts routing), `static_graph=True`, `bucket_cap_mb`, ... (torch's
+    static_graph fails an internal assertion under `no_sync`, so `train` refuses it with
+    gradient accumulation: pytorch issue 143580). Under "fsdp", BatchNorm in low precision and
+    modules whose parameters are of another dtype than the model's (complex, fp64) are sharded
+    on their own, uncast; with more than one rank a parameter a rank left unused is reduced as a
+    zero gradient, so ranks that route to different experts never mix their gradients.
     """
     if strategy not in STRATEGIES:
         raise UnsupportedError(f"prepare: strategy must be one of {STRATEGIES}, got {strategy!r}")
+    options = _checked_ddp_options(ddp_options, strategy)
     if policy is not None:
         policy.check_device(ctx.device, "prepare")
     policy = (policy or choose_precision(ctx.device)).for_strategy(strategy)
     _check_not_wrapped(model)
+    plan = _fsdp_plan(model, policy, blocks) if strategy == "fsdp" else None
     names = _parameter_names(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_optimizer_covers(optimizer, names)
@@ -87,12 +100,12 @@ def prepare(
     sharded = 0
     with telemetry.span("torchhal.distributed.prepare", strategy=strategy, policy=policy.name):
         if strategy == "ddp":
-            wrapped: nn.Module = _ddp(model, ctx)
-        elif strategy == "fsdp":
-            wrapped, sharded = _fsdp(model, ctx, policy, blocks, mesh)
+            wrapped: nn.Module = _ddp(model, ctx, options)
+        elif plan is not None:  # fsdp
+            wrapped, sharded = _fsdp(model, ctx, policy, plan, mesh)
         else:
             wrapped = model
-        opt = _optimizer_for(wrapped, optimizer, names, rebuild=strategy == "fsdp")
+        opt = _optimizer_for(wrapped, optimizer, names, resharded=strategy == "fsdp")
     prepared = Prepared(wrapped, opt, policy, policy.grad_scaler(), strategy, sharded)
     log.info("model prepared", rank=ctx.rank, device=ctx.device.id, **prepared.report())
     return prepared
@@ -110,19 +123,78 @@ def transformer_blocks(
     return []
 
 
-def _ddp(model: nn.Module, ctx: DistContext) -> nn.Module:
+def _ddp(model: nn.Module, ctx: DistContext, options: Mapping[str, Any]) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     device = ctx.device.torch_device
     device_ids = None if device.type == "cpu" else [device.index]  # DDP takes no device_ids for host modules
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=ctx.communicator.group)
+    return DistributedDataParallel(
+        model, device_ids=device_ids, process_group=ctx.communicator.group, **options
+    )
+
+
+_DDP_SET_BY_PREPARE = ("module", "device_ids", "output_device", "process_group", "device_mesh")
+
+
+def _checked_ddp_options(options: Mapping[str, Any] | None, strategy: str) -> Mapping[str, Any]:
+    """Refuse, before anything is moved or wrapped, options DDP would not take or that prepare sets."""
+    if not options:
+        return {}
+    if strategy != "ddp":
+        raise InvalidArgumentError(
+            f"prepare: ddp_options apply to strategy 'ddp' only, got strategy {strategy!r} with "
+            f"ddp_options {sorted(options)}"
+        )
+    from torch.nn.parallel import DistributedDataParallel
+
+    accepted = set(inspect.signature(DistributedDataParallel.__init__).parameters) - {"self"}
+    for key in options:
+        if key in _DDP_SET_BY_PREPARE:
+            raise InvalidArgumentError(
+                f"prepare: ddp_options may not set {key!r}: prepare sets it from ctx (this rank's "
+                "device and process group)"
+            )
+        if key not in accepted:
+            raise InvalidArgumentError(
+                f"prepare: ddp_options has {key!r}, which DistributedDataParallel does not take "
+                f"(it takes {sorted(accepted - set(_DDP_SET_BY_PREPARE))})"
+            )
+    return options
+
+
+def _fsdp_plan(
+    model: nn.Module, policy: PrecisionPolicy, predicate: Callable[[nn.Module], bool] | None
+) -> tuple[list[nn.Module], list[nn.Module], int]:
+    """The modules FSDP2 shards apart with no casting (BatchNorm in low precision, parameters of
+    another dtype), the blocks it shards with the policy (a block that is one of the former is
+    sharded once, uncast: a BatchNorm in an MLP's `layers`), and how many blocks there are;
+    refuses, before anything moves, a unit of mixed dtypes."""
+    kept = _batch_norms(model) if policy.name != "fp32" else []
+    if kept:
+        log.info(
+            "FSDP keeps BatchNorm parameters in fp32 (as autocast does), each layer sharded on its own",
+            layers=len(kept),
+            compute_dtype=str(policy.compute_dtype),
+        )
+    islands = [m for m in _dtype_islands(model) if m not in kept]
+    if islands:
+        log.info(
+            "FSDP shards modules whose parameters are of another dtype on their own, uncast",
+            modules=len(islands),
+        )
+    chosen = {id(m) for m in kept + islands}
+    apart = [m for m in model.modules() if id(m) in chosen]
+    every_block = transformer_blocks(model, predicate)
+    blocks = [b for b in every_block if id(b) not in chosen]
+    _check_uniform_units(model, [*reversed(apart), *reversed(blocks), model])
+    return apart, blocks, len(every_block)
 
 
 def _fsdp(
     model: nn.Module,
     ctx: DistContext,
     policy: PrecisionPolicy,
-    predicate: Callable[[nn.Module], bool] | None,
+    plan: tuple[list[nn.Module], list[nn.Module], int],
     mesh: DeviceMesh | None,
 ) -> tuple[nn.Module, int]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -132,27 +204,85 @@ def _fsdp(
 
         mesh = Mesh.create(ctx).device_mesh
     mp = policy.fsdp_policy()
-    blocks = transformer_blocks(model, predicate)
-    if not blocks:
+    apart, blocks, block_count = plan
+    if not block_count:
         log.warning(
             "no transformer blocks found: FSDP shards the root module only, so all parameters are "
             "gathered at once in forward and backward",
             containers=BLOCK_CONTAINERS,
         )
         telemetry.count("torchhal.distributed.fsdp_root_only")
-    norms = _batch_norms(model) if mp.param_dtype is not None else []
-    if norms:
-        log.info(
-            "FSDP keeps BatchNorm parameters in fp32 (as autocast does), each layer sharded on its own",
-            layers=len(norms),
-            compute_dtype=str(mp.param_dtype),
-        )
-    for norm in norms:  # before the blocks that may contain them
-        fully_shard(norm, mesh=mesh, mp_policy=MixedPrecisionPolicy())
+    for module in reversed(apart):  # before the blocks that may contain them, inner ones first
+        fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy())
     for block in reversed(blocks):  # inner modules before the modules that contain them
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    return model, len(blocks)
+    if mesh.size() > 1:
+        _reduce_scatter_unused(model)
+    return model, block_count
+
+
+def _reduce_scatter_unused(model: nn.Module) -> None:
+    """FSDP2 reduce-scatters the gradients a rank has: where ranks used different parameters (a
+    mixture of experts' routing), same-sized lists were summed position by position, one
+    expert's gradient into another's, silently. With this each rank sends zeros for its unused
+    parameters, as DDP's find_unused_parameters does; a parameter no rank used gets a zero
+    gradient (DDP leaves it None)."""
+    setter = getattr(model, "set_reduce_scatter_unused_params", None)
+    if setter is None:  # torch before 2.10
+        log.warning(
+            "this torch's FSDP2 cannot reduce unused parameters: ranks must use the same "
+            "parameters in every step, or their gradients are mixed"
+        )
+        telemetry.count("torchhal.distributed.fsdp_unused_params_unsupported")
+        return
+    setter(True)
+
+
+def _dtype_islands(model: nn.Module) -> list[nn.Module]:
+    """Modules whose own trainable parameters are all of one dtype other than the model's main
+    one (by elements): complex filters, a piece kept in fp64. FSDP2 gathers and reduces each
+    unit's parameters as one buffer and refuses mixed dtypes at the first forward; with the
+    compute dtype's policy it would also cast an fp64 piece down and reduce complex gradients
+    in fp32, dropping their imaginary part."""
+    sizes: dict[torch.dtype, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            sizes[p.dtype] = sizes.get(p.dtype, 0) + p.numel()
+    if len(sizes) < 2:
+        return []
+    main = max(sizes, key=lambda dtype: sizes[dtype])
+    islands = []
+    for module in model.modules():
+        dtypes = {p.dtype for p in module.parameters(recurse=False) if p.requires_grad}
+        if module is not model and len(dtypes) == 1 and main not in dtypes:
+            islands.append(module)
+    return islands
+
+
+def _check_uniform_units(model: nn.Module, units: list[nn.Module]) -> None:
+    """Each FSDP2 unit (inner units first) holds the trainable parameters no inner unit holds;
+    FSDP2 needs them of one dtype, and said so only as an AssertionError at the first forward."""
+    names = {id(m): name or "<root>" for name, m in model.named_modules()}
+    params = {id(p): name for name, p in model.named_parameters()}
+    held: set[int] = set()
+    for unit in units:
+        mine = [p for p in unit.parameters() if p.requires_grad and id(p) not in held]
+        held.update(id(p) for p in mine)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for p in mine:
+            by_dtype.setdefault(p.dtype, []).append(params[id(p)])
+        if len(by_dtype) > 1:
+            listed = "; ".join(
+                f"{dtype}: {len(held_by)} ({', '.join(held_by[:3])}{', ...' if len(held_by) > 3 else ''})"
+                for dtype, held_by in by_dtype.items()
+            )
+            raise InvalidArgumentError(
+                f"prepare(strategy='fsdp'): FSDP shards module {names[id(unit)]!r} as one unit, whose "
+                f"trainable parameters must share one dtype, but they are of {len(by_dtype)}: "
+                f"{listed}; put the parameters of each dtype in modules of their own, or freeze "
+                "the odd ones"
+            )
 
 
 def _batch_norms(model: nn.Module) -> list[nn.Module]:
@@ -171,14 +301,26 @@ def _batch_norms(model: nn.Module) -> list[nn.Module]:
 
 
 def _check_not_wrapped(model: nn.Module) -> None:
-    """A DDP model wrapped again would reduce every gradient twice and nest its state-dict keys."""
+    """A model already wrapped for data parallelism, at its root or inside (`torch.compile(DDP(m))`,
+    a DDP layer, a module `fully_shard` has sharded), would be wrapped again: DDP in DDP reduces
+    every gradient twice and nests its state-dict keys; DDP or FSDP over FSDP's sharded
+    parameters fails deep inside torch, at the first forward."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    if isinstance(model, DistributedDataParallel):
-        raise InvalidArgumentError(
-            "prepare: the model is already wrapped in DistributedDataParallel; pass the module it "
-            "wraps (model.module), which prepare wraps for the strategy asked"
-        )
+    for name, module in model.named_modules():
+        if isinstance(module, DistributedDataParallel):
+            where = f"model.{name}" if name else "model"
+            raise InvalidArgumentError(
+                f"prepare: the model is already wrapped in DistributedDataParallel (at {where}); "
+                f"pass the module it wraps ({where}.module), which prepare wraps for the strategy asked"
+            )
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            raise InvalidArgumentError(
+                f"prepare: the model is already sharded by FSDP (at {f'model.{name}' if name else 'model'}, "
+                f"a {type(module).__name__}); pass the model before fully_shard, which prepare applies "
+                "for the strategy asked"
+            )
 
 
 def _parameter_names(model: nn.Module) -> dict[int, str]:
@@ -199,26 +341,20 @@ def _optimizer_for(
     optimizer: torch.optim.Optimizer | OptimizerFactory,
     names: dict[int, str],
     *,
-    rebuild: bool,
+    resharded: bool,
 ) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
         return optimizer(model.parameters())
-    if not rebuild:
+    if not resharded:
         return optimizer
     if optimizer.state:
         raise InvalidArgumentError(
             "prepare(strategy='fsdp'): the optimizer has already stepped (it has state), and FSDP2 "
             "replaces the parameters it holds; make the optimizer after prepare, or pass a factory"
         )
+    # in place, not a new optimizer: an LR scheduler or a hook made on this one must keep working
     current = dict(model.named_parameters())
-    groups = [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": [current[names[id(p)]] for p in group["params"]],
-        }
-        for group in optimizer.param_groups
-    ]
-    rebuild_with: Any = type(optimizer)
-    rebuilt: torch.optim.Optimizer = rebuild_with(groups)  # each group carries every hyperparameter
-    log.info("optimizer rebuilt over the sharded parameters", optimizer=type(optimizer).__name__)
-    return rebuilt
+    for group in optimizer.param_groups:
+        group["params"] = [current[names[id(p)]] for p in group["params"]]
+    log.info("optimizer's parameters swapped for the sharded ones", optimizer=type(optimizer).__name__)
+    return optimizer
