@@ -5,8 +5,9 @@
 #   bash benchmarks/gpu_session22.sh dist   # the distributed GPU tests (a step stopped after its
 #                                           # micro-batches, in fp16 with the scaler and clipping,
 #                                           # run again under DDP and FSDP2; FSDP2 in fp16 shards
-#                                           # BatchNorm apart in fp32), the collectives, and this
-#                                           # session's CPU tests on the image's torch
+#                                           # BatchNorm2d apart in fp32), the collectives, which
+#                                           # of the torch calls this session uses the image's torch
+#                                           # has, and this session's CPU tests on that torch
 set -uo pipefail
 phase=${1:?dist}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -18,7 +19,17 @@ python3 -c "import torch; print('torch', torch.__version__)"
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider tests/distributed/gpu tests/collectives \
   2>&1 | tee "$OUT/gpu_tests_distributed.log" | tail -8
 echo "gpu tests rc=${PIPESTATUS[0]}"
-timeout 240 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_stopped_after_backward22.py \
+python3 - <<'PY' 2>&1 | tee "$OUT/torch_image_calls.log"
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch._C._distributed_c10d import Reducer
+print("FSDPModule.reset_iter_state", hasattr(FSDPModule, "reset_iter_state"))
+print("FSDPModule.set_reduce_scatter_unused_params", hasattr(FSDPModule, "set_reduce_scatter_unused_params"))
+print("Reducer._reset_state", hasattr(Reducer, "_reset_state"), "_check_reducer_finalized", hasattr(Reducer, "_check_reducer_finalized"))
+PY
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_stopped_after_backward22.py \
   tests/distributed/test_fsdp_batch_norm22.py tests/distributed/test_grad_accumulation.py \
-  ${EXTRA_CPU_TESTS:-} 2>&1 | tee "$OUT/cpu_tests_torch_image.log" | tail -4
+  tests/distributed/test_buffer_watch22.py tests/distributed/test_prepare_sweep22.py \
+  tests/distributed/test_accumulation_memory20.py tests/distributed/test_multiprocess.py \
+  2>&1 | tee "$OUT/cpu_tests_torch_image.log" | tail -6
 echo "cpu tests on the image's torch rc=${PIPESTATUS[0]}"

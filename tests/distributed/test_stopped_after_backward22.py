@@ -24,7 +24,7 @@ from tests.distributed.test_grad_accumulation import (
     sgd,
 )
 from torchhal import distributed as thd
-from torchhal.hal_core import telemetry
+from torchhal.hal_core import InvalidArgumentError, telemetry
 
 STEPS, K = 3, 2
 
@@ -244,17 +244,23 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+WITHOUT_RESET_ITER_STATE = "fsdp, as torch before 2.13 (no reset_iter_state)"
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", WITHOUT_RESET_ITER_STATE])
 @pytest.mark.parametrize("at", [1, 2])  # the first micro-batch's backward (sync off), the second's (synced)
-def test_a_backward_that_raised_part_way_leaves_the_wrapper_ready_for_a_retry(ctx, strategy, at):
+def test_a_backward_that_raised_part_way_leaves_the_wrapper_ready_for_a_retry(ctx, monkeypatch, strategy, at):
     """The step is run again and the model equals one trained without the failure. Fails before:
     DDP's reducer, left waiting for the rest of its buckets, raised "Expected to have finished
     reduction in the prior iteration"; FSDP2's iteration stayed open and the retried steps
-    computed other updates, silently."""
+    computed other updates, silently. A torch without `reset_iter_state` says so instead."""
+    if strategy == WITHOUT_RESET_ITER_STATE and hasattr(FSDPModule, "reset_iter_state"):
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    reset = strategy == "ddp" or hasattr(FSDPModule, "reset_iter_state")
+    strategy = strategy.split(",")[0]
     seed = random.randrange(2**31)
     data = micro_batches(2, 2, 4)
     prepared = thd.prepare(seeded(HalfBackward, seed), sgd, ctx=ctx, strategy=strategy)
-    reset = strategy == "ddp" or hasattr(FSDPModule, "reset_iter_state")
     stream = io.StringIO()
     telemetry.configure(log_level="warning", log_stream=stream)
     FailingBackward.calls, FailingBackward.at = 0, at
@@ -263,7 +269,7 @@ def test_a_backward_that_raised_part_way_leaves_the_wrapper_ready_for_a_retry(ct
             train_on_unclipped_fp32(prepared, ctx, data, 2)
     finally:
         FailingBackward.at = None
-    if not reset:  # torch before 2.13: said, not done
+    if not reset:
         assert "the stopped step left the model's wrapper mid-iteration" in stream.getvalue()
         return
     assert "mid-iteration" not in stream.getvalue()
@@ -271,6 +277,19 @@ def test_a_backward_that_raised_part_way_leaves_the_wrapper_ready_for_a_retry(ct
     reference = thd.prepare(seeded(HalfBackward, seed), sgd, ctx=ctx, strategy=strategy)
     train_on_unclipped_fp32(reference, ctx, data, 2)
     torch.testing.assert_close(full_state(prepared.model), full_state(reference.model))
+
+
+def test_a_step_stopped_between_micro_batches_is_not_called_mid_iteration(ctx, monkeypatch):
+    """Batches run out after a whole micro-batch: FSDP2's iteration is closed, so a torch without
+    `reset_iter_state` has nothing to say either."""
+    if hasattr(FSDPModule, "reset_iter_state"):
+        monkeypatch.delattr(FSDPModule, "reset_iter_state")
+    prepared = thd.prepare(HalfBackward(), sgd, ctx=ctx, strategy="fsdp")
+    stream = io.StringIO()
+    telemetry.configure(log_level="warning", log_stream=stream)
+    with pytest.raises(InvalidArgumentError, match="batches ran out"):
+        train_on_unclipped_fp32(prepared, ctx, micro_batches(2, 2, 4)[:3], 2)
+    assert "step stopped" in stream.getvalue() and "mid-iteration" not in stream.getvalue()
 
 
 def train_on_unclipped_fp32(prepared: thd.Prepared, ctx, data, steps: int) -> None:

@@ -483,12 +483,18 @@ def _reducer_reset(ddp: nn.Module) -> Callable[[], None] | None:
 
 def _fsdp_reset(root: nn.Module) -> Callable[[], None] | None:
     """What resets FSDP2's iteration state; a no-op where no iteration is open (torch before 2.13
-    has no `reset_iter_state`, and its state is read to tell)."""
+    has no `reset_iter_state`, and its state is read to tell: a forward not yet backed, or a
+    module or parameter group not back to IDLE)."""
     reset = getattr(root, "reset_iter_state", None)
     if reset is not None:
         return reset
     context = getattr(root._get_fsdp_state(), "_state_ctx", None)
-    if context is not None and getattr(context, "iter_forward_root", None) is None:
+    states = getattr(context, "all_states", None)
+    if context is None or states is None:
+        return None  # internals moved: cannot tell, so say so
+    groups = [g for state in states for g in getattr(state, "_fsdp_param_groups", ())]
+    idle = [getattr(getattr(x, "_training_state", None), "name", None) == "IDLE" for x in [*states, *groups]]
+    if getattr(context, "iter_forward_root", None) is None and all(idle):
         return lambda: None  # between iterations: nothing to reset
     return None
 

@@ -229,7 +229,7 @@ def _reduce_scatter_unused(model: nn.Module) -> None:
     parameters, as DDP's find_unused_parameters does; a parameter no rank used gets a zero
     gradient (DDP leaves it None)."""
     setter = getattr(model, "set_reduce_scatter_unused_params", None)
-    if setter is None:  # torch before 2.10
+    if setter is None:  # torch 2.11 has none
         log.warning(
             "this torch's FSDP2 cannot reduce unused parameters: ranks must use the same "
             "parameters in every step, or their gradients are mixed"
