@@ -8,8 +8,12 @@
 #                                           # BatchNorm2d apart in fp32), the collectives, which
 #                                           # of the torch calls this session uses the image's torch
 #                                           # has, and this session's CPU tests on that torch
+#   bash benchmarks/gpu_session22.sh final  # the same, then FSDP2 with 4 micro-batches a step
+#                                           # (~1B Llama, bf16: the unused-gradient fill runs after
+#                                           # each of the first 3) with the session-start build
+#                                           # (.whl_old/: ea20c21) and the new one, alternately
 set -uo pipefail
-phase=${1:?dist}
+phase=${1:?dist or final}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
@@ -33,3 +37,14 @@ timeout 300 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_stop
   tests/distributed/test_accumulation_memory20.py tests/distributed/test_multiprocess.py \
   2>&1 | tee "$OUT/cpu_tests_torch_image.log" | tail -6
 echo "cpu tests on the image's torch rc=${PIPESTATUS[0]}"
+[ "$phase" = final ] || exit 0
+cp -r /tmp/site /tmp/old
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
+run=0
+for build in old new old new; do
+  run=$((run + 1)); site=/tmp/site; [ $build = old ] && site=/tmp/old
+  PYTHONPATH=$site timeout 100 python3 -m torch.distributed.run --standalone --nproc-per-node 2 \
+    benchmarks/bench_train_scaling.py --phases fsdp --gradient-accumulation-steps 4 --warmup 2 --steps 6 \
+    --out "$OUT/accum_fsdp_${run}_$build.json" > "$OUT/accum_fsdp_${run}_$build.log" 2>&1
+  echo "$run $build rc=$? $(grep -E 'tokens/s' "$OUT/accum_fsdp_${run}_$build.log" | tail -1)"
+done

@@ -577,6 +577,50 @@ def check_a_rank_whose_loader_raises_stops_every_rank_at_once(state: Any) -> Non
         dist.barrier()
 
 
+def loss_raising_on_rank_1(state: Any, at: int) -> Any:
+    """A loss_fn whose `at`th call raises CorruptSample on rank 1, after the model's forward (so
+    both ranks ran the forward's own collectives: DDP's buffer broadcast)."""
+    calls: list[int] = []
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        calls.append(1)
+        value = model(*batch)
+        if state.rank == 1 and len(calls) == at:
+            raise CorruptSample("rank 1's loss_fn fails")
+        return value  # type: ignore[no-any-return]
+
+    return loss
+
+
+def check_ranks_an_error_left_apart_are_told_so_when_they_train_again(state: Any) -> None:
+    """Rank 1's loss_fn raises in step 1's first micro-batch; rank 0 goes on to the agreement
+    before the second, where rank 1's next train call meets it with its own first agreement.
+    Both raise "ranks out of step", naming the other's place, instead of pairing the two (rank 1
+    would have taken rank 0's micro-batch 1 for its step 0). Not under FSDP2, whose backward
+    all-gathers: rank 0 waits there, in a device collective, not in an agreement."""
+    for kind in ("ddp", "sync"):
+        prepared = _prepare(state, kind)
+
+        raising_on_rank_1 = loss_raising_on_rank_1(state, K + 1)
+        errors = []
+        for attempt in range(2 if state.rank == 1 else 1):
+            try:
+                _train_kind(state, kind, prepared, tracked(state, kind, 2 * K), 2, loss_fn=raising_on_rank_1)
+            except (CorruptSample, CollectiveError) as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            else:
+                raise AssertionError(f"{kind}: attempt {attempt} finished")
+        last = errors[-1]
+        assert "ranks out of step" in last, (kind, errors)
+        other = (
+            "rank(s) [0] at step 1 micro-batch 1"
+            if state.rank == 1
+            else "rank(s) [1] at step 0 micro-batch 0"
+        )
+        assert other in last, (kind, errors)
+        dist.barrier()
+
+
 w.SCENARIOS["memory20"] = [
     check_init,
     check_one_micro_batch_is_held_at_a_time,
@@ -584,6 +628,7 @@ w.SCENARIOS["memory20"] = [
     check_a_loss_fn_with_its_own_collective_stops_cleanly_when_a_rank_runs_out,
     check_a_micro_batch_that_raises_under_fsdp_leaves_no_unsharded_gradient,
     check_a_rank_whose_loader_raises_stops_every_rank_at_once,
+    check_ranks_an_error_left_apart_are_told_so_when_they_train_again,
 ]
 w.SCENARIOS["accumulate"].append(
     check_a_step_stopped_after_a_forward_leaves_the_buffers_of_the_completed_steps

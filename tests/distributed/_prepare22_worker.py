@@ -121,10 +121,52 @@ def check_fsdp_keeps_each_experts_gradient_its_own_when_ranks_route_apart(state:
     _assert_experts_match_whole_batch(state, "fsdp")
 
 
+def check_fsdp_bf16_accumulation_trains_experts_used_apart_or_late(state: Any) -> None:
+    """bf16 FSDP2, 2 micro-batches a step: in the first each rank routes to its own expert, in the
+    second every row goes to expert 2 (first used in the synced micro-batch), so each rank holds
+    fp32 upcast gradients beside bf16 ones and zeros. Fails before: FSDP2 raised "FSDP
+    reduce-scatter expects uniform gradient dtype" on both ranks. Matches one process training
+    on each step's whole batch, to bf16's precision."""
+    torch.manual_seed(state.seed)
+    model = MoE(w.DIM)
+    reference = copy.deepcopy(model)
+    ref_opt = sgd(reference.parameters())
+    policy = thd.choose_precision(state.ctx.device, prefer="bf16")
+    prepared = thd.prepare(model, sgd, ctx=state.ctx, strategy="fsdp", policy=policy)
+    rows = w.even_rows(state)
+    share = w.GLOBAL_BATCH // state.world
+    micro = []
+    for step in range(w.STEPS):
+        x, y = state.batch(step)
+        routes = [torch.arange(w.GLOBAL_BATCH) // share, torch.full((w.GLOBAL_BATCH,), 2)]
+        for route in routes:  # the micro-batches: each rank takes its rows of each
+            micro.append((x[rows], y[rows], route[rows]))
+        parts = [reference(x, y, route) for route in routes]  # the whole batch, micro-batch by micro-batch
+        (sum(parts) / len(parts)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    thd.train(
+        prepared.model,
+        prepared.optimizer,
+        micro,
+        steps=w.STEPS,
+        ctx=state.ctx,
+        policy=prepared.policy,
+        gradient_accumulation_steps=2,
+    )
+    for (name, p), (_, q) in zip(
+        prepared.model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        torch.testing.assert_close(
+            p.full_tensor(), q, rtol=0.02, atol=0.01, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
 w.SCENARIOS["moe22"] = [
     check_init,
     check_fsdp_keeps_each_experts_gradient_its_own_when_ranks_route_apart,
     check_ddp_with_find_unused_parameters_trains_experts_the_ranks_left_idle,
+    check_fsdp_bf16_accumulation_trains_experts_used_apart_or_late,
 ]
 check_names = w.check_names
 

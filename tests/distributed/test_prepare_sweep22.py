@@ -330,3 +330,54 @@ def test_ddp_static_graph_with_gradient_accumulation_is_refused_before_a_step(ct
             gradient_accumulation_steps=2,
         )
     assert all(torch.equal(p, q) for p, q in zip(prepared.model.parameters(), before, strict=True))
+
+
+def test_an_optimizer_that_holds_its_parameter_list_sees_the_shards(ctx):
+    """LBFGS keeps its group's parameter list as `_params`. Fails before (in-place swap of the
+    group's list for a new one): it kept the discarded parameters and its steps changed nothing."""
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 1))
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1)
+    prepared = thd.prepare(model, optimizer, ctx=ctx, strategy="fsdp", policy=fp32(ctx))
+    assert [id(p) for p in optimizer._params] == [id(p) for p in prepared.model.parameters()]
+
+
+def test_an_optimizer_with_state_from_its_making_is_refused_saying_so(ctx):
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh(), nn.Linear(DIM, 1))
+    with pytest.raises(
+        InvalidArgumentError, match=r"has state \(it has stepped, or made state .* as Adagrad does\)"
+    ):
+        thd.prepare(
+            model, torch.optim.Adagrad(model.parameters()), ctx=ctx, strategy="fsdp", policy=fp32(ctx)
+        )
+
+
+class ScaledBody(nn.Module):
+    """Blocks inside a module whose own parameter is fp64: the module is a unit of its own, uncast,
+    that contains the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(DIM, DIM), nn.Tanh()) for _ in range(2))
+        self.scale = nn.Parameter(torch.ones(DIM, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return (x.double() * self.scale).to(x.dtype)
+
+
+def test_fsdp_shards_blocks_before_the_uncast_unit_that_contains_them(ctx):
+    """Fails before: the fp64 unit was sharded (and checked) before its blocks, so it held their
+    fp32 parameters too and prepare refused a model that shards fine blocks first."""
+    torch.manual_seed(random.randrange(2**31))
+    model = nn.Sequential(ScaledBody(), nn.Linear(DIM, 1))
+    data = [(torch.randn(6, DIM), torch.randn(6)) for _ in range(3)]
+    loss = lambda m, b: F.mse_loss(m(b[0]).squeeze(-1), b[1])  # noqa: E731
+    reference = thd.prepare(copy.deepcopy(model), sgd, ctx=ctx, strategy="local", policy=fp32(ctx))
+    thd.train(reference.model, reference.optimizer, data, steps=3, ctx=ctx, policy=fp32(ctx), loss_fn=loss)
+    prepared = thd.prepare(model, sgd, ctx=ctx, strategy="fsdp", policy=fp32(ctx))
+    assert prepared.sharded_blocks == 2
+    thd.train(
+        prepared.model, prepared.optimizer, data, steps=3, ctx=ctx, policy=prepared.policy, loss_fn=loss
+    )
+    assert_same_parameters(prepared.model, reference.model, rtol=1e-5, atol=1e-6)

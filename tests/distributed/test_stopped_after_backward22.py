@@ -248,34 +248,44 @@ WITHOUT_RESET_ITER_STATE = "fsdp, as torch before 2.13 (no reset_iter_state)"
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", WITHOUT_RESET_ITER_STATE])
-@pytest.mark.parametrize("at", [1, 2])  # the first micro-batch's backward (sync off), the second's (synced)
-def test_a_backward_that_raised_part_way_leaves_the_wrapper_ready_for_a_retry(ctx, monkeypatch, strategy, at):
-    """The step is run again and the model equals one trained without the failure. Fails before:
-    DDP's reducer, left waiting for the rest of its buckets, raised "Expected to have finished
-    reduction in the prior iteration"; FSDP2's iteration stayed open and the retried steps
-    computed other updates, silently. A torch without `reset_iter_state` says so instead."""
+@pytest.mark.parametrize(
+    ("k", "at"),
+    # k micro-batches a step; the backward that raises: the first (sync off when k = 2), the
+    # second (synced; with k = 1, the second step's)
+    [(2, 1), (2, 2), (1, 1), (1, 2)],
+)
+def test_a_backward_that_raised_part_way_leaves_the_wrapper_ready_for_a_retry(
+    ctx, monkeypatch, strategy, k, at
+):
+    """The stopped step is run again (and the rest after it), and the model equals one trained
+    without the failure. Fails before: DDP's reducer, left waiting for the rest of its buckets,
+    raised "Expected to have finished reduction in the prior iteration"; FSDP2's iteration stayed
+    open, and the gradients its groups had made before their post-backward stayed in their
+    unsharded parameters (k = 1 too), so the retried steps computed other updates, silently. A
+    torch without `reset_iter_state` says so instead."""
     if strategy == WITHOUT_RESET_ITER_STATE and hasattr(FSDPModule, "reset_iter_state"):
         monkeypatch.delattr(FSDPModule, "reset_iter_state")
     reset = strategy == "ddp" or hasattr(FSDPModule, "reset_iter_state")
     strategy = strategy.split(",")[0]
     seed = random.randrange(2**31)
-    data = micro_batches(2, 2, 4)
+    data = micro_batches(2, k, 4)
     prepared = thd.prepare(seeded(HalfBackward, seed), sgd, ctx=ctx, strategy=strategy)
     stream = io.StringIO()
     telemetry.configure(log_level="warning", log_stream=stream)
     FailingBackward.calls, FailingBackward.at = 0, at
     try:
         with pytest.raises(Failure, match="half-way"):
-            train_on_unclipped_fp32(prepared, ctx, data, 2)
+            train_with(prepared, ctx, data, 2, k)
     finally:
         FailingBackward.at = None
     if not reset:
         assert "the stopped step left the model's wrapper mid-iteration" in stream.getvalue()
         return
     assert "mid-iteration" not in stream.getvalue()
-    train_on_unclipped_fp32(prepared, ctx, data, 2)
+    stopped = (at - 1) // k
+    train_with(prepared, ctx, data[stopped * k :], 2 - stopped, k)
     reference = thd.prepare(seeded(HalfBackward, seed), sgd, ctx=ctx, strategy=strategy)
-    train_on_unclipped_fp32(reference, ctx, data, 2)
+    train_with(reference, ctx, data, 2, k)
     torch.testing.assert_close(full_state(prepared.model), full_state(reference.model))
 
 
@@ -288,11 +298,11 @@ def test_a_step_stopped_between_micro_batches_is_not_called_mid_iteration(ctx, m
     stream = io.StringIO()
     telemetry.configure(log_level="warning", log_stream=stream)
     with pytest.raises(InvalidArgumentError, match="batches ran out"):
-        train_on_unclipped_fp32(prepared, ctx, micro_batches(2, 2, 4)[:3], 2)
+        train_with(prepared, ctx, micro_batches(2, 2, 4)[:3], 2)
     assert "step stopped" in stream.getvalue() and "mid-iteration" not in stream.getvalue()
 
 
-def train_on_unclipped_fp32(prepared: thd.Prepared, ctx, data, steps: int) -> None:
+def train_with(prepared: thd.Prepared, ctx, data, steps: int, k: int = 2) -> None:
     thd.train(
         prepared.model,
         prepared.optimizer,
@@ -300,5 +310,5 @@ def train_on_unclipped_fp32(prepared: thd.Prepared, ctx, data, steps: int) -> No
         steps=steps,
         ctx=ctx,
         policy=prepared.policy,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=k,
     )

@@ -221,15 +221,15 @@ class _MicroBatches:
         have = batch is not _EXHAUSTED
         if have and not self._agree:
             return batch
-        flags = self._ctx.communicator.host_all_gather(_HAVE if have else _RAN_OUT) if self._agree else []
-        failed = [rank for rank, flag in enumerate(flags) if flag == _FAILED]
+        said = self._agreement(index, _HAVE if have else _RAN_OUT) if self._agree else []
+        failed = [rank for rank, code in enumerate(said) if code == _FAILED]
         if failed:
             raise CollectiveError(
                 f"train: rank(s) {failed} raised before micro-batch {index} of step {self._done} "
                 "(in the loader or the buffer copy; their error is in their own log), so every "
                 "rank stops here rather than wait in a collective"
             )
-        short = [rank for rank, flag in enumerate(flags) if flag == _RAN_OUT]
+        short = [rank for rank, code in enumerate(said) if code == _RAN_OUT]
         if have and not short:
             return batch
         raise InvalidArgumentError(_ran_out(short, self._done, self._steps, index, have, self.count))
@@ -240,17 +240,40 @@ class _MicroBatches:
         if not self._agree:
             return
         try:
-            self._ctx.communicator.host_all_gather(_FAILED)
-        except Exception as error:  # a peer gone too: the rank's own error is the one to raise
+            self._agreement(index, _FAILED)
+        except Exception as error:  # a peer gone, or out of step: the rank's own error is raised
             log.warning(
                 "train: could not tell the other ranks that this rank stopped",
                 error=f"{type(error).__name__}: {error}",
             )
 
+    def _agreement(self, index: int, code: int) -> list[int]:
+        """Every rank's code for micro-batch `index` of this step. Each value carries its rank's
+        place (step and micro-batch of this call) beside the code, so ranks that an earlier
+        error left at different places (one raised in a forward while another's loader raised
+        at the next micro-batch) are told so, rather than pairing one's agreement with another's
+        (float64 holds it exactly)."""
+        place = self._done * self.count + index
+        values = self._ctx.communicator.host_all_gather(float(code + 4 * place))
+        places = [int(v) // 4 for v in values]
+        apart = [rank for rank, there in enumerate(places) if there != place]
+        if apart:
 
-_HAVE, _RAN_OUT, _FAILED = 1.0, 0.0, -1.0
-"""What each rank says in the agreement before a micro-batch (on the host side of the group: no
-device queue drained)."""
+            def where(there: int) -> str:
+                return f"step {there // self.count} micro-batch {there % self.count}"
+
+            raise CollectiveError(
+                f"train: ranks out of step: rank(s) {apart} at "
+                f"{', '.join(where(places[r]) for r in apart)} of their train call, this rank at "
+                f"{where(place)}; an earlier error stopped ranks at different points, so recreate "
+                "the process group before training again"
+            )
+        return [int(v) % 4 for v in values]
+
+
+_HAVE, _RAN_OUT, _FAILED = 1, 0, 2
+"""What each rank says in the agreement before a micro-batch, beside its place (on the host side
+of the group: no device queue drained)."""
 
 
 def _ran_out(short: list[int], done: int, steps: int, got: int, have: bool, accumulate: int) -> str:
@@ -288,6 +311,7 @@ def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractCont
             )
         return replicated.no_sync
     sharded = [m for m in modules if isinstance(m, FSDPModule)]
+    fill = _unused_gradient_fill(model) if sharded else None
 
     @contextlib.contextmanager
     def fsdp_no_sync() -> Iterator[None]:
@@ -298,8 +322,44 @@ def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractCont
         finally:
             for module in sharded:
                 module.set_requires_gradient_sync(True, recurse=False)
+            if fill is not None:
+                fill()
 
     return fsdp_no_sync
+
+
+def _unused_gradient_fill(model: nn.Module) -> Callable[[], None] | None:
+    """Under FSDP2 with a reduce dtype other than the compute dtype (bf16/fp16 compute, fp32
+    reduction), backward with sync off keeps each used parameter's gradient upcast to the reduce
+    dtype, and the synced backward reduces those together with the gradients it made itself, in
+    the compute dtype, of parameters first used there (and, where unused parameters are reduced,
+    zeros in the compute dtype): FSDP2 then raises "FSDP reduce-scatter expects uniform gradient
+    dtype". So after each micro-batch with sync off, each parameter still without an upcast
+    gradient is given zeros in the reduce dtype, as an unused parameter's gradient; the synced
+    backward adds its own to them. Nothing to do where no parameter upcasts (fp32, uncast units)."""
+    params = _fsdp_params(model)
+    if not params:
+        return None  # no FSDP2 parameters, or its internals moved: torch's own error stands
+    upcast: list[Any] | None = None  # found at the first fill: FSDP2 sets reduce dtypes at its first forward
+
+    def fill() -> None:
+        nonlocal upcast
+        if upcast is None:
+            upcast = [
+                p
+                for p in params
+                if getattr(p, "reduce_dtype", None) is not None
+                and not getattr(p, "is_dtensor", False)
+                and p.sharded_param.requires_grad
+            ]
+        for param in upcast:
+            unsharded = getattr(param, "_unsharded_param", None)  # made at its first forward
+            if param.unsharded_accumulated_grad is None and unsharded is not None:
+                param.unsharded_accumulated_grad = torch.zeros(
+                    unsharded.shape, dtype=param.reduce_dtype, device=unsharded.device
+                )
+
+    return fill
 
 
 def _step(
@@ -346,7 +406,7 @@ def _step(
                 scaler.unscale_(optimizer)
             norm = _as_float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
     except BaseException:
-        _stop(model, optimizer, scaler, buffers, step, len(micro), no_sync is not None)
+        _stop(model, optimizer, scaler, buffers, step, len(micro))
         raise
     scale_before = None if scaler is None else scaler.get_scale()
     # whether the optimizer's own step began (GradScaler may refuse before it: fp16 gradients)
@@ -362,7 +422,7 @@ def _step(
                 step=step,
             )
             telemetry.count("torchhal.train.partial_optimizer_steps")
-        _stop(model, optimizer, scaler, buffers, step, len(micro), no_sync is not None)
+        _stop(model, optimizer, scaler, buffers, step, len(micro))
         raise
     finally:
         hook.remove()
@@ -422,14 +482,13 @@ def _stop(
     buffers: _Buffers,
     step: int,
     done: int,
-    accumulating: bool,
 ) -> None:
     """A step stopped (an error, or a rank's batches ran out): put the buffers back, drop the
     gradients and the scaler's record of this step, so that a retry or a later `train` call
     starts as the step did. Raises nothing: the step's own error is the one to raise."""
     restored = buffers.restore()  # logs each buffer it cannot put back
     _reset_wrapper(model)
-    _drop_gradients(model, optimizer, step, done, accumulating, restored)
+    _drop_gradients(model, optimizer, step, done, restored)
     if scaler is not None:
         _forget_unscaling(scaler, optimizer)
 
@@ -562,15 +621,13 @@ def _drop_gradients(
     optimizer: torch.optim.Optimizer,
     step: int,
     done: int,
-    accumulating: bool,
     restored: int,
 ) -> None:
     """A step stopped (an error, or a rank's batches ran out): drop what its `done` micro-batches
     accumulated, so that a retry or a later `train` call starts clean (`restored`: the buffers
     put back as they were before the step)."""
     optimizer.zero_grad(set_to_none=True)
-    if accumulating:
-        _drop_unsharded_gradients(model)
+    _drop_unsharded_gradients(model)
     if done:
         log.warning(
             "train: step stopped; its accumulated gradients were dropped and its buffers restored",
@@ -653,24 +710,22 @@ class _Buffers:
             if then != now
         ]
 
-    def _promote(self, changed: list[str]) -> None:
-        """Copy `changed` before each step from now on."""
-        self._promoted.update(changed)
-        self._find()
-
     def save(self) -> None:
         """Copy the buffers before a step's first forward: plain tensors with one fused copy, into
         copies kept from step to step while each buffer stays the same tensor of the same shape,
         dtype and device (an observer's forward `resize_`s its ranges in place); tensor
         subclasses (a replicated DTensor) one by one, as `_foreach_copy_` has no DTensor rule."""
-        if self._lazy and not all(map(nn.parameter.is_lazy, self._lazy)):
-            self._find()  # a forward materialised some (in place: they are the same tensors now)
-        if self._watched and (changed := [qualified for qualified, *_ in self._changed()]):
+        # both before looking again: looking retakes the watch's marks
+        changed = [qualified for qualified, *_ in self._changed()] if self._watched else []
+        made = bool(self._lazy) and not all(map(nn.parameter.is_lazy, self._lazy))  # in place
+        if changed:
             log.info(
                 "train: buffers the last step changed are copied before each step from now on",
                 buffers=changed,
             )
-            self._promote(changed)
+            self._promoted.update(changed)
+        if changed or made:
+            self._find()
         if not self._where:
             return
         # a forward may have assigned a module a new buffer, None, or deleted it since the last step
@@ -755,12 +810,34 @@ def _statistic(buffer: torch.Tensor) -> bool:
 
 
 def _drop_unsharded_gradients(model: nn.Module) -> None:
-    """FSDP2 keeps what backward accumulated with gradient sync off in each parameter's unsharded
-    gradient, out of the optimizer's reach, and the next synced backward reduces it with its own.
-    torch has no public call that drops it (torch 2.13's `reset_iter_state` keeps it), so this
-    clears it through FSDP2's internals; where those moved, says so (logged and counted)."""
+    """FSDP2 keeps gradients in each parameter's unsharded gradient, out of the optimizer's reach:
+    what backward accumulated with gradient sync off, and what a backward that stopped part-way
+    made before its parameter groups' post-backward ran; the next synced backward reduces them
+    with its own. torch has no public call that drops them (torch 2.13's `reset_iter_state`
+    keeps both), so this clears them through FSDP2's internals; where those moved, says so
+    (logged and counted)."""
+    params = _fsdp_params(model)
+    if params is None:
+        log.warning(
+            "train: cannot drop FSDP2's accumulated unsharded gradients in this torch version; "
+            "rebuild the model before training it again",
+            torch=torch.__version__,
+        )
+        telemetry.count("torchhal.train.undropped_gradients")
+        return
+    for param in params:
+        param.unsharded_accumulated_grad = None
+        unsharded = getattr(param, "_unsharded_param", None)
+        if unsharded is not None:
+            unsharded.grad = None
+
+
+def _fsdp_params(model: nn.Module) -> list[Any] | None:
+    """Every FSDP2 parameter (torch's FSDPParam) of `model`'s FSDP modules, none for a model
+    without; None where FSDP2's internals moved."""
     from torch.distributed.fsdp import FSDPModule
 
+    found: list[Any] = []
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
@@ -771,18 +848,9 @@ def _drop_unsharded_gradients(model: nn.Module) -> None:
             groups = None if single is None and not hasattr(state, "_fsdp_param_group") else [single]
         params = [p for group in groups or () if group is not None for p in getattr(group, "fsdp_params", ())]
         if groups is None or not all(hasattr(p, "unsharded_accumulated_grad") for p in params):
-            log.warning(
-                "train: cannot drop FSDP2's accumulated unsharded gradients in this torch version; "
-                "rebuild the model before training it again",
-                torch=torch.__version__,
-            )
-            telemetry.count("torchhal.train.undropped_gradients")
-            return
-        for param in params:
-            param.unsharded_accumulated_grad = None
-            unsharded = getattr(param, "_unsharded_param", None)
-            if unsharded is not None:
-                unsharded.grad = None
+            return None
+        found += params
+    return found
 
 
 def _real_time(ctx: DistContext) -> DeviceTimer:

@@ -164,11 +164,11 @@ def _checked_ddp_options(options: Mapping[str, Any] | None, strategy: str) -> Ma
 
 def _fsdp_plan(
     model: nn.Module, policy: PrecisionPolicy, predicate: Callable[[nn.Module], bool] | None
-) -> tuple[list[nn.Module], list[nn.Module], int]:
-    """The modules FSDP2 shards apart with no casting (BatchNorm in low precision, parameters of
-    another dtype), the blocks it shards with the policy (a block that is one of the former is
-    sharded once, uncast: a BatchNorm in an MLP's `layers`), and how many blocks there are;
-    refuses, before anything moves, a unit of mixed dtypes."""
+) -> tuple[list[tuple[nn.Module, bool]], int]:
+    """The units FSDP2 shards below the root, inner ones before those that contain them, each
+    with whether it is sharded uncast (BatchNorm in low precision, parameters of another dtype;
+    a block that is one of those is sharded once, uncast: a BatchNorm in an MLP's `layers`), and
+    how many blocks there are; refuses, before anything moves, a unit of mixed dtypes."""
     kept = _batch_norms(model) if policy.name != "fp32" else []
     if kept:
         log.info(
@@ -182,19 +182,19 @@ def _fsdp_plan(
             "FSDP shards modules whose parameters are of another dtype on their own, uncast",
             modules=len(islands),
         )
-    chosen = {id(m) for m in kept + islands}
-    apart = [m for m in model.modules() if id(m) in chosen]
-    every_block = transformer_blocks(model, predicate)
-    blocks = [b for b in every_block if id(b) not in chosen]
-    _check_uniform_units(model, [*reversed(apart), *reversed(blocks), model])
-    return apart, blocks, len(every_block)
+    uncast = {id(m) for m in kept + islands}
+    blocks = transformer_blocks(model, predicate)
+    sharded = uncast | {id(b) for b in blocks}
+    units = [(m, id(m) in uncast) for m in reversed(list(model.modules())) if id(m) in sharded]
+    _check_uniform_units(model, [*(m for m, _ in units), model])
+    return units, len(blocks)
 
 
 def _fsdp(
     model: nn.Module,
     ctx: DistContext,
     policy: PrecisionPolicy,
-    plan: tuple[list[nn.Module], list[nn.Module], int],
+    plan: tuple[list[tuple[nn.Module, bool]], int],
     mesh: DeviceMesh | None,
 ) -> tuple[nn.Module, int]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -204,7 +204,7 @@ def _fsdp(
 
         mesh = Mesh.create(ctx).device_mesh
     mp = policy.fsdp_policy()
-    apart, blocks, block_count = plan
+    units, block_count = plan
     if not block_count:
         log.warning(
             "no transformer blocks found: FSDP shards the root module only, so all parameters are "
@@ -212,10 +212,8 @@ def _fsdp(
             containers=BLOCK_CONTAINERS,
         )
         telemetry.count("torchhal.distributed.fsdp_root_only")
-    for module in reversed(apart):  # before the blocks that may contain them, inner ones first
-        fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy())
-    for block in reversed(blocks):  # inner modules before the modules that contain them
-        fully_shard(block, mesh=mesh, mp_policy=mp)
+    for module, uncast in units:  # inner modules before the modules that contain them
+        fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy() if uncast else mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     if mesh.size() > 1:
         _reduce_scatter_unused(model)
@@ -349,12 +347,14 @@ def _optimizer_for(
         return optimizer
     if optimizer.state:
         raise InvalidArgumentError(
-            "prepare(strategy='fsdp'): the optimizer has already stepped (it has state), and FSDP2 "
-            "replaces the parameters it holds; make the optimizer after prepare, or pass a factory"
+            "prepare(strategy='fsdp'): the optimizer has state (it has stepped, or made state for "
+            "its parameters when it was made, as Adagrad does), and FSDP2 replaces the parameters "
+            "it holds; make the optimizer after prepare, or pass a factory"
         )
-    # in place, not a new optimizer: an LR scheduler or a hook made on this one must keep working
+    # in place, not a new optimizer: an LR scheduler or a hook made on this one must keep working,
+    # and each list too (LBFGS holds its group's list as `_params`)
     current = dict(model.named_parameters())
     for group in optimizer.param_groups:
-        group["params"] = [current[names[id(p)]] for p in group["params"]]
+        group["params"][:] = [current[names[id(p)]] for p in group["params"]]
     log.info("optimizer's parameters swapped for the sharded ones", optimizer=type(optimizer).__name__)
     return optimizer
