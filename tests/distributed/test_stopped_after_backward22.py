@@ -61,7 +61,7 @@ class SGDFailingOnce(torch.optim.SGD):
         return super().step(closure)
 
 
-def train_on(prepared: thd.Prepared, ctx, data, steps: int, scaler, **options) -> None:
+def train_on(prepared: thd.Prepared, ctx, data, steps: int, k: int = K, **options) -> None:
     thd.train(
         prepared.model,
         prepared.optimizer,
@@ -69,11 +69,13 @@ def train_on(prepared: thd.Prepared, ctx, data, steps: int, scaler, **options) -
         steps=steps,
         ctx=ctx,
         policy=prepared.policy,
-        scaler=scaler,
-        clip_grad_norm=50.0,
-        gradient_accumulation_steps=K,
+        gradient_accumulation_steps=k,
         **options,
     )
+
+
+CLIPPED = {"clip_grad_norm": 50.0}
+"""Clipping unscales the gradients before the optimizer's step (GradScaler's record of it)."""
 
 
 def scaler() -> torch.amp.GradScaler:
@@ -103,16 +105,18 @@ def test_a_step_stopped_after_its_micro_batches_can_be_run_again(ctx, monkeypatc
     telemetry.configure(log_level="warning", log_stream=stream)
     partial = telemetry.counts().get("torchhal.train.partial_optimizer_steps", 0)
     with pytest.raises(Failure):
-        train_on(prepared, ctx, data, STEPS, shared, **options)
+        train_on(prepared, ctx, data, STEPS, scaler=shared, **CLIPPED, **options)
     assert all(p.grad is None for p in prepared.model.parameters())
     assert "step stopped; its accumulated gradients were dropped" in stream.getvalue()
     told = telemetry.counts().get("torchhal.train.partial_optimizer_steps", 0) - partial
     assert told == (1 if where == "optimizer" else 0)
     assert ("may be partly updated" in stream.getvalue()) == (where == "optimizer")
 
-    train_on(prepared, ctx, data[K:], STEPS - 1, shared, **options)  # the failed step again, then the last
+    train_on(
+        prepared, ctx, data[K:], STEPS - 1, scaler=shared, **CLIPPED, **options
+    )  # the failed step again, then the last
     reference, its_scaler = thd.prepare(seeded(Normed, seed), sgd, ctx=ctx, strategy="local"), scaler()
-    train_on(reference, ctx, data, STEPS, its_scaler)
+    train_on(reference, ctx, data, STEPS, scaler=its_scaler, **CLIPPED)
     assert_same_buffers(prepared.model, reference.model)
     assert_same_parameters(prepared.model, reference.model)
     assert shared.state_dict() == its_scaler.state_dict()  # the growth tracker too: the step never happened
@@ -142,30 +146,16 @@ def test_an_optimizer_that_unscales_in_its_step_is_not_left_the_scalers_attribut
     prepared = thd.prepare(seeded(Normed, seed), FusedAdamFailingOnce, ctx=ctx, strategy="local")
     shared = scaler()
     with pytest.raises(Failure):
-        train_on_unclipped(prepared, ctx, data, STEPS, shared)
+        train_on(prepared, ctx, data, STEPS, scaler=shared)
     assert not hasattr(prepared.optimizer, "grad_scale")
     assert not hasattr(prepared.optimizer, "found_inf")
-    train_on_unclipped(prepared, ctx, data[K:], STEPS - 1, shared)
+    train_on(prepared, ctx, data[K:], STEPS - 1, scaler=shared)
     reference = thd.prepare(
         seeded(Normed, seed), lambda p: torch.optim.Adam(p, lr=1e-2, fused=True), ctx=ctx, strategy="local"
     )
-    train_on_unclipped(reference, ctx, data, STEPS, scaler())
+    train_on(reference, ctx, data, STEPS, scaler=scaler())
     assert_same_buffers(prepared.model, reference.model)
     assert_same_parameters(prepared.model, reference.model)
-
-
-def train_on_unclipped(prepared: thd.Prepared, ctx, data, steps: int, scaler) -> None:
-    """Without clipping: GradScaler.step unscales, inside the fused optimizer's step."""
-    thd.train(
-        prepared.model,
-        prepared.optimizer,
-        data,
-        steps=steps,
-        ctx=ctx,
-        policy=prepared.policy,
-        scaler=scaler,
-        gradient_accumulation_steps=K,
-    )
 
 
 def test_a_stopped_step_with_a_scaler_can_be_checkpointed(ctx, monkeypatch):
@@ -176,7 +166,7 @@ def test_a_stopped_step_with_a_scaler_can_be_checkpointed(ctx, monkeypatch):
     shared = scaler()
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", failing_on_call(1, torch.nn.utils.clip_grad_norm_))
     with pytest.raises(Failure):
-        train_on(prepared, ctx, micro_batches(STEPS, K, 4), STEPS, shared)
+        train_on(prepared, ctx, micro_batches(STEPS, K, 4), STEPS, scaler=shared, **CLIPPED)
     again = copy.deepcopy(shared)  # deepcopy pickles through __getstate__
     assert again.get_scale() == shared.get_scale()
 
@@ -191,7 +181,7 @@ def test_a_step_the_scaler_refuses_is_not_called_a_partial_update(ctx):
     before = [p.detach().clone() for p in prepared.model.parameters()]
     data = [tuple(t.half() for t in batch) for batch in micro_batches(1, K, 4)]
     with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
-        train_on_unclipped(prepared, ctx, data, 1, scaler())
+        train_on(prepared, ctx, data, 1, scaler=scaler())
     assert telemetry.counts().get("torchhal.train.partial_optimizer_steps", 0) == partial
     assert "may be partly updated" not in stream.getvalue()
     assert "step stopped; its accumulated gradients were dropped" in stream.getvalue()
@@ -275,7 +265,7 @@ def test_a_backward_that_raised_part_way_leaves_the_wrapper_ready_for_a_retry(
     FailingBackward.calls, FailingBackward.at = 0, at
     try:
         with pytest.raises(Failure, match="half-way"):
-            train_with(prepared, ctx, data, 2, k)
+            train_on(prepared, ctx, data, 2, k)
     finally:
         FailingBackward.at = None
     if not reset:
@@ -283,9 +273,9 @@ def test_a_backward_that_raised_part_way_leaves_the_wrapper_ready_for_a_retry(
         return
     assert "mid-iteration" not in stream.getvalue()
     stopped = (at - 1) // k
-    train_with(prepared, ctx, data[stopped * k :], 2 - stopped, k)
+    train_on(prepared, ctx, data[stopped * k :], 2 - stopped, k)
     reference = thd.prepare(seeded(HalfBackward, seed), sgd, ctx=ctx, strategy=strategy)
-    train_with(reference, ctx, data, 2, k)
+    train_on(reference, ctx, data, 2, k)
     torch.testing.assert_close(full_state(prepared.model), full_state(reference.model))
 
 
@@ -298,17 +288,5 @@ def test_a_step_stopped_between_micro_batches_is_not_called_mid_iteration(ctx, m
     stream = io.StringIO()
     telemetry.configure(log_level="warning", log_stream=stream)
     with pytest.raises(InvalidArgumentError, match="batches ran out"):
-        train_with(prepared, ctx, micro_batches(2, 2, 4)[:3], 2)
+        train_on(prepared, ctx, micro_batches(2, 2, 4)[:3], 2, 2)
     assert "step stopped" in stream.getvalue() and "mid-iteration" not in stream.getvalue()
-
-
-def train_with(prepared: thd.Prepared, ctx, data, steps: int, k: int = 2) -> None:
-    thd.train(
-        prepared.model,
-        prepared.optimizer,
-        data,
-        steps=steps,
-        ctx=ctx,
-        policy=prepared.policy,
-        gradient_accumulation_steps=k,
-    )
