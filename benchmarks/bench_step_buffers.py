@@ -1,5 +1,5 @@
-"""Per-step cost of `train`'s buffer copies (`torchhal.distributed.loop._Buffers.save`), on one CPU
-thread, best of 7 repeats of 2,000 saves: a model without buffers, 12 BatchNorm layers (36
+"""Per-step cost of `train`'s buffer copies (`torchhal.distributed.rollback.Buffers.save`), on one
+CPU thread, best of 7 repeats of 2,000 saves: a model without buffers, 12 BatchNorm layers (36
 persistent statistics, copied every step), and non-persistent rotary tables that no forward
 changes (watched each step, never copied).
 
@@ -13,7 +13,7 @@ import timeit
 import torch
 from torch import nn
 
-from torchhal.distributed.loop import _Buffers
+from torchhal.distributed.rollback import Buffers
 
 
 class Rotary(nn.Module):
@@ -27,7 +27,7 @@ class Rotary(nn.Module):
 
 
 def per_save_us(model: nn.Module) -> float:
-    buffers = _Buffers(model)
+    buffers = Buffers(model)
     buffers.save()
     return min(timeit.repeat(buffers.save, number=2000, repeat=7)) / 2000 * 1e6
 

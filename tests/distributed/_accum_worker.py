@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from torchhal import distributed as thd
-from torchhal.distributed import loop
 from torchhal.distributed.checkpoint import Checkpointer
+from torchhal.distributed.rollback import Buffers
 from torchhal.hal_core import CollectiveError, InvalidArgumentError
 
 
@@ -533,7 +533,7 @@ def _stops_at_once(state: Any, kind: str, what: str, began: float, error: BaseEx
 @contextlib.contextmanager
 def buffer_copy_failing_on_rank_1(state: Any, nth: int) -> Iterator[None]:
     """Rank 1's `nth` buffer copy (the one before step `nth`) raises MemoryError."""
-    real = loop._Buffers.save
+    real = Buffers.save
     calls = 0
 
     def save(buffers: Any) -> None:
@@ -543,11 +543,11 @@ def buffer_copy_failing_on_rank_1(state: Any, nth: int) -> Iterator[None]:
             raise MemoryError("no room for the buffers' copies")
         real(buffers)
 
-    loop._Buffers.save = save  # type: ignore[method-assign]
+    Buffers.save = save  # type: ignore[method-assign]
     try:
         yield
     finally:
-        loop._Buffers.save = real  # type: ignore[method-assign]
+        Buffers.save = real  # type: ignore[method-assign]
 
 
 def check_a_rank_whose_loader_raises_stops_every_rank_at_once(state: Any) -> None:

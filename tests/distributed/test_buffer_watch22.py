@@ -24,7 +24,7 @@ from tests.distributed.test_grad_accumulation import (
     train_until_batches_run_out,
 )
 from torchhal import distributed as thd
-from torchhal.distributed.loop import _Buffers
+from torchhal.distributed.rollback import Buffers
 from torchhal.hal_core import telemetry
 
 NOT_RESTORED = "torchhal.train.buffers_not_restored"
@@ -94,7 +94,7 @@ def test_a_buffer_no_forward_changes_is_never_copied(ctx):
     counters are copied from the step after the first that changed them."""
     model = Routed()
     model.register_buffer("packed", torch.randint(0, 2**7, (64, DIM), dtype=torch.int8))
-    buffers = _Buffers(model)
+    buffers = Buffers(model)
     held = []
     for _ in range(3):
         buffers.save()
