@@ -108,7 +108,6 @@ def test_the_choice_is_counted_logged_and_reported():
         "policy": "bf16",
         "compute_dtype": "bfloat16",
         "reduce_dtype": "float32",
-        "param_dtype": "float32",
         "grad_scaler": False,
         "autocast": True,
         "device_type": "cpu",

@@ -109,6 +109,15 @@ def test_ddp_with_a_bf16_policy_computes_in_bf16_and_keeps_fp32_parameters(ctx):
     assert all(p.dtype == torch.float32 for p in prepared.model.parameters())
     assert all(math.isfinite(s.loss) for s in stats)
     assert prepared.report()["precision"]["strategy"] == "ddp"
+    assert prepared.report()["parameter_dtypes"] == ["float32"]
+
+
+def test_the_report_gives_the_parameters_dtypes_as_the_model_holds_them(ctx):
+    """A model made in bf16 keeps bf16 parameters (prepare casts nothing). Fails before: the
+    report said float32 whatever the model held."""
+    prepared = thd.prepare(Net().to(torch.bfloat16), adamw, ctx=ctx, strategy="local")
+    assert prepared.report()["parameter_dtypes"] == ["bfloat16"]
+    assert "param_dtype" not in prepared.report()["precision"]
 
 
 def test_fp16_scales_the_loss_through_the_gradient_scaler(ctx):

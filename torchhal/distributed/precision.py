@@ -92,7 +92,6 @@ class PrecisionPolicy:
             "policy": self.name,
             "compute_dtype": _dtype_name(self.compute_dtype),
             "reduce_dtype": _dtype_name(self.reduce_dtype),
-            "param_dtype": "float32",
             "grad_scaler": self.uses_grad_scaler,
             "autocast": self.name != "fp32" and self.strategy != "fsdp",
             "device_type": self.device_type,

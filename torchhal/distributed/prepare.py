@@ -43,10 +43,15 @@ class Prepared:
     sharded_blocks: int = 0
 
     def report(self) -> dict[str, Any]:
+        """What was prepared; the parameters' dtypes as the model holds them (the policy keeps
+        fp32 ones fp32, and a model made in bf16 stays bf16)."""
         return {
             "strategy": self.strategy,
             "sharded_blocks": self.sharded_blocks,
             "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameter_dtypes": sorted(
+                {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
+            ),
             "precision": self.policy.report(),
         }
 
