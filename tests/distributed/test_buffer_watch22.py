@@ -168,3 +168,20 @@ def test_counters_changed_by_the_step_that_made_lazy_buffers_are_restored_later(
     train_until_batches_run_out(ctx, prepared, micro, steps, k, r"batches ran out after 1 of 2 steps")
     completed, _ = run(ctx, model, micro[:k], 1, "local", gradient_accumulation_steps=k)
     assert_same_buffers(prepared.model, completed)
+
+
+def test_buffers_a_lazy_module_made_in_a_stopped_first_step_are_said_not_restored(ctx):
+    """The first step stops after its first micro-batch made and updated the lazy BatchNorm's
+    statistics: they had no copy, so they keep that step's values, said by name and counted.
+    Fails before: the stop said its buffers were restored."""
+    stream = io.StringIO()
+    telemetry.configure(log_level="warning", log_stream=stream)
+    before = telemetry.counts().get(NOT_RESTORED, 0)
+    prepared = thd.prepare(LazyRouted(), sgd, ctx=ctx, strategy="local")
+    train_until_batches_run_out(
+        ctx, prepared, micro_batches(1, 2, 5)[:1], 1, 2, r"batches ran out after 0 of 1"
+    )
+    text = stream.getvalue()
+    assert "buffer=norm.running_mean" in text and "buffer=norm.running_var" in text
+    assert "a lazy module made it during the step" in text
+    assert telemetry.counts().get(NOT_RESTORED, 0) >= before + 2

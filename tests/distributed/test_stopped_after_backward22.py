@@ -290,3 +290,19 @@ def test_a_step_stopped_between_micro_batches_is_not_called_mid_iteration(ctx, m
     with pytest.raises(InvalidArgumentError, match="batches ran out"):
         train_on(prepared, ctx, micro_batches(2, 2, 4)[:3], 2, 2)
     assert "step stopped" in stream.getvalue() and "mid-iteration" not in stream.getvalue()
+
+
+def test_a_step_stopped_before_fsdps_first_forward_is_not_called_mid_iteration(ctx):
+    """The loss_fn checks the batch and raises before the model ever ran: FSDP2 has no iteration
+    to reset. Fails before: torch's reset_iter_state raised on the uninitialised root, and the
+    stop asked for the model to be rebuilt."""
+    prepared = thd.prepare(HalfBackward(), sgd, ctx=ctx, strategy="fsdp")
+    stream = io.StringIO()
+    telemetry.configure(log_level="warning", log_stream=stream)
+
+    def refusing(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        raise Failure("the batch is refused before the forward")
+
+    with pytest.raises(Failure, match="refused"):
+        train_on(prepared, ctx, micro_batches(1, 2, 4), 1, 2, loss_fn=refusing)
+    assert "mid-iteration" not in stream.getvalue()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from torchhal.distributed.fsdp_state import unused_gradient_fill
+from torchhal.distributed.fsdp_state import fsdp_no_sync
 from torchhal.distributed.rollback import Buffers, stop_step
 from torchhal.hal_core import CollectiveError, DeviceTimer, HostTimer, InvalidArgumentError, telemetry
 
@@ -88,7 +88,8 @@ def train(
     StepStats.loss is the mean of the micro-batches' losses, tokens their sum. Micro-batches are
     fetched one at a time, each as it is run, so one is held at a time (as DeepSpeed, Lightning
     and Hugging Face's Trainer hold them).
-    Every rank must get `steps * gradient_accumulation_steps` batches. Where steps synchronise
+    Every rank must get `steps * gradient_accumulation_steps` batches, and make the same
+    `train` calls with the same `steps` and `gradient_accumulation_steps`. Where steps synchronise
     ranks (DDP, FSDP, a grad_sync), the ranks agree before each micro-batch that each has it (an
     all-gather of one number on the group's host side), so a rank whose batches ran out stops
     every rank with an error naming it, instead of leaving its peers waiting in a collective
@@ -250,13 +251,15 @@ class _MicroBatches:
 
     def _agreement(self, index: int, code: int) -> list[int]:
         """Every rank's code for micro-batch `index` of this step. Each value carries its rank's
-        place (step and micro-batch of this call) beside the code, so ranks that an earlier
-        error left at different places (one raised in a forward while another's loader raised
-        at the next micro-batch) are told so, rather than pairing one's agreement with another's
-        (float64 holds it exactly)."""
+        place (step and micro-batch of this call, modulo 2**20, so that a group gathering on its
+        device in fp32 holds it exactly) beside the code, so ranks at different places (an
+        earlier error stopped them at different points: one raised in a forward while another's
+        loader raised at the next micro-batch; or they split their steps into `train` calls
+        differently) are told so, rather than pairing one's agreement with another's."""
         place = self._done * self.count + index
-        values = self._ctx.communicator.host_all_gather(float(code + 4 * place))
-        places = [int(v) // 4 for v in values]
+        values = self._ctx.communicator.host_all_gather(float(code + 4 * (place % _PLACES)))
+        places = [place + (int(v) // 4 - place) % _PLACES for v in values]
+        places = [there - _PLACES if there - place > _PLACES // 2 else there for there in places]
         apart = [rank for rank, there in enumerate(places) if there != place]
         if apart:
 
@@ -266,11 +269,15 @@ class _MicroBatches:
             raise CollectiveError(
                 f"train: ranks out of step: rank(s) {apart} at "
                 f"{', '.join(where(places[r]) for r in apart)} of their train call, this rank at "
-                f"{where(place)}; an earlier error stopped ranks at different points, so recreate "
-                "the process group before training again"
+                f"{where(place)}: an earlier error stopped ranks at different points (recreate the "
+                "process group before training again), or ranks split their steps into train "
+                "calls differently (every rank must make the same calls)"
             )
         return [int(v) % 4 for v in values]
 
+
+_PLACES = 2**20
+"""Places told apart in an agreement (4 codes each: below 2**22, exact in fp32)."""
 
 _HAVE, _RAN_OUT, _FAILED = 1, 0, 2
 """What each rank says in the agreement before a micro-batch, beside its place (on the host side
@@ -294,11 +301,9 @@ def _ran_out(short: list[int], done: int, steps: int, got: int, have: bool, accu
 
 def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
     """A context in which backward accumulates gradients without reducing them across ranks:
-    DDP's `no_sync`, or FSDP2's `set_requires_gradient_sync(False)` on each of its modules (the
-    root may not be one), turned back on at exit; nothing for a model that reduces nothing. The
-    DDP module may be inside `model` too: torch.compile(DDP(m)) is not one, and each micro-batch
+    DDP's `no_sync`, or FSDP2's (`fsdp_state.fsdp_no_sync`); nothing for a model that reduces
+    nothing. The DDP module may be inside `model` too: torch.compile(DDP(m)) is not one, and each micro-batch
     reduced there (k all-reduces a step)."""
-    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
     modules = list(model.modules())
@@ -311,22 +316,7 @@ def _gradient_sync_off(model: nn.Module) -> Callable[[], contextlib.AbstractCont
                 "pytorch issue 143580); prepare without static_graph, or accumulate 1 step"
             )
         return replicated.no_sync
-    sharded = [m for m in modules if isinstance(m, FSDPModule)]
-    fill = unused_gradient_fill(model) if sharded else None
-
-    @contextlib.contextmanager
-    def fsdp_no_sync() -> Iterator[None]:
-        for module in sharded:
-            module.set_requires_gradient_sync(False, recurse=False)
-        try:
-            yield
-        finally:
-            for module in sharded:
-                module.set_requires_gradient_sync(True, recurse=False)
-            if fill is not None:
-                fill()
-
-    return fsdp_no_sync
+    return fsdp_no_sync(model)
 
 
 def _step(

@@ -160,7 +160,7 @@ class Buffers:
             for prefix, module in self._model.named_modules(remove_duplicate=False)
             for name, buffer in module._buffers.items()
         ]
-        self._lazy = [buffer for *_, buffer in slots if nn.parameter.is_lazy(buffer)]
+        self._lazy = [(qualified, b) for qualified, _, _, b in slots if nn.parameter.is_lazy(b)]
         self._where: list[tuple[str, nn.Module, str]] = []
         self._watched: list[tuple[str, nn.Module, str]] = []
         for qualified, module, name, buffer in slots:
@@ -203,7 +203,7 @@ class Buffers:
         subclasses (a replicated DTensor) one by one, as `_foreach_copy_` has no DTensor rule."""
         # both before looking again: looking retakes the watch's marks
         changed = [qualified for qualified, *_ in self._changed()] if self._watched else []
-        made = bool(self._lazy) and not all(map(nn.parameter.is_lazy, self._lazy))  # in place
+        made = bool(self._lazy) and not all(nn.parameter.is_lazy(b) for _, b in self._lazy)  # in place
         if changed:
             log.info(
                 "train: buffers the last step changed are copied before each step from now on",
@@ -247,6 +247,14 @@ class Buffers:
         deleted it. One that cannot be put back is logged and counted, and the others still are:
         this runs while the step's own error propagates, which it must not replace. Returns how
         many were put back."""
+        for qualified, buffer in self._lazy:
+            if not nn.parameter.is_lazy(buffer):  # made by this step's forward: no copy to put back
+                log.warning(
+                    "train: a buffer was not restored after the step stopped; it keeps that step's "
+                    "value (a lazy module made it during the step, so it had no copy)",
+                    buffer=qualified,
+                )
+                telemetry.count("torchhal.train.buffers_not_restored")
         restored = 0
         for qualified, module, name, was_none in self._changed() if self._watched else ():
             if was_none:  # filled by the step: emptied again
