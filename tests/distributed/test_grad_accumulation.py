@@ -54,9 +54,7 @@ def concatenated(micro: list[tuple[torch.Tensor, ...]], k: int) -> list[tuple[to
 
 def run(ctx, model: nn.Module, data, steps: int, strategy: str, **options) -> tuple[nn.Module, list]:
     prepared = thd.prepare(model, sgd, ctx=ctx, strategy=strategy)
-    stats = thd.train(
-        prepared.model, prepared.optimizer, data, steps=steps, ctx=ctx, policy=prepared.policy, **options
-    )
+    stats = train_prepared(ctx, prepared, data, steps, **options)
     inner = prepared.model.module if strategy == "ddp" else prepared.model
     return inner, stats
 
@@ -77,15 +75,14 @@ def train_raising(
 ) -> None:
     """Train `steps` steps over `data`: it must stop with `error`, its message matching `match`."""
     with pytest.raises(error, match=match):
-        thd.train(
-            prepared.model,
-            prepared.optimizer,
-            data,
-            steps=steps,
-            ctx=ctx,
-            policy=prepared.policy,
-            **options,
-        )
+        train_prepared(ctx, prepared, data, steps, **options)
+
+
+def train_prepared(ctx, prepared: thd.Prepared, data, steps: int, **options) -> list[thd.StepStats]:
+    """`thd.train` of a prepared model, optimizer and policy."""
+    return thd.train(
+        prepared.model, prepared.optimizer, data, steps=steps, ctx=ctx, policy=prepared.policy, **options
+    )
 
 
 def on_second_call(

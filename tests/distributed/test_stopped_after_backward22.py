@@ -22,6 +22,7 @@ from tests.distributed.test_grad_accumulation import (
     micro_batches,
     seeded,
     sgd,
+    train_prepared,
 )
 from torchhal import distributed as thd
 from torchhal.hal_core import InvalidArgumentError, telemetry
@@ -62,16 +63,7 @@ class SGDFailingOnce(torch.optim.SGD):
 
 
 def train_on(prepared: thd.Prepared, ctx, data, steps: int, k: int = K, **options) -> None:
-    thd.train(
-        prepared.model,
-        prepared.optimizer,
-        data,
-        steps=steps,
-        ctx=ctx,
-        policy=prepared.policy,
-        gradient_accumulation_steps=k,
-        **options,
-    )
+    train_prepared(ctx, prepared, data, steps, gradient_accumulation_steps=k, **options)
 
 
 CLIPPED = {"clip_grad_norm": 50.0}
