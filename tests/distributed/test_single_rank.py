@@ -240,6 +240,20 @@ def test_bad_batches_and_arguments_are_refused_with_the_value_seen(ctx):
         run([], clip_grad_norm=0)
 
 
+def test_an_optimizer_whose_step_needs_a_closure_is_refused_before_any_batch(ctx):
+    """LBFGS's step evaluates the loss itself; train has no closure to give it. Fails before: the
+    first forward and backward ran, then step() raised a TypeError logged as a partial update."""
+    model = Net()
+    before = copy.deepcopy(model.state_dict())
+    prepared = thd.prepare(model, lambda params: torch.optim.LBFGS(params), ctx=ctx, strategy="local")
+    taken = []
+    data = (taken.append(batch) or batch for batch in batches(2))
+    with pytest.raises(InvalidArgumentError, match=r"train: LBFGS\.step needs a closure"):
+        train_prepared(prepared, data, 2, ctx)
+    assert taken == []
+    assert all(torch.equal(before[name], value) for name, value in model.state_dict().items())
+
+
 def test_transformer_blocks_are_found_by_container_name_or_predicate():
     class GPT2Like(nn.Module):
         def __init__(self) -> None:

@@ -114,6 +114,42 @@ def test_a_step_stopped_after_its_micro_batches_can_be_run_again(ctx, monkeypatc
     assert shared.state_dict() == its_scaler.state_dict()  # the growth tracker too: the step never happened
 
 
+class ScalerFailingUpdateOnce(torch.amp.GradScaler):
+    """GradScaler whose second update() raises before it changes anything."""
+
+    def __init__(self) -> None:
+        super().__init__("cpu", init_scale=2.0**10)
+        self.calls = 0
+
+    def update(self, new_scale=None):
+        self.calls += 1
+        if self.calls == 2:
+            raise Failure("update 2 fails")
+        super().update(new_scale)
+
+
+def test_a_scaler_update_that_raises_leaves_its_step_taken_and_the_next_call_clean(ctx):
+    """The second step's optimizer update is done when the scaler's update() raises: the step
+    stands, its gradients are dropped and the scaler's record of it cleared, so training goes on
+    from the third step and equals a run without the failure. Fails before: the next train call
+    raised on the scaler's record ("step() has already been called since the last update()")."""
+    seed = random.randrange(2**31)
+    data = micro_batches(STEPS, K, 4)
+    prepared = thd.prepare(seeded(Normed, seed), sgd, ctx=ctx, strategy="local")
+    shared = ScalerFailingUpdateOnce()
+    failures = telemetry.counts().get("torchhal.train.scaler_update_failures", 0)
+    with pytest.raises(Failure):
+        train_on(prepared, ctx, data, STEPS, scaler=shared, **CLIPPED)
+    assert telemetry.counts().get("torchhal.train.scaler_update_failures", 0) == failures + 1
+    assert all(p.grad is None for p in prepared.model.parameters())
+    train_on(prepared, ctx, data[2 * K :], STEPS - 2, scaler=shared, **CLIPPED)
+    reference, its_scaler = thd.prepare(seeded(Normed, seed), sgd, ctx=ctx, strategy="local"), scaler()
+    train_on(reference, ctx, data, STEPS, scaler=its_scaler, **CLIPPED)
+    assert_same_buffers(prepared.model, reference.model)
+    assert_same_parameters(prepared.model, reference.model)
+    assert shared.get_scale() == its_scaler.get_scale()
+
+
 class FusedAdamFailingOnce(torch.optim.Adam):
     """Fused Adam (it unscales inside its own step, from the `grad_scale` GradScaler sets on it)
     whose second step raises before it updates anything."""

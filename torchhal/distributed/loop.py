@@ -12,6 +12,7 @@ counts this rank's tokens (the first tensor of each batch).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from torchhal.distributed.fsdp_state import fsdp_no_sync
-from torchhal.distributed.rollback import Buffers, stop_step
+from torchhal.distributed.rollback import Buffers, forget_unscaling, stop_step
 from torchhal.hal_core import CollectiveError, DeviceTimer, HostTimer, InvalidArgumentError, telemetry
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ def train(
         raise InvalidArgumentError(
             f"train: gradient_accumulation_steps must be an integer >= 1, got {accumulate!r}"
         )
+    _check_closure_free(optimizer)
     policy.check_device(ctx.device, "train")
     if policy.uses_grad_scaler and scaler is None:
         raise InvalidArgumentError(
@@ -387,7 +389,7 @@ def _step(
     if scaler is not None:
         # GradScaler skips the optimizer step on inf/nan gradients and then lowers its scale
         # (it never lowers it otherwise): a smaller scale after update() means a skipped step.
-        scaler.update()
+        _update_scaler(scaler, optimizer, step)
         scale = float(scaler.get_scale())
         skipped = scale < scale_before
     optimizer.zero_grad(set_to_none=True)
@@ -425,6 +427,26 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScal
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             for name in _SCALER_SETS:
                 vars(optimizer).pop(name, None)
+        raise
+
+
+def _update_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, step: int) -> None:
+    """`scaler.update()`, after the optimizer's step was taken. Where it raises, the step is not
+    undone (its update is in the parameters), so it is finished as far as it can be: gradients
+    dropped and the scaler's record of the step cleared, its scale left where it was (logged and
+    counted). Before, the next `train` call raised once on that record ("unscale_() has already
+    been called") and on gradients the step had already applied."""
+    try:
+        scaler.update()
+    except BaseException:
+        log.warning(
+            "train: the gradient scaler's update raised after the optimizer's step was taken; the "
+            "step stands, its scale did not move",
+            step=step,
+        )
+        telemetry.count("torchhal.train.scaler_update_failures")
+        optimizer.zero_grad(set_to_none=True)
+        forget_unscaling(scaler, optimizer)
         raise
 
 
@@ -469,6 +491,23 @@ def _forward_backward(
         (scaler.scale(part) if scaler is not None else part).backward()
         compute = (began, timer.mark()) if timer is not None else (None, None)
     return _Micro(loss.detach(), forward, compute, _tokens(batch))
+
+
+def _check_closure_free(optimizer: torch.optim.Optimizer) -> None:
+    """`train` calls `optimizer.step()` with no closure, so an optimizer whose step needs one
+    (LBFGS re-evaluates the loss several times a step) is refused before any batch is taken;
+    it failed after the first forward and backward, and was logged as a partial update."""
+    try:
+        parameters = inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):  # a step whose signature cannot be read: it is called as is
+        return
+    closure = parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise InvalidArgumentError(
+            f"train: {type(optimizer).__name__}.step needs a closure (it evaluates the loss itself, "
+            "maybe several times a step), and train calls optimizer.step() without one; drive it "
+            "with a loop of your own"
+        )
 
 
 def _real_time(ctx: DistContext) -> DeviceTimer:

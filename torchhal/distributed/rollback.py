@@ -33,7 +33,7 @@ def stop_step(
     _reset_wrapper(model)
     _drop_gradients(model, optimizer, step, done, restored)
     if scaler is not None:
-        _forget_unscaling(scaler, optimizer)
+        forget_unscaling(scaler, optimizer)
 
 
 def _reset_wrapper(model: nn.Module) -> None:
@@ -83,7 +83,7 @@ def _reducer_reset(ddp: nn.Module) -> Callable[[], None] | None:
     return lambda: None
 
 
-def _forget_unscaling(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
+def forget_unscaling(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> None:
     """GradScaler records that it unscaled an optimizer's gradients (and what its inf check found)
     until its next update(): after a step stopped past unscale_, the next step's unscale_ would
     raise. update() clears the record but also moves the scale as if the step were taken, so the
