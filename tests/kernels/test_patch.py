@@ -19,6 +19,8 @@ from __future__ import annotations
 import copy
 import inspect
 import pickle
+import subprocess
+import sys
 import types
 from collections import Counter
 
@@ -32,6 +34,7 @@ transformers = pytest.importorskip(
 
 import torchhal.kernels  # noqa: E402
 from torchhal.hal_core import UnsupportedError, telemetry  # noqa: E402
+from torchhal.kernels import hf_attention  # noqa: E402
 from torchhal.kernels import hf_patch as patch_module  # noqa: E402
 from torchhal.kernels import nn as thnn  # noqa: E402
 
@@ -497,8 +500,8 @@ def test_mask_function_refuses_what_none_cannot_mean():
         batch_size=1, kv_length=7, kv_offset=0, mask_function=causal_mask_function, attention_mask=None,
         local_size=None, allow_is_causal_skip=True, config=config, device="cpu",
     )  # fmt: skip
-    assert patch_module.torchhal_mask(**_mask_arguments(3, 4, **plain)) is None
-    assert patch_module.torchhal_mask(**_mask_arguments(3, 4, **{**plain, "local_size": 5})) is None
+    assert hf_attention.torchhal_mask(**_mask_arguments(3, 4, **plain)) is None
+    assert hf_attention.torchhal_mask(**_mask_arguments(3, 4, **{**plain, "local_size": 5})) is None
     refused = {
         "static cache slots": (0, {}),
         "chunked attention": (4, dict(local_size=4)),
@@ -507,7 +510,7 @@ def test_mask_function_refuses_what_none_cannot_mean():
         "other model type": (4, dict(config=types.SimpleNamespace(model_type="gemma", sliding_window=None))),
     }
     for why, (q_offset, change) in refused.items():
-        mask = patch_module.torchhal_mask(**_mask_arguments(3, q_offset, **{**plain, **change}))
+        mask = hf_attention.torchhal_mask(**_mask_arguments(3, q_offset, **{**plain, **change}))
         assert isinstance(mask, torch.Tensor) and mask.shape == (1, 1, 3, 7), why
 
 
@@ -533,6 +536,28 @@ def test_patch_is_callable_per_instance_and_refuses_other_models():
     partial = torchhal.kernels.patch(make_model("qwen2"), attention=False)
     assert partial.count("attention") == 0 and partial.attn_implementation == ("sdpa", "sdpa")
     assert {x.reason for x in partial.left if x.kind == "attention"} == {"patch(..., attention=False)"}
+
+
+def test_a_patched_model_saved_whole_runs_in_a_fresh_process(tmp_path):
+    """torch.save of the whole model, torch.load where nothing was patched or registered yet.
+    Fails before: transformers raised KeyError 'torchhal' (the config's attention implementation)."""
+    model = make_model("llama")
+    torchhal.kernels.patch(model)
+    ids = torch.randint(0, 128, (BATCH, SEQ))
+    with torch.no_grad():
+        expected = model(ids).logits
+    torch.save({"model": model, "ids": ids, "expected": expected}, tmp_path / "saved.pt")
+    check = (
+        "import sys, torch\n"
+        "saved = torch.load(sys.argv[1], weights_only=False)\n"
+        "with torch.no_grad():\n"
+        "    got = saved['model'](saved['ids']).logits\n"
+        "torch.testing.assert_close(got, saved['expected'])\n"
+    )
+    ran = subprocess.run(
+        [sys.executable, "-c", check, str(tmp_path / "saved.pt")], capture_output=True, text=True
+    )
+    assert ran.returncode == 0, ran.stderr[-3000:]
 
 
 def test_a_static_cache_falls_back_and_generates_the_same(on_plain):
