@@ -18,27 +18,36 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
-import os
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.capabilities import DeviceCapabilities, DType
+from torchhal.hal_core.collective_checks import _REDUCE_OPS, _check_op, _integer, _not_differentiable
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import (
     CollectiveError,
     ConfigurationError,
     InvalidArgumentError,
     UnsupportedError,
+)
+from torchhal.hal_core.islands import Island, Islands
+from torchhal.hal_core.process_groups import (
+    _check_create_arguments,
+    _check_group_serves,
+    _check_wrap_arguments,
+    _group_timeout,
+    _init_default_group,
+    _resolve_device,
+    _served_by,
+    _world,
 )
 
 if TYPE_CHECKING:
@@ -55,16 +64,6 @@ DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 HOST_BACKEND = "gloo"
 """The backend for host tensors: the one torch backend that every build ships."""
-
-_REDUCE_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.AVG,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}
-
-_ENV_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT")
 
 _LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()
 """Communicators not yet destroyed, so that destroying a group can destroy those that wrap it."""
@@ -111,14 +110,6 @@ def _declared_backend(item: Device | DeviceCapabilities) -> str:
     return item.collective_backends[0]
 
 
-def _backend_map(config: str) -> dict[str, str]:
-    """`"cpu:gloo,cuda:nccl"` -> {"cpu": "gloo", "cuda": "nccl"}; a bare name serves every type ("*")."""
-    if ":" not in config:
-        return {"*": config.strip()}
-    pairs = (part.split(":", 1) for part in config.split(",") if part.strip())
-    return {device_type.strip(): backend.strip() for device_type, backend in pairs}
-
-
 @functools.cache
 def _say_gathered_on_device(backend: str) -> None:
     """Once per backend: a group of a device backend alone has no host side for host_all_gather."""
@@ -128,44 +119,6 @@ def _say_gathered_on_device(backend: str) -> None:
         "(give it one, e.g. 'cuda:nccl,cpu:gloo', as torchhal.distributed.init does)",
         backend=backend,
     )
-
-
-def _served_by(config: str, device_type: str) -> str | None:
-    backends = _backend_map(config)
-    return backends.get(device_type, backends.get("*"))
-
-
-_P = ParamSpec("_P")
-_R = TypeVar("_R")
-
-
-def _not_differentiable(collective: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run `collective` under torch.no_grad() when its tensor requires grad (the rule is in the
-    Communicator docstring). Other tensors skip it: entering no_grad costs microseconds a call,
-    and autograd records nothing for them anyway."""
-
-    @functools.wraps(collective)
-    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
-        tensor = args[1] if len(args) > 1 else kwargs.get("tensor")  # args[0] is self
-        if getattr(tensor, "requires_grad", False) and torch.is_grad_enabled():
-            with torch.no_grad():
-                return collective(*args, **kwargs)
-        return collective(*args, **kwargs)
-
-    return run
-
-
-@dataclass(frozen=True)
-class Island:
-    """Ranks (global numbering) whose devices share one vendor and backend; the first one leads."""
-
-    vendor: str
-    backend: str
-    ranks: tuple[int, ...]
-
-    @property
-    def leader(self) -> int:
-        return self.ranks[0]
 
 
 class Communicator:
@@ -780,117 +733,6 @@ class Communicator:
         return value
 
 
-class Islands:
-    """This rank's view of a job split into single-vendor islands joined by a host bridge.
-
-    When the islands are of equal size the bridge is sharded: the rank at position j of every
-    island joins host lane j, so each rank carries 1/size of the tensor across islands and the
-    lanes run side by side. Islands of unequal sizes have no common sharding, so only their
-    leaders are bridged (`form` says which; the leader form is logged and counted when used).
-    A single island is all-reduced on its own backend.
-    """
-
-    def __init__(
-        self,
-        parent: Communicator,
-        mine: Island,
-        layout: tuple[Island, ...],
-        island: Communicator,
-        lane: Communicator | None,
-        form: str,
-    ) -> None:
-        self.parent = parent
-        self.mine = mine  # this rank's island
-        self.layout = layout  # every island, ordered by its first rank
-        self.island = island  # collectives inside this rank's island, on its own backend
-        self.lane = lane  # gloo across islands on host tensors: this rank's position's lane, or leaders only
-        self.form = form  # "sharded", "leaders" or "single"
-
-    @property
-    def is_leader(self) -> bool:
-        return self.mine.leader == dist.get_rank()
-
-    @_not_differentiable
-    def hierarchical_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """All-reduce in place across islands; equals `parent.all_reduce(tensor, op)` up to the
-        order of floating-point operations.
-
-        Sharded form: reduce-scatter inside the island, all-reduce each shard across islands on
-        its host lane, all-gather inside the island. Leader form: reduce to the island leader,
-        all-reduce the leaders over gloo, broadcast back. Host copies for the bridge are explicit.
-        """
-        parent = self.parent
-        parent._check_tensor("hierarchical_all_reduce", tensor, in_place=True)
-        _check_op("hierarchical_all_reduce", op, tensor)
-        step = "sum" if op == "avg" else op
-        with parent._span("hierarchical_all_reduce", tensor, op=op, islands=len(self.layout), form=self.form):
-            if self.form == "single":
-                self.island.all_reduce(tensor, step)
-            elif self.form == "sharded":
-                self._sharded(tensor, step)
-            else:
-                telemetry.count("torchhal.collective.hierarchical_leaders", islands=str(len(self.layout)))
-                log.debug(
-                    "hierarchical all-reduce through island leaders",
-                    reason="islands of unequal sizes have no common sharding",
-                    sizes=[len(i.ranks) for i in self.layout],
-                )
-                self.island.reduce(tensor, dst=0, op=step)
-                if self.lane is not None:
-                    self._bridge(tensor, step)
-                self.island.broadcast(tensor, src=0)
-            if op == "avg":
-                tensor.div_(parent.world_size)
-        return tensor
-
-    def _sharded(self, tensor: torch.Tensor, op: str) -> None:
-        flat = tensor.view(-1)
-        size = self.island.world_size
-        shard_len = -(-flat.numel() // size)
-        padding = shard_len * size - flat.numel()
-        # reduce_scatter takes equal shards: a padded tail is reduced and gathered but never
-        # copied back, so its values do not matter
-        padded = torch.cat([flat, flat.new_zeros(padding)]) if padding else flat
-        shard = self.island.reduce_scatter(padded, op)
-        self._bridge(shard, op)
-        flat.copy_(self.island.all_gather(shard)[: flat.numel()])
-
-    def _bridge(self, tensor: torch.Tensor, op: str) -> None:
-        """All-reduce `tensor` on this rank's host lane, staged through host memory where needed."""
-        assert self.lane is not None
-        on_host = tensor.device.type == "cpu"
-        staged = tensor if on_host else tensor.to("cpu")
-        if not on_host:
-            log.debug(
-                "bridge host copy", bytes=tensor.numel() * tensor.element_size(), device=str(tensor.device)
-            )
-        self.lane.all_reduce(staged, op)
-        if not on_host:
-            tensor.copy_(staged)
-
-
-def _integer(value: object) -> int | None:
-    """`value` as an int where it is an integer (numpy's and one-element tensors too, through
-    operator.index), else None. Bools are refused: they pass as 0 and 1 but are never meant as
-    ranks or sizes."""
-    if isinstance(value, bool) or (isinstance(value, torch.Tensor) and value.dtype == torch.bool):
-        return None
-    try:
-        return operator.index(value)  # type: ignore[arg-type]  # any object: TypeError is the answer
-    except TypeError:
-        return None
-
-
-def _check_op(name: str, op: str, tensor: torch.Tensor) -> None:
-    if op not in _REDUCE_OPS:
-        raise InvalidArgumentError(f"{name}: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
-    if op == "avg" and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
-        raise InvalidArgumentError(
-            f"{name}: op 'avg' needs a floating-point tensor (an integer mean would be truncated), "
-            f"got {tensor.dtype}"
-        )
-
-
 def _sync_all_reduce_options(op: Any) -> dist.AllreduceOptions:  # ReduceOp or its RedOpType
     opts = dist.AllreduceOptions()
     opts.reduceOp = op
@@ -934,162 +776,3 @@ def _not_a_member(name: str) -> CollectiveError:
 def _require_dim0(name: str, tensor: torch.Tensor) -> None:
     if tensor.dim() == 0:
         raise InvalidArgumentError(f"{name}: needs a tensor with at least one dimension, got a 0-d tensor")
-
-
-def _world() -> dist.ProcessGroup:
-    group = dist.group.WORLD
-    assert group is not None, "called only once the default process group exists"
-    return group
-
-
-def _resolve_device(hal: HardwareAbstractionLayer, device: Device | str | None) -> Device:
-    if device is not None:
-        return hal.device(device)
-    best = hal.best_device()
-    local = _env_int("LOCAL_RANK")
-    siblings = [d for d in hal.devices() if d.adapter is best.adapter and d.capabilities.device_type != "cpu"]
-    if local is None or len(siblings) < 2:
-        return best
-    chosen = next((d for d in siblings if d.index == local), None)
-    if chosen is None:
-        raise ConfigurationError(
-            f"LOCAL_RANK={local}: adapter {best.adapter.name!r} has devices "
-            f"{[d.id for d in siblings]}, none with index {local}"
-        )
-    log.info("device chosen by LOCAL_RANK", device=chosen.id, local_rank=local)
-    return chosen
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
-
-
-def _check_create_arguments(
-    rank: object, world_size: object, timeout: object
-) -> tuple[int | None, int | None]:
-    """Types and a positive timeout, before any group is made: world_size='2' was a TypeError
-    from a comparison, and timedelta(seconds=-1) a gloo enforce failure inside CollectiveError.
-    Returns rank and world_size as ints: integers of any type are taken, as ranks are elsewhere."""
-    ints = _create_int("rank", rank), _create_int("world_size", world_size)
-    if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
-        raise ConfigurationError(
-            f"Communicator.create: timeout must be a positive datetime.timedelta, got {timeout!r}"
-        )
-    return ints
-
-
-def _create_int(name: str, value: object) -> int | None:
-    number = None if value is None else _integer(value)
-    if value is not None and number is None:
-        raise ConfigurationError(
-            f"Communicator.create: {name} must be an int, got {type(value).__name__} {value!r}"
-        )
-    return number
-
-
-def _init_default_group(
-    device: Device,
-    backend: str,
-    rank: int | None,
-    world_size: int | None,
-    init_method: str | None,
-    store: Store | None,
-    timeout: timedelta,
-) -> None:
-    """`init_process_group` with arguments checked first, so mistakes name the missing piece."""
-    if store is not None and init_method is not None:
-        raise ConfigurationError("init_method and store: give one, not both")
-    rank = rank if rank is not None else _env_int("RANK")
-    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
-    via = "store" if store is not None else (init_method or "env://")
-    missing = [name for name, value in (("rank", rank), ("world_size", world_size)) if value is None]
-    if via == "env://":
-        missing += [name for name in _ENV_RENDEZVOUS if not os.environ.get(name)]
-    if missing:
-        raise ConfigurationError(
-            f"cannot initialise the default process group through {via}: {', '.join(missing)} "
-            "not given (as arguments, or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun sets them)"
-        )
-    assert rank is not None and world_size is not None
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ConfigurationError(
-            f"rank must be in [0, world_size) with world_size >= 1, got rank {rank}, world_size {world_size}"
-        )
-    _bind_device(device)
-    try:
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
-    except (RuntimeError, ValueError) as exc:
-        raise CollectiveError(
-            f"initialising the default process group (backend {backend!r}, rank {rank} of {world_size}, "
-            f"through {via}, timeout {timeout.total_seconds():g} s) failed: {exc}"
-        ) from exc
-    log.info("default process group initialised", backend=backend, rank=rank, world_size=world_size, via=via)
-
-
-def _bind_device(device: Device) -> None:
-    """Make `device` this process's current accelerator, as device backends (nccl, xccl) expect."""
-    if device.capabilities.device_type == "cpu" or device.simulated:
-        return
-    accelerator = torch.accelerator.current_accelerator()
-    if accelerator is None or accelerator.type != device.torch_device.type:
-        raise ConfigurationError(
-            f"device {device.id}: torch's accelerator is {accelerator}, not {device.torch_device.type}; "
-            "cannot make it the current device for its collective backend"
-        )
-    torch.accelerator.set_device_index(device.index)
-    log.info("current accelerator set for collectives", device=device.id)
-
-
-def _check_wrap_arguments(
-    rank: int | None,
-    world_size: int | None,
-    init_method: str | None,
-    store: Store | None,
-    group: dist.ProcessGroup | None,
-) -> None:
-    if init_method is not None or store is not None:
-        raise ConfigurationError(
-            "init_method/store: the default process group already exists; they apply only when "
-            "torchhal initialises it"
-        )
-    for what, given, actual in (
-        ("rank", rank, dist.get_rank(group)),
-        ("world_size", world_size, dist.get_world_size(group)),
-    ):
-        if given is not None and given != actual:
-            raise ConfigurationError(f"{what}: given {given}, but the existing process group has {actual}")
-
-
-def _check_group_serves(group: dist.ProcessGroup, device: Device, backend: str) -> None:
-    """The wrapped group must run the backend this device needs for its tensors."""
-    config = dist.get_backend_config(group)
-    tensor_type = device.torch_device.type
-    have, want = _served_by(config, tensor_type), _served_by(backend, tensor_type)
-    if have != want:
-        raise ConfigurationError(
-            f"process group backend {config!r} serves {tensor_type} tensors with {have!r}, but device "
-            f"{device.id} needs {want!r} (backend_for gives {backend!r})"
-        )
-
-
-def _group_timeout(group: dist.ProcessGroup, device: Device) -> timedelta | None:
-    """The timeout an existing group was made with, where the backend exposes it."""
-    try:
-        value = group._get_backend(device.torch_device).options._timeout
-    except (AttributeError, RuntimeError):
-        log.debug("process-group timeout not readable", backend=dist.get_backend_config(group))
-        return None
-    return value if isinstance(value, timedelta) else None
