@@ -32,7 +32,7 @@ import torch
 
 import torchhal
 from torchhal.hal_core import KernelRegistry, hookimpl, telemetry
-from torchhal.hal_core.kernels import _argument_key, guard_implementation  # the key: timed alone
+from torchhal.hal_core.dispatch_memo import _argument_key, guard_implementation  # the key: timed alone
 
 CALLS = 20_000
 ROUNDS = 15

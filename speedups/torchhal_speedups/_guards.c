@@ -1,4 +1,4 @@
-/* torchhal_speedups._guards: the kernel registry's memo guard (torchhal/hal_core/kernels.py,
+/* torchhal_speedups._guards: the kernel registry's memo guard (torchhal/hal_core/dispatch_memo.py,
  * `_Guard` and `_python_first_admitted`) in C.
  *
  * Why it exists: every memoised op call checks its op's recent argument layouts with these guards
@@ -252,7 +252,7 @@ static PyGetSetDef Guard_getset[] = {
 };
 
 static PyType_Slot Guard_slots[] = {
-    {Py_tp_doc, "The memo guard of torchhal.hal_core.kernels._Guard, in C: Guard(route, args, tensor_at, check)."},
+    {Py_tp_doc, "The memo guard of torchhal.hal_core.dispatch_memo._Guard, in C: Guard(route, args, tensor_at, check)."},
     {Py_tp_new, Guard_new},
     {Py_tp_dealloc, Guard_dealloc},
     {Py_tp_traverse, Guard_traverse},

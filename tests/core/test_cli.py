@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from torchhal.cli import app
-from torchhal.hal_core.kernels import guard_implementation
+from torchhal.hal_core.dispatch_memo import guard_implementation
 
 runner = CliRunner()
 

@@ -1,4 +1,4 @@
-"""The dispatch memo's guard in C (torchhal_speedups) against the Python reference (kernels._Guard):
+"""The dispatch memo's guard in C (torchhal_speedups) against the Python reference (dispatch_memo._Guard):
 the same answers, exceptions and state on the same arguments, no leaked references, and the
 registry's choice between them. `bash scripts/test.sh` also runs the registry and autograd tests
 with TORCHHAL_PURE_PYTHON_GUARDS=1, so both kinds serve a real registry."""
@@ -16,10 +16,10 @@ import torchhal_speedups
 from torch._C._dynamo.guards import TensorGuards
 
 from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import kernels, telemetry
+from torchhal.hal_core import dispatch_memo, kernels, telemetry
 
-KINDS = {"c": torchhal_speedups.Guard, "python": kernels._Guard}
-FIRST_ADMITTED = {"c": torchhal_speedups.first_admitted, "python": kernels._python_first_admitted}
+KINDS = {"c": torchhal_speedups.Guard, "python": dispatch_memo._Guard}
+FIRST_ADMITTED = {"c": torchhal_speedups.first_admitted, "python": dispatch_memo._python_first_admitted}
 
 
 class Route:
@@ -241,14 +241,14 @@ def test_bad_construction_is_refused():
 @pytest.fixture
 def unbound(monkeypatch):
     """The memo's guard kind unbound, so the test sees it chosen; restored afterwards."""
-    monkeypatch.setattr(kernels, "_GUARD", None)
-    monkeypatch.setattr(kernels, "_first_admitted", kernels._python_first_admitted)
-    monkeypatch.delenv(kernels.PURE_PYTHON_GUARDS, raising=False)
+    monkeypatch.setattr(dispatch_memo, "_GUARD", None)
+    monkeypatch.setattr(kernels, "_first_admitted", dispatch_memo._python_first_admitted)
+    monkeypatch.delenv(dispatch_memo.PURE_PYTHON_GUARDS, raising=False)
     return monkeypatch
 
 
 def test_the_registry_uses_the_c_guards_where_they_import(unbound, hal):
-    assert kernels.guard_implementation() == "torchhal_speedups"
+    assert dispatch_memo.guard_implementation() == "torchhal_speedups"
     assert kernels._first_admitted is torchhal_speedups.first_admitted
     assert hal.report()["kernel_guards"] == "torchhal_speedups"
     for _ in range(2):
@@ -258,24 +258,24 @@ def test_the_registry_uses_the_c_guards_where_they_import(unbound, hal):
 
 @pytest.mark.parametrize("value", ["1", "yes"])
 def test_the_environment_variable_keeps_the_python_guards(unbound, hal, value):
-    unbound.setenv(kernels.PURE_PYTHON_GUARDS, value)
+    unbound.setenv(dispatch_memo.PURE_PYTHON_GUARDS, value)
     for _ in range(2):
         hal.dispatch("rms_norm", X, W, 1e-6)
     assert hal.report()["kernel_guards"] == "python"
-    assert kernels._first_admitted is kernels._python_first_admitted
-    assert [type(g) for g, _ in hal.kernels._seen["rms_norm"].recent] == [kernels._Guard]
+    assert kernels._first_admitted is dispatch_memo._python_first_admitted
+    assert [type(g) for g, _ in hal.kernels._seen["rms_norm"].recent] == [dispatch_memo._Guard]
 
 
 def test_choosing_the_python_guards_after_the_c_ones_rebinds_the_loop(unbound, hal):
     """The C loop refuses Python guards, so a later choice of them must take the Python loop too."""
-    kernels._guard_type()
+    dispatch_memo._guard_type()
     assert kernels._first_admitted is torchhal_speedups.first_admitted
-    unbound.setattr(kernels, "_GUARD", None)
-    unbound.setenv(kernels.PURE_PYTHON_GUARDS, "1")
+    unbound.setattr(dispatch_memo, "_GUARD", None)
+    unbound.setenv(dispatch_memo.PURE_PYTHON_GUARDS, "1")
     for _ in range(3):
         torch.testing.assert_close(hal.dispatch("rms_norm", X, W, 1e-6), torch.rms_norm(X, (32,), W, 1e-6))
-    assert kernels._first_admitted is kernels._python_first_admitted
-    assert [type(g) for g, _ in hal.kernels._seen["rms_norm"].recent] == [kernels._Guard]
+    assert kernels._first_admitted is dispatch_memo._python_first_admitted
+    assert [type(g) for g, _ in hal.kernels._seen["rms_norm"].recent] == [dispatch_memo._Guard]
 
 
 def test_without_the_accelerator_the_python_guards_are_logged_once(unbound, hal, capsys):
@@ -283,7 +283,7 @@ def test_without_the_accelerator_the_python_guards_are_logged_once(unbound, hal,
     telemetry.configure(log_level="info")
     for _ in range(3):
         hal.dispatch("rms_norm", X, W, 1e-6)
-    assert kernels.guard_implementation() == "python"
+    assert dispatch_memo.guard_implementation() == "python"
     lines = [line for line in capsys.readouterr().err.splitlines() if "torchhal_speedups" in line]
     assert len(lines) == 1 and "guards run in Python" in lines[0], lines
 
@@ -292,7 +292,7 @@ def test_speedups_of_another_guard_api_are_not_used(unbound, hal, capsys):
     """torchhal_speedups is its own distribution, upgraded apart from torchhal: one whose Guard or
     first_admitted changed would have raised AttributeError or misread its arguments on every
     dispatch. Another GUARD_API keeps the Python guards, warned and counted."""
-    unbound.setattr(torchhal_speedups, "GUARD_API", kernels.SPEEDUPS_GUARD_API + 1)
+    unbound.setattr(torchhal_speedups, "GUARD_API", dispatch_memo.SPEEDUPS_GUARD_API + 1)
     before = telemetry.counts().get("torchhal.kernel.speedups_mismatch", 0)
     for _ in range(2):
         torch.testing.assert_close(hal.dispatch("rms_norm", X, W, 1e-6), torch.rms_norm(X, (32,), W, 1e-6))

@@ -571,9 +571,9 @@ class _GuardsWithoutCheck:
 def test_without_a_working_tensor_guard_every_call_is_keyed_and_that_is_logged(
     hal, monkeypatch, capsys, module
 ):
-    from torchhal.hal_core import kernels
+    from torchhal.hal_core import dispatch_memo
 
-    monkeypatch.setattr(kernels, "_TENSOR_GUARDS", None)
+    monkeypatch.setattr(dispatch_memo, "_TENSOR_GUARDS", None)
     monkeypatch.setitem(sys.modules, "torch._C._dynamo.guards", module)  # None: the import fails
     telemetry.configure(log_level="warning")
     calls = _count_validations(hal)
@@ -636,11 +636,11 @@ def test_tensor_subclasses_such_as_fake_tensors_get_no_guard(hal):
 
 
 def test_more_layouts_than_the_recent_ones_reuse_their_guards_instead_of_making_new(hal, monkeypatch):
-    from torchhal.hal_core import kernels
+    from torchhal.hal_core import dispatch_memo
 
     made = []
-    make = kernels._guard
-    monkeypatch.setattr(kernels, "_guard", lambda route, args: made.append(1) or make(route, args))
+    make = dispatch_memo._guard
+    monkeypatch.setattr(dispatch_memo, "_guard", lambda route, args: made.append(1) or make(route, args))
     cpu = hal.device("cpu")
     layouts = [(torch.randn(3, n), torch.randn(n)) for n in (8, 16, 24, 32, 40, 48)]  # six > four
     for _ in range(3):

@@ -1,4 +1,4 @@
-"""The C memo guard (torchhal_speedups) and the Python reference (kernels._Guard) against an
+"""The C memo guard (torchhal_speedups) and the Python reference (dispatch_memo._Guard) against an
 independent model of what a guard admits, on fresh random layouts, tensors mutated in place
 between calls, and construction from what is not a plain tuple."""
 
@@ -11,10 +11,10 @@ import torch
 import torchhal_speedups
 from torch._C._dynamo.guards import TensorGuards
 
-from torchhal.hal_core import kernels
+from torchhal.hal_core import dispatch_memo
 
-KINDS = {"c": torchhal_speedups.Guard, "python": kernels._Guard}
-FIRST_ADMITTED = {"c": torchhal_speedups.first_admitted, "python": kernels._python_first_admitted}
+KINDS = {"c": torchhal_speedups.Guard, "python": dispatch_memo._Guard}
+FIRST_ADMITTED = {"c": torchhal_speedups.first_admitted, "python": dispatch_memo._python_first_admitted}
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool, torch.complex64]
 SCALARS = [None, True, False, 0, 1, 3, 1.0, 1e-6, float("nan"), "mean", "sum", 2**70]
 

@@ -21,13 +21,14 @@ from torchhal.hal_core.adapter import HAL_API_VERSION, VendorAdapter
 from torchhal.hal_core.adapters.cpu import CPUAdapter
 from torchhal.hal_core.capabilities import DeviceRequirements, DType, Topology
 from torchhal.hal_core.device import Device
+from torchhal.hal_core.dispatch_memo import guard_implementation
 from torchhal.hal_core.errors import (
     DeviceNotFoundError,
     InvalidArgumentError,
     NoDeviceMatchesError,
     UnsupportedError,
 )
-from torchhal.hal_core.kernels import REFERENCE, KernelRegistry, Locate, guard_implementation
+from torchhal.hal_core.kernels import REFERENCE, KernelRegistry, Locate
 from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
 from torchhal.hal_core.settings import Settings
 from torchhal.hal_core.tuning import Tuner, code_versions

@@ -20,7 +20,7 @@ from torchhal.hal_core.errors import ConfigurationError
 from torchhal.hal_core.kernels import REFERENCE
 
 PREFIX = "TORCHHAL_"
-# read by name elsewhere, not settings of a HAL (torchhal.hal_core.kernels: per process)
+# read by name elsewhere, not settings of a HAL (torchhal.hal_core.dispatch_memo: per process)
 OTHER_CORE_VARIABLES = ("TORCHHAL_PURE_PYTHON_GUARDS",)
 
 log = telemetry.get_logger("torchhal.settings")
