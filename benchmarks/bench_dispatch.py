@@ -32,7 +32,11 @@ import torch
 
 import torchhal
 from torchhal.hal_core import KernelRegistry, hookimpl, telemetry
-from torchhal.hal_core.dispatch_memo import _argument_key, guard_implementation  # the key: timed alone
+
+try:  # the key, timed alone; builds before the twenty-third session kept it in hal_core.kernels
+    from torchhal.hal_core.dispatch_memo import _argument_key, guard_implementation
+except ImportError:
+    from torchhal.hal_core.kernels import _argument_key, guard_implementation  # type: ignore[attr-defined,no-redef]
 
 CALLS = 20_000
 ROUNDS = 15
