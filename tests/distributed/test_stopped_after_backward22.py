@@ -132,7 +132,7 @@ def test_a_scaler_update_that_raises_leaves_its_step_taken_and_the_next_call_cle
     """The second step's optimizer update is done when the scaler's update() raises: the step
     stands, its gradients are dropped and the scaler's record of it cleared, so training goes on
     from the third step and equals a run without the failure. Fails before: the next train call
-    raised on the scaler's record ("step() has already been called since the last update()")."""
+    raised on the scaler's record ("unscale_() is being called after step()": it clips)."""
     seed = random.randrange(2**31)
     data = micro_batches(STEPS, K, 4)
     prepared = thd.prepare(seeded(Normed, seed), sgd, ctx=ctx, strategy="local")

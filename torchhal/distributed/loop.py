@@ -99,7 +99,9 @@ def train(
     the scaler as they were before it: the gradients it had accumulated are dropped (logged and
     counted), the model's persistent buffers (BatchNorm's running statistics) restored, the
     scaler's record of unscaling dropped. An error in the optimizer's own step does the same,
-    but the parameters and optimizer state it had updated stay updated (logged and counted).
+    but the parameters and optimizer state it had updated stay updated (logged and counted). An
+    error in the scaler's update() after it leaves the step taken, its gradients dropped. The
+    optimizer's step is called without a closure: one that needs one (LBFGS) is refused.
     """
     if steps < 0:
         raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
@@ -433,15 +435,16 @@ def _optimizer_step(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScal
 def _update_scaler(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer, step: int) -> None:
     """`scaler.update()`, after the optimizer's step was taken. Where it raises, the step is not
     undone (its update is in the parameters), so it is finished as far as it can be: gradients
-    dropped and the scaler's record of the step cleared, its scale left where it was (logged and
-    counted). Before, the next `train` call raised once on that record ("unscale_() has already
-    been called") and on gradients the step had already applied."""
+    dropped and the scaler's record of the step cleared, its scale as update() left it (logged
+    and counted). Before, the next `train` call raised once on that record ("unscale_() is being
+    called after step()", or "step() has already been called since the last update()" without
+    clipping), holding the gradients the step had already applied."""
     try:
         scaler.update()
     except BaseException:
         log.warning(
             "train: the gradient scaler's update raised after the optimizer's step was taken; the "
-            "step stands, its scale did not move",
+            "step stands, its gradients were dropped and the scaler's record of it cleared",
             step=step,
         )
         telemetry.count("torchhal.train.scaler_update_failures")

@@ -1,7 +1,7 @@
 """What the three patch modules share: the model families `patch` knows (their module class
 names and where each reads its sliding window), the report `patch` returns, and the test for a
 module that hooks or a replaced forward make unsafe to swap or go around. Apart so that
-hf_patch.py, hf_attention.py and hf_loss.py import it, and not each other."""
+hf_attention.py and hf_loss.py need not import hf_patch.py, which imports them."""
 
 from __future__ import annotations
 

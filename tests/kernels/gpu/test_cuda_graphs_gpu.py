@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import torchhal
+from torchhal import HardwareAbstractionLayer
+from torchhal.hal_core.settings import Settings
 from torchhal.kernels import nn as thnn
 
 pytestmark = pytest.mark.gpu
@@ -156,26 +158,53 @@ def _block() -> Block:
     return Block().to("cuda", torch.bfloat16)
 
 
-def test_a_training_block_graphed_forward_and_backward_matches_eager():
-    """make_graphed_callables captures the block's forward and its backward (the ops' Triton
-    backward kernels included); gradients of inputs and parameters match an eager copy."""
-    graphed, eager = _block(), _block()
-    sample = _cuda_randn(2, 512, 1024).requires_grad_()
-    graphed = torch.cuda.make_graphed_callables(graphed, (sample,))
-    params = list(graphed.parameters())
-    for _ in range(REPLAYS):
-        x = _cuda_randn(2, 512, 1024)
-        grad_out = _cuda_randn(2, 512, 1024)
-        results = []
-        for block in (graphed, eager):
-            xi = x.clone().requires_grad_()
-            out = block(xi)
-            grads = torch.autograd.grad(out, (xi, *block.parameters()), grad_out)
-            results.append((out, grads))
-        (out_g, grads_g), (out_e, grads_e) = results
-        for got, want in zip((out_g, *grads_g), (out_e, *grads_e), strict=True):
-            assert_near(got, want, 1e-2)
-    assert all(p.grad is None for p in params)  # autograd.grad: nothing accumulated behind our back
+def _triton_only() -> HardwareAbstractionLayer:
+    """A HAL whose candidates are torchhal's Triton kernels and the references, every other
+    candidate (the NVIDIA plugin's SDPA flash and cuDNN, ATen's) disabled: measured selection
+    picks those on an H100 for this block's attention, so the default HAL would not capture
+    torchhal's Triton attention."""
+    everything = HardwareAbstractionLayer()
+    others = {
+        c.qualified_name
+        for op in everything.kernels.ops()
+        for c in everything.kernels.candidates(op)
+        if c.qualified_name not in ("torchhal/triton", "torchhal/reference")
+    }
+    return HardwareAbstractionLayer(settings=Settings(disable_kernels=tuple(sorted(others))))
+
+
+@pytest.mark.parametrize("kernels", ["selected", "triton"])
+def test_a_training_block_graphed_forward_and_backward_matches_eager(kernels):
+    """make_graphed_callables captures the block's forward and its backward; output and
+    gradients of inputs and parameters match an eager copy. `selected`: the default HAL's
+    measured choices; `triton`: torchhal's Triton kernels, forward and backward, checked to be
+    the ones that ran."""
+    hal = _triton_only() if kernels == "triton" else torchhal.ops.default_hal()
+    with hal.use(hal.device_for_tensor(torch.empty(0, device="cuda"))):
+        graphed, eager = _block(), _block()
+        sample = _cuda_randn(2, 512, 1024).requires_grad_()
+        graphed = torch.cuda.make_graphed_callables(graphed, (sample,))
+        for _ in range(REPLAYS):
+            x = _cuda_randn(2, 512, 1024)
+            grad_out = _cuda_randn(2, 512, 1024)
+            results = []
+            for block in (graphed, eager):
+                xi = x.clone().requires_grad_()
+                out = block(xi)
+                grads = torch.autograd.grad(out, (xi, *block.parameters()), grad_out)
+                results.append((out, grads))
+            (out_g, grads_g), (out_e, grads_e) = results
+            for got, want in zip((out_g, *grads_g), (out_e, *grads_e), strict=True):
+                assert_near(got, want, 1e-2)
+    if kernels == "triton":
+        ran = {
+            op: {s.candidate.qualified_name for s in by.values()}
+            for op, by in hal.kernels._cache.items()
+            if by
+        }
+        assert {"attention_forward", "attention_backward", "rms_norm_backward"} <= set(ran), ran
+        assert all(names == {"torchhal/triton"} for names in ran.values()), ran
+        assert dict(hal.kernels.fallback_counts) == {}
 
 
 def test_reduce_overhead_compile_of_a_decoder_block_matches_eager():
