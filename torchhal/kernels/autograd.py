@@ -9,7 +9,8 @@ backward) into one public function with three paths:
   input's `requires_grad`;
 - eager with autograd: a `torch.autograd.Function` whose forward dispatches `spec.forward` and
   whose backward dispatches `spec.backward`, so backward kernels are selected (and fall back)
-  through the registry like any op;
+  through the registry like any op, with the `hal.use(device)` block that was active at the
+  forward active again (`_where_forward_ran`);
 - under `torch.compile`: custom ops `<namespace>::<forward>` and `<namespace>::<backward>`,
   opaque to Dynamo (their fake implementations give output metadata), with `register_autograd`
   wiring the backward custom op, so `fullgraph=True` traces without a graph break.
@@ -36,6 +37,7 @@ a Triton kernel would not).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import typing
@@ -45,6 +47,7 @@ from typing import Any, NamedTuple
 import torch
 
 from torchhal.hal_core import UnsupportedError, telemetry
+from torchhal.hal_core.hal import active_use
 from torchhal.hal_core.kernels import NOT_SEEN
 
 log = telemetry.get_logger("torchhal.kernels.autocast")
@@ -259,6 +262,7 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
     spec = op.spec
 
     def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
+        ctx.torchhal_use = active_use()
         results = _as_tuple(op._dispatch(spec.forward, *args))
         op._save(ctx, args, results)
         ctx.mark_non_differentiable(*results[spec.outputs :])
@@ -275,7 +279,8 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
             torch.zeros(shape, dtype=dtype, device=device) if g is None else g
             for g, (shape, dtype, device) in zip(grads, ctx.torchhal_outputs, strict=False)
         ]
-        return op._input_grads(ctx, _without_autocast(op._dispatch, spec.backward, *outputs, *context))
+        with _where_forward_ran(ctx):
+            return op._input_grads(ctx, _without_autocast(op._dispatch, spec.backward, *outputs, *context))
 
     # made with type() so autograd names the backward node after the op (e.g. rms_norm_functionBackward)
     methods = {
@@ -284,6 +289,20 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
         "__doc__": _function_class.__doc__,
     }
     return type(f"{spec.op}_function", (torch.autograd.Function,), methods)
+
+
+def _where_forward_ran(ctx: Any) -> contextlib.AbstractContextManager[object]:
+    """The `hal.use(device)` block that was active when the op's forward ran, active again for its
+    backward. Autograd runs a backward on a device's own thread (CUDA, XPU), or wherever
+    `backward()` is called, and the block (a context variable) is not active there: the backward
+    ops went through the default HAL, with its settings and kernels, and a simulated ASIC's
+    backward ran on the CPU device. Under torch.compile the backward custom op has no such hook:
+    there it dispatches as any op does on its thread."""
+    use = ctx.torchhal_use
+    if use is None or active_use() is use:
+        return contextlib.nullcontext()
+    hal, device = use
+    return hal.use(device)
 
 
 def torch_autocasts(aten_op: str, device_type: str) -> bool:
