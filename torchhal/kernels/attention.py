@@ -376,6 +376,7 @@ AUTOGRAD = AutogradSpec(
     autocast=(0, 1, 2),  # autocast casts them, as it does SDPA's inputs
     aten_op="aten::scaled_dot_product_attention",
     context=_context,
+    backward_reference=reference_backward,
 )
 
 

@@ -21,7 +21,10 @@ output gradients followed by `spec.context(inputs, forward results)` and returns
 per input listed in `differentiable`. Every output is a fresh tensor (custom ops may not alias
 their inputs) with the strides its fake implementation gives: contiguous, or for rope its
 input's layout.
-Double backward is not supported: the backward ops are not themselves differentiable.
+A backward that autograd records (`create_graph=True`: double backward, gradient penalties) runs
+the op's reference backward (`spec.backward_reference`, differentiable torch ops) instead of the
+registry's backward: a Triton backward's gradients have no grad_fn, so a penalty through them
+lost its second-order term without a word. Logged once per op and counted.
 
 Autocast, one rule for every path and candidate, each on the device types where torch's autocast
 has a kernel for the op's aten counterpart `spec.aten_op` (asked of torch's dispatcher on the
@@ -105,6 +108,11 @@ class AutogradSpec(NamedTuple):
     # positions of the inputs autocast casts to fp32 where torch's autocast runs `aten_op` in fp32
     autocast_fp32: tuple[int, ...] = ()
     aten_op: str = ""  # the torch counterpart whose autocast kernels say where: "aten::layer_norm"
+    # what a backward with create_graph=True runs, taking `backward`'s arguments: its reference,
+    # made of differentiable torch ops, with any saved statistics recomputed from the inputs so
+    # that autograd sees their dependence (None: such a backward is refused, as for
+    # linear_cross_entropy, whose forward computes its gradients and keeps no inputs)
+    backward_reference: Callable[..., Any] | None = None
 
 
 class DifferentiableOp:
@@ -280,7 +288,11 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
             for g, (shape, dtype, device) in zip(grads, ctx.torchhal_outputs, strict=False)
         ]
         with _where_forward_ran(ctx):
-            return op._input_grads(ctx, _without_autocast(op._dispatch, spec.backward, *outputs, *context))
+            if _is_grad_enabled():  # autograd records this backward: create_graph=True
+                grads = _without_autocast(_recorded_backward, spec.op, spec, *outputs, *context)
+            else:
+                grads = _without_autocast(op._dispatch, spec.backward, *outputs, *context)
+        return op._input_grads(ctx, grads)
 
     # made with type() so autograd names the backward node after the op (e.g. rms_norm_functionBackward)
     methods = {
@@ -289,6 +301,29 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
         "__doc__": _function_class.__doc__,
     }
     return type(f"{spec.op}_function", (torch.autograd.Function,), methods)
+
+
+def _recorded_backward(op: str, spec: AutogradSpec, *args: Any) -> Any:
+    """The op's reference backward, for a backward that autograd records (create_graph=True):
+    the registry's backward kernels are not differentiable. Logged once per op, counted."""
+    if spec.backward_reference is None:
+        raise UnsupportedError(
+            f"{op}: a backward with create_graph=True (double backward, a gradient penalty) is not "
+            "supported: the op has no differentiable backward (its backward_reference is None)"
+        )
+    if op not in _RECORDED_BACKWARD_SAID:
+        _RECORDED_BACKWARD_SAID.add(op)
+        log.warning(
+            "backward with create_graph=True: the op's reference backward runs (differentiable torch "
+            "ops), not its backward kernel, which autograd cannot differentiate",
+            op=op,
+        )
+    telemetry.count("torchhal.kernels.recorded_backward_references", op=op)
+    return spec.backward_reference(*args)
+
+
+_RECORDED_BACKWARD_SAID: set[str] = set()
+"""Ops whose reference backward under create_graph=True was logged (once per process)."""
 
 
 def _where_forward_ran(ctx: Any) -> contextlib.AbstractContextManager[object]:

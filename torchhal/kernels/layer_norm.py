@@ -134,6 +134,20 @@ def reference_backward(
     return dx.to(x.dtype).contiguous(), dweight.to(weight.dtype), dbias.to(weight.dtype)
 
 
+def recorded_backward(
+    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference backward with the row statistics as functions of x, for autograd to record
+    (create_graph=True): saved, they are constants, and the second-order terms through them were
+    lost. eps is not saved, so rstd keeps its saved value and takes x's derivative through the
+    variance, as rstd = (var + eps)^-1/2 with eps = rstd^-2 - var does."""
+    x32 = x.to(compute_dtype(x.dtype))
+    live_mean = x32.mean(-1)
+    var = (x32 - live_mean.unsqueeze(-1)).pow(2).mean(-1)
+    live_rstd = torch.rsqrt(var - var.detach() + rstd.to(var.dtype).pow(-2))
+    return reference_backward(dy, x, weight, live_mean, live_rstd)
+
+
 def triton_supports(caps: DeviceCapabilities, sig: LayerNormSignature) -> Unsupported | None:
     verdict = triton_unsupported(caps, sig.dtype) or block_unsupported(sig.hidden)
     return verdict or layout_unsupported(sig.rows)
@@ -189,6 +203,7 @@ AUTOGRAD = AutogradSpec(
     context=_context,
     autocast_fp32=(0, 1, 2),  # as torch's autocast runs F.layer_norm on CUDA and XPU
     aten_op="aten::layer_norm",
+    backward_reference=recorded_backward,
 )
 
 

@@ -123,6 +123,7 @@ AUTOGRAD = AutogradSpec(
     autocast=(0, 1),  # autocast casts them, as it does torch.matmul's inputs
     aten_op="aten::matmul",
     context=_context,
+    backward_reference=reference_backward,
 )
 
 

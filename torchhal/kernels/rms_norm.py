@@ -167,6 +167,7 @@ AUTOGRAD = AutogradSpec(
     context=_context,
     autocast_fp32=(0, 1),  # as torch's autocast runs F.rms_norm on CUDA and XPU (torch 2.13; not 2.11)
     aten_op="aten::rms_norm",
+    backward_reference=reference_backward,
 )
 
 

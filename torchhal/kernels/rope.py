@@ -189,6 +189,7 @@ AUTOGRAD = AutogradSpec(
     differentiable=(0, 1),
     context=_context,
     outputs=2,
+    backward_reference=reference_backward,
 )
 
 

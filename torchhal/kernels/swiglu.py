@@ -108,6 +108,7 @@ def _spec(op: str) -> AutogradSpec:
         backward_fake=_backward_fake,
         differentiable=(0, 1),
         context=_context,
+        backward_reference=functools.partial(_reference_backward, op),
     )
 
 
