@@ -7,6 +7,7 @@ the CPU device."""
 
 from __future__ import annotations
 
+import contextvars
 import threading
 
 import pytest
@@ -46,11 +47,13 @@ def recorder():
 
 
 def _in_another_thread(run) -> None:
+    """`run` on a new thread in an empty context, as autograd's device threads run (a new thread
+    starts with one up to Python 3.13; free-threaded 3.14 builds may inherit the caller's)."""
     errors: list[BaseException] = []
 
     def target() -> None:
         try:
-            run()
+            contextvars.Context().run(run)
         except BaseException as error:  # re-raised below, in the test's thread
             errors.append(error)
 
@@ -81,8 +84,8 @@ def test_the_backward_runs_on_the_hal_of_the_forward(recorder, where):
 
 
 def test_a_backward_inside_another_block_still_runs_where_its_forward_ran(recorder):
-    """The forward's HAL, not the one active where backward() is called: its saved statistics
-    are the forward kernel's."""
+    """The forward's HAL, not the one active where backward() is called: the backward kernel
+    goes with the forward's choices (the statistics it saved, its settings)."""
     hal, recorded = recorder
     other = HardwareAbstractionLayer(settings=Settings.from_env({"TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1"}))
     x = torch.randn(5, 64, requires_grad=True)
@@ -91,6 +94,18 @@ def test_a_backward_inside_another_block_still_runs_where_its_forward_ran(record
     with other.use("cpu"):
         out.sum().backward()
     assert len(recorded.calls) == 1
+
+
+def test_a_forward_outside_any_block_keeps_its_backward_out_of_one(recorder):
+    """A forward on the default HAL: a backward called inside a block of another HAL still goes
+    through the default one, not the block's."""
+    hal, recorded = recorder
+    x = torch.randn(5, 64, requires_grad=True)
+    out = torchhal.ops.rms_norm(x, torch.randn(64))
+    with hal.use("cpu"):
+        out.sum().backward()
+    assert recorded.calls == []
+    assert x.grad is not None
 
 
 def test_a_simulated_asics_backward_called_after_its_block_runs_on_the_asic():

@@ -75,12 +75,14 @@ CASES = {
 
 
 def _penalty_gradients(run, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-    """Gradients of (a loss + the squared norm of its input gradients) with respect to the inputs."""
+    """Gradients of (a loss + the squared norm of its input gradients) with respect to the inputs.
+    The loss is not linear in the outputs, so the output gradients depend on the inputs too (rope,
+    linear in q and k, then has second-order terms)."""
     wrt = [t for t in inputs if t.requires_grad]
     outputs = run(*inputs)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     torch.manual_seed(7)
-    loss = sum((o * torch.randn_like(o)).sum() for o in outputs)
+    loss = sum((o.sin() * torch.randn_like(o)).sum() for o in outputs)
     first = torch.autograd.grad(loss, wrt, create_graph=True)
     penalty = sum(g.square().sum() for g in first)
     return torch.autograd.grad(loss + penalty, wrt)

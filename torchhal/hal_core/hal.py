@@ -50,6 +50,17 @@ active_use: Callable[[], tuple[HardwareAbstractionLayer, Device] | None] = _acti
 A bound C method rather than a function: every op call asks, and a Python frame costs more."""
 
 
+@contextlib.contextmanager
+def resumed_use(active: tuple[HardwareAbstractionLayer, Device] | None) -> Iterator[None]:
+    """Make `active`, an earlier `active_use()` (None: no block), the active use again for a while:
+    an op's backward runs where its forward ran, on whichever thread autograd runs it."""
+    token = _active.set(active)
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
 @dataclass(frozen=True, slots=True)
 class Ranked:
     device: Device
@@ -278,11 +289,8 @@ class HardwareAbstractionLayer:
     def use(self, device: Device | str) -> Iterator[Device]:
         """Route ops on tensors of this device's torch type to `device` (e.g. a simulated ASIC)."""
         dev = self.device(device)
-        token = _active.set((self, dev))
-        try:
+        with resumed_use((self, dev)):
             yield dev
-        finally:
-            _active.reset(token)
 
     def choose_device(self, requirements: DeviceRequirements | None = None) -> DeviceChoice:
         """Rank every device against `requirements`, with the reasons for each verdict."""

@@ -50,10 +50,11 @@ from typing import Any, NamedTuple
 import torch
 
 from torchhal.hal_core import UnsupportedError, telemetry
-from torchhal.hal_core.hal import active_use
+from torchhal.hal_core.hal import active_use, resumed_use
 from torchhal.hal_core.kernels import NOT_SEEN
 
 log = telemetry.get_logger("torchhal.kernels.autocast")
+_autograd_log = telemetry.get_logger("torchhal.kernels.autograd")
 
 _SAVED = object()  # marks a context slot whose tensor went through ctx.save_for_backward
 # Bound once: every op call runs them. `_any_requires_grad` is what torch.library's own autograd
@@ -313,7 +314,7 @@ def _recorded_backward(op: str, spec: AutogradSpec, *args: Any) -> Any:
         )
     if op not in _RECORDED_BACKWARD_SAID:
         _RECORDED_BACKWARD_SAID.add(op)
-        log.warning(
+        _autograd_log.warning(
             "backward with create_graph=True: the op's reference backward runs (differentiable torch "
             "ops), not its backward kernel, which autograd cannot differentiate",
             op=op,
@@ -327,17 +328,17 @@ _RECORDED_BACKWARD_SAID: set[str] = set()
 
 
 def _where_forward_ran(ctx: Any) -> contextlib.AbstractContextManager[object]:
-    """The `hal.use(device)` block that was active when the op's forward ran, active again for its
-    backward. Autograd runs a backward on a device's own thread (CUDA, XPU), or wherever
-    `backward()` is called, and the block (a context variable) is not active there: the backward
-    ops went through the default HAL, with its settings and kernels, and a simulated ASIC's
-    backward ran on the CPU device. Under torch.compile the backward custom op has no such hook:
-    there it dispatches as any op does on its thread."""
+    """The `hal.use(device)` block that was active when the op's forward ran (or none), active
+    again for its backward. Autograd runs a backward on a device's own thread (CUDA, XPU), or
+    wherever `backward()` is called, and the block (a context variable) is not active there, or
+    another is: the backward ops went through the default HAL (or that other block's), with its
+    settings and kernels, and a simulated ASIC's backward ran on the CPU device. Not covered: a
+    forward that activation checkpointing recomputes during backward runs where backward runs,
+    and under torch.compile the backward custom op has no such hook."""
     use = ctx.torchhal_use
-    if use is None or active_use() is use:
+    if active_use() is use:
         return contextlib.nullcontext()
-    hal, device = use
-    return hal.use(device)
+    return resumed_use(use)
 
 
 def torch_autocasts(aten_op: str, device_type: str) -> bool:
