@@ -95,10 +95,6 @@ class PatchReport:
 
 
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_HOOKED = (
-    "has hooks or a forward replaced on the instance (accelerate's device_map/offload?) that a "
-    "replacement would drop"
-)
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -36,7 +36,7 @@ from torch import nn
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 from torchhal.kernels import nn as thnn
 from torchhal.kernels.hf_attention import ATTN_IMPLEMENTATION, _rewire_attention, _use_torchhal_attention
-from torchhal.kernels.hf_families import _HOOKED, SUPPORTED, Left, PatchReport, Swap, _has_hooks
+from torchhal.kernels.hf_families import SUPPORTED, Left, PatchReport, Swap, _has_hooks
 from torchhal.kernels.hf_loss import _patch_loss, causal_lm_loss
 
 __all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED", "Left", "PatchReport", "Swap", "causal_lm_loss", "patch"]
@@ -127,6 +127,13 @@ def _match(
         replacements.append((path, result))
     now = type(result).__qualname__ if result is not None else "forward: torchhal.kernels.nn.rotary_attention"
     report.swapped.append(Swap(path, kind, type(module).__name__, now))
+
+
+_HOOKED = (
+    "has hooks or a forward replaced on the instance (accelerate's device_map/offload?) that a "
+    "replacement would drop"
+)
+"""Why a norm or MLP module with hooks is left as it is."""
 
 
 def _as_rms_norm(module: nn.Module) -> nn.Module | str:
