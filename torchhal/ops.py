@@ -72,7 +72,10 @@ def dispatch(op: str, *args: Any) -> Any:
     if use is not None:
         return use[0].dispatch(op, *args)
     dispatchers = _default_dispatchers
-    call = dispatchers.get(op) or _bind_default(dispatchers, op, seen_only=False)
+    try:
+        call = dispatchers[op]
+    except (KeyError, TypeError):  # TypeError: an unhashable op name, named by `_bind_default`
+        call = _bind_default(dispatchers, op, seen_only=False)
     return call(*args)
 
 

@@ -32,8 +32,9 @@ from torch import nn
 
 from torchhal.distributed.checkpoint import Checkpointer
 from torchhal.distributed.health import HealthMonitor
-from torchhal.distributed.init import DistContext, env_int, init
+from torchhal.distributed.init import DistContext, init
 from torchhal.hal_core import CollectiveError, ConfigurationError, InvalidArgumentError, telemetry
+from torchhal.hal_core.process_groups import env_int
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -50,11 +51,7 @@ SHARE_STORE_WORKAROUND = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 def generation() -> int:
     """How many times torchrun restarted this job's workers (0 outside torchrun)."""
-    raw = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").strip() or "0"
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigurationError(f"TORCHELASTIC_RESTART_COUNT must be an integer, got {raw!r}") from None
+    value = env_int("TORCHELASTIC_RESTART_COUNT", default=0)
     if value < 0:
         raise ConfigurationError(f"TORCHELASTIC_RESTART_COUNT must be >= 0, got {value}")
     return value

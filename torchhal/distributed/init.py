@@ -8,7 +8,6 @@ over the same rendezvous store after a failure.
 
 from __future__ import annotations
 
-import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from torchhal.hal_core import ConfigurationError, Device, DeviceRequirements, telemetry
 from torchhal.hal_core.collectives import DEFAULT_TIMEOUT, Communicator, backend_for
+from torchhal.hal_core.process_groups import env_int
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -189,14 +189,3 @@ def _prefixed_store(
                 f"rendezvous through {url} for prefix {prefix!r} (rank {r}, world size {w}) failed: {exc}"
             ) from exc
     return dist.PrefixStore(prefix + "/", store)
-
-
-def env_int(name: str, *, default: int | None) -> int | None:
-    """An integer environment variable as torchrun sets them; a malformed one is named."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None

@@ -203,6 +203,7 @@ class KernelRegistry:
     ) -> Candidate:
         """Add a candidate implementation of `op`. Higher priority is preferred. Names are unique
         per provider: two vendors may each have a `triton` candidate."""
+        _check_name("register", "op", op)
         self._opdef(op)
         candidate = Candidate(op, name, provider, fn, supports, priority, bind)
         _check_candidate(candidate)
@@ -278,7 +279,10 @@ class KernelRegistry:
         same `route` (what else decides the device, e.g. a `use()` override) go straight to their
         selection: no validation and no device lookup. Anything else is validated, and its device
         found by `locate(op, first_argument)`. Positional only: a `**kwargs` costs every call."""
-        seen = self._seen.get(op)  # None for an unknown op and for an op that is never memoised
+        try:
+            seen = self._seen.get(op)  # None for an unknown op and for an op that is never memoised
+        except TypeError:  # an unhashable op name, which `_opdef` names below (free on the hit path)
+            seen = None
         key: tuple[Hashable, ...] | None = None
         hit = None
         if seen is not None:
@@ -317,7 +321,10 @@ class KernelRegistry:
         first (three tensor attributes cost as much as the guard's whole Python part). The
         arguments come as one tuple: every caller has them as one, and `*args` at each of the
         three frames between the op and here would unpack and pack them again."""
-        seen = self._seen.get(op)
+        try:
+            seen = self._seen.get(op)
+        except TypeError:  # an unhashable op name: `dispatch` names it
+            return NOT_SEEN
         hit = None if seen is None else _first_admitted(seen.recent, route, args, True)
         if hit is None:
             return NOT_SEEN
@@ -344,7 +351,7 @@ class KernelRegistry:
     def _opdef(self, op: str) -> OpDef:
         try:
             return self._ops[op]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable name (a list), unknown as any other
             raise UnknownOpError(op, self._ops) from None
 
     def _select(
@@ -578,6 +585,8 @@ def _check_candidate(candidate: Candidate) -> None:
     """What `register` refuses, naming the op and the candidate: a NaN priority made the order
     inconsistent (a priority 1000 lost to 100), a string left the op's list unsorted."""
     where = f"register: candidate {candidate.qualified_name!r} of op {candidate.op!r}"
+    _check_name(where, "name", candidate.name)
+    _check_name(where, "provider", candidate.provider)
     if not is_finite_number(candidate.priority):
         raise InvalidArgumentError(
             f"{where}: priority must be a finite number, got {_seen(candidate.priority)}"
@@ -593,16 +602,20 @@ def _check_candidate(candidate: Candidate) -> None:
 def _check_op(opdef: OpDef) -> None:
     """What `define_op` refuses, naming the op: a reference or signature that is not callable
     was accepted, and every call of the op then failed far from its definition."""
-    if not isinstance(opdef.name, str) or not opdef.name:
-        raise InvalidArgumentError(
-            f"define_op: the op's name must be a non-empty string, got {_seen(opdef.name)}"
-        )
+    _check_name("define_op", "the op's name", opdef.name)
     where = f"define_op: op {opdef.name!r}"
     for part in ("reference", "signature"):
         if not callable(getattr(opdef, part)):
             raise InvalidArgumentError(f"{where}: {part} must be callable, got {_seen(getattr(opdef, part))}")
     if opdef.examples is not None and not callable(opdef.examples):
         raise InvalidArgumentError(f"{where}: examples must be callable or None, got {_seen(opdef.examples)}")
+
+
+def _check_name(where: str, what: str, value: object) -> None:
+    """Op, candidate and provider names are non-empty strings: a list was a bare "unhashable
+    type" TypeError from a dict lookup, and a list or empty candidate name was kept."""
+    if not isinstance(value, str) or not value:
+        raise InvalidArgumentError(f"{where}: {what} must be a non-empty string, got {_seen(value)}")
 
 
 def _seen(value: object) -> str:

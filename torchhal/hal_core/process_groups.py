@@ -47,7 +47,7 @@ def _resolve_device(hal: HardwareAbstractionLayer, device: Device | str | None) 
     if device is not None:
         return hal.device(device)
     best = hal.best_device()
-    local = _env_int("LOCAL_RANK")
+    local = env_int("LOCAL_RANK")
     siblings = [d for d in hal.devices() if d.adapter is best.adapter and d.capabilities.device_type != "cpu"]
     if local is None or len(siblings) < 2:
         return best
@@ -61,10 +61,13 @@ def _resolve_device(hal: HardwareAbstractionLayer, device: Device | str | None) 
     return chosen
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str, *, default: int | None = None) -> int | None:
+    """An integer environment variable as torchrun sets them (RANK, WORLD_SIZE, LOCAL_RANK), or
+    `default` where it is unset or blank; a malformed one is named. The one reader of these, for
+    the core and for `torchhal.distributed` alike."""
     raw = os.environ.get(name, "").strip()
     if not raw:
-        return None
+        return default
     try:
         return int(raw)
     except ValueError:
@@ -106,8 +109,8 @@ def _init_default_group(
     """`init_process_group` with arguments checked first, so mistakes name the missing piece."""
     if store is not None and init_method is not None:
         raise ConfigurationError("init_method and store: give one, not both")
-    rank = rank if rank is not None else _env_int("RANK")
-    world_size = world_size if world_size is not None else _env_int("WORLD_SIZE")
+    rank = rank if rank is not None else env_int("RANK")
+    world_size = world_size if world_size is not None else env_int("WORLD_SIZE")
     via = "store" if store is not None else (init_method or "env://")
     missing = [name for name, value in (("rank", rank), ("world_size", world_size)) if value is None]
     if via == "env://":
