@@ -23,6 +23,7 @@ from torchhal.hal_core import (
     UnsupportedError,
     telemetry,
 )
+from torchhal.kernels import _checks
 from torchhal.kernels import linear_cross_entropy as lce
 from torchhal.kernels.autograd import DifferentiableOp
 from torchhal.kernels.triton_rows import RowLaunch
@@ -286,7 +287,7 @@ def test_target_check_off_the_cpu_is_an_asynchronous_device_assert(monkeypatch):
     """Off the CPU the targets are not read (a host sync per call): the check is one
     torch._assert_async, whose message names the op, the range and ignore_index. On the CPU that
     assert raises at once, so the CPU stands in for a device here by leaving the host-read list."""
-    monkeypatch.setattr(lce, "HOST_READ", {})
+    monkeypatch.setattr(_checks, "HOST_READ", {})
     target = torch.tensor([0, 3, -100, 11])
     lce.check_targets("op", target, 12, -100)
     with pytest.raises(
@@ -299,7 +300,7 @@ def test_without_an_asynchronous_assert_targets_are_read_on_the_host_logged_and_
     def missing(*args):
         raise NotImplementedError("no _assert_async kernel for this backend")
 
-    monkeypatch.setattr(lce, "HOST_READ", {})
+    monkeypatch.setattr(_checks, "HOST_READ", {})
     monkeypatch.setattr(torch, "_assert_async", missing)
     telemetry.configure(log_level="warning", log_stream=(stream := io.StringIO()))
     before = telemetry.counts().get("torchhal.kernels.lce_host_target_checks,device_type=cpu", 0)
@@ -307,7 +308,7 @@ def test_without_an_asynchronous_assert_targets_are_read_on_the_host_logged_and_
     lce.check_targets("op", target, 12, -100)
     with pytest.raises(InvalidArgumentError, match=r"got 11"):
         lce.check_targets("op", target, 11, -100)
-    assert lce.HOST_READ == {"cpu": True}
+    assert _checks.HOST_READ == {"cpu": True}
     assert stream.getvalue().count("no asynchronous device assert for this device type") == 1
     assert telemetry.counts()["torchhal.kernels.lce_host_target_checks,device_type=cpu"] == before + 2
 

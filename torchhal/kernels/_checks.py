@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from torchhal.hal_core import InvalidArgumentError, UnsupportedError
+from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 from torchhal.hal_core.kernels import is_finite_number
 
 PROVIDER = "torchhal"  # provider name of the built-in candidates
+
+log = telemetry.get_logger("torchhal.kernels.checks")
+# Device types whose value checks `queue_device_assert` leaves to the host -> whether that read
+# costs a sync (counted): the CPU's is free; a device type found without torch._assert_async is added.
+HOST_READ: dict[str, bool] = {"cpu": False}
+ASSERT_MESSAGE_LIMIT = 254  # characters: CUDA's torch._assert_async refuses a longer message
 
 
 def require_tensor(op: str, name: str, value: object) -> torch.Tensor:
@@ -45,3 +53,32 @@ def require_eps(op: str, eps: object) -> None:
     """A norm's epsilon: a finite number >= 0 (a tensor here would lose its gradient)."""
     if not is_finite_number(eps) or eps < 0:  # type: ignore[operator]
         raise InvalidArgumentError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+
+
+def queue_device_assert(
+    device: torch.device, condition: Callable[[], torch.Tensor], message: str, counter: str
+) -> bool:
+    """Check tensor values without a host sync: queue `condition()` (a one-element tensor, nonzero
+    when the values are valid) as `torch._assert_async(ok, message)` (message cut to the length
+    CUDA takes), which fails at the next synchronisation as a device-side assert, and return True.
+    Return False where the caller must read the values on the host instead (and can name the bad
+    one): on the CPU, where that read is free, and on a device type without `_assert_async`
+    (warned once, each read counted as `counter`)."""
+    kind = device.type
+    if kind not in HOST_READ:
+        ok = condition()
+        try:
+            torch._assert_async(ok, message[:ASSERT_MESSAGE_LIMIT])
+            return True
+        except NotImplementedError as exc:
+            HOST_READ[kind] = True
+            log.warning(
+                "no asynchronous device assert for this device type: tensor values are checked on the "
+                "host (a sync per call, counted)",
+                device_type=kind,
+                counter=counter,
+                error=repr(exc),
+            )
+    if HOST_READ[kind]:
+        telemetry.count(counter, device_type=kind)
+    return False

@@ -6,15 +6,18 @@ is attended as the dense op would (bottom-right causal per sequence); tokens out
 sequence get zero output and zero gradients. Ops: `attention_varlen`, `attention_varlen_forward`
 -> (out, lse (heads_q, total_q) fp32) and `attention_varlen_backward`.
 
-The cu_seqlens values are checked when they are on the CPU. On an accelerator they are trusted,
-as FlashAttention trusts them: checking would read them back and synchronise every call. There
-`max_seqlen_*` must be at least every sequence's length, or that sequence's tail is not computed.
+The offsets must rise from 0 to at most the token count, with no sequence longer than its
+`max_seqlen_*` (the Triton grid covers `max_seqlen` rows per sequence). On the CPU the signature
+reads them and InvalidArgumentError names the values. On an accelerator a read would synchronise
+every call, so the Triton candidates queue the check on the device (`check_offsets`: one small
+launch and `torch._assert_async`); it fails at the next synchronisation as a device-side assert,
+which cannot name the values. The reference reads them anyway and checks them there.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -22,7 +25,7 @@ import torch
 from torchhal.hal_core import InvalidArgumentError, KernelRegistry
 from torchhal.kernels import attention as dense
 from torchhal.kernels import triton_attention
-from torchhal.kernels._checks import require_rank, require_same, require_tensor
+from torchhal.kernels._checks import queue_device_assert, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
 
 
@@ -66,22 +69,50 @@ def _check(
         if not isinstance(value, int) or value < 0:
             raise InvalidArgumentError(f"{op}: {name} must be an int >= 0, got {value!r}")
     if cu_seqlens_q.device.type == "cpu":
-        _check_offsets(op, "q", cu_seqlens_q, q.shape[0], max_seqlen_q)
-        _check_offsets(op, "k", cu_seqlens_k, k.shape[0], max_seqlen_k)
+        _check_offsets(op, "q", cu_seqlens_q.tolist(), q.shape[0], max_seqlen_q)
+        _check_offsets(op, "k", cu_seqlens_k.tolist(), k.shape[0], max_seqlen_k)
 
 
-def _check_offsets(op: str, which: str, cu: torch.Tensor, total: int, max_seqlen: int) -> None:
-    lengths = cu.diff()
-    first, last = int(cu[0]), int(cu[-1])
-    if first != 0 or last > total or bool((lengths < 0).any()):
+def _check_offsets(op: str, which: str, cu: list[int], total: int, max_seqlen: int) -> None:
+    """The offset rule on values read to the host."""
+    lengths = [end - start for start, end in itertools.pairwise(cu)]
+    if cu[0] != 0 or cu[-1] > total or any(n < 0 for n in lengths):
         raise InvalidArgumentError(
-            f"{op}: cu_seqlens_{which} must rise from 0 to at most {total} tokens, got {cu.tolist()}"
+            f"{op}: cu_seqlens_{which} must rise from 0 to at most {total} tokens, got {cu}"
         )
-    longest = int(lengths.max()) if lengths.numel() else 0
+    longest = max(lengths, default=0)
     if longest > max_seqlen:
         raise InvalidArgumentError(
             f"{op}: max_seqlen_{which} must be >= the longest sequence {longest}, got {max_seqlen}"
         )
+
+
+HOST_OFFSET_CHECKS = "torchhal.kernels.varlen_host_offset_checks"  # counter of host reads off the CPU
+
+
+def check_offsets(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    flag: Callable[[], torch.Tensor],
+) -> None:
+    """The offset rule where a kernel is about to trust it, without a host sync: `flag()` computes
+    it on the device as a one-element tensor (nonzero: valid) and `torch._assert_async` fails on it
+    at the next synchronisation. On the CPU, or a device type without that assert, the offsets are
+    read and checked on the host instead."""
+    total_q, total_k = q.shape[0], k.shape[0]
+    message = (  # short: queue_device_assert cuts it at ASSERT_MESSAGE_LIMIT characters, for CUDA
+        f"{op}: cu_seqlens_q/_k must rise from 0 to at most {total_q}/{total_k} tokens, no sequence "
+        f"longer than max_seqlen_q/_k {max_seqlen_q}/{max_seqlen_k} (a device check: read them on "
+        "the host for the values)"
+    )
+    if not queue_device_assert(q.device, flag, message, HOST_OFFSET_CHECKS):
+        _check_offsets(op, "q", cu_seqlens_q.tolist(), total_q, max_seqlen_q)
+        _check_offsets(op, "k", cu_seqlens_k.tolist(), total_k, max_seqlen_k)
 
 
 def _summary(
@@ -159,13 +190,54 @@ def backward_signature(
     return _summary(q, k, v, max_seqlen_q, max_seqlen_k, causal)
 
 
-def _spans(cu: torch.Tensor) -> list[tuple[int, int]]:
-    return list(itertools.pairwise(cu.tolist()))
+def _spans(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """((q0, q1), (k0, k1)) of each sequence, read to the host (the references loop over them) and
+    checked there, at no extra cost: an accelerator's offsets reach them unchecked."""
+    spans = []
+    for which, cu, total, max_seqlen in (
+        ("q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+        ("k", cu_seqlens_k, k.shape[0], max_seqlen_k),
+    ):
+        values = cu.tolist()
+        _check_offsets(op, which, values, total, max_seqlen)
+        spans.append(itertools.pairwise(values))
+    return list(zip(*spans, strict=True))
 
 
 def _dense(t: torch.Tensor) -> torch.Tensor:
     """(tokens, heads, dim) -> (1, heads, tokens, dim), a view."""
     return t.transpose(0, 1).unsqueeze(0)
+
+
+def _reference_forward(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense reference on each sequence in turn."""
+    spans = _spans(op, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+    for (q0, q1), (k0, k1) in spans:
+        o, s = dense.reference_forward(_dense(q[q0:q1]), _dense(k[k0:k1]), _dense(v[k0:k1]), causal, scale)
+        out[q0:q1] = o[0].transpose(0, 1)
+        lse[:, q0:q1] = s[0]
+    return out, lse
 
 
 def reference_forward(
@@ -179,14 +251,10 @@ def reference_forward(
     causal: bool = False,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The dense reference on each sequence in turn."""
-    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
-    for (q0, q1), (k0, k1) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
-        o, s = dense.reference_forward(_dense(q[q0:q1]), _dense(k[k0:k1]), _dense(v[k0:k1]), causal, scale)
-        out[q0:q1] = o[0].transpose(0, 1)
-        lse[:, q0:q1] = s[0]
-    return out, lse
+    return _reference_forward(
+        "attention_varlen_forward", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+        scale,
+    )  # fmt: skip
 
 
 def reference(
@@ -200,7 +268,9 @@ def reference(
     causal: bool = False,
     scale: float | None = None,
 ) -> torch.Tensor:
-    out, _ = reference_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale)
+    out, _ = _reference_forward(
+        "attention_varlen", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale
+    )
     return out
 
 
@@ -219,8 +289,9 @@ def reference_backward(
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dense reference backward on each sequence in turn."""
+    spans = _spans("attention_varlen_backward", q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     dq, dk, dv = q.new_zeros(q.shape), k.new_zeros(k.shape), v.new_zeros(v.shape)
-    for (q0, q1), (k0, k1) in zip(_spans(cu_seqlens_q), _spans(cu_seqlens_k), strict=True):
+    for (q0, q1), (k0, k1) in spans:
         grads = dense.reference_backward(
             _dense(grad_out[q0:q1]), _dense(q[q0:q1]), _dense(k[k0:k1]), _dense(v[k0:k1]),
             _dense(out[q0:q1]), lse[:, q0:q1].unsqueeze(0), causal, scale,

@@ -57,11 +57,11 @@ from torchhal.hal_core import (
     KernelRegistry,
     Unsupported,
     UnsupportedError,
-    telemetry,
 )
 from torchhal.kernels._checks import (
     PROVIDER,
     is_finite_number,
+    queue_device_assert,
     require_min_rank,
     require_rank,
     require_same,
@@ -82,10 +82,7 @@ BACKWARD = "linear_cross_entropy_backward"
 REDUCTIONS = ("mean", "sum", "none")
 TARGET_DTYPES = (torch.int64, torch.int32)
 
-log = telemetry.get_logger("torchhal.kernels.cross_entropy")
-# Device types whose targets `check_targets` reads on the host -> whether that read costs a sync
-# (counted): the CPU's is free; a device type found without torch._assert_async is added.
-HOST_READ: dict[str, bool] = {"cpu": False}
+HOST_TARGET_CHECKS = "torchhal.kernels.lce_host_target_checks"  # counter of host reads off the CPU
 
 # Chunk size. Each chunk reads and writes the fp32 weight-gradient accumulator (8 * V * H bytes)
 # for the 2 * rows * V * H flops of its weight-gradient matmul, so a chunk needs
@@ -327,29 +324,11 @@ def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) 
     cross_entropy's device assert does; a device type without it is read on the host (logged,
     counted)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    kind = target.device.type
-    if kind not in HOST_READ:
-        try:
-            torch._assert_async(
-                bad.logical_not().all(),
-                f"{op}: target values must lie in [0, {vocab}) or equal ignore_index {ignore_index}",
-            )
-            return
-        except NotImplementedError as exc:
-            HOST_READ[kind] = True
-            log.warning(
-                "no asynchronous device assert for this device type: targets are checked on the host "
-                "(a sync per call, counted)",
-                device_type=kind,
-                error=repr(exc),
-            )
-    if HOST_READ[kind]:
-        telemetry.count("torchhal.kernels.lce_host_target_checks", device_type=kind)
+    message = f"{op}: target values must lie in [0, {vocab}) or equal ignore_index {ignore_index}"
+    if queue_device_assert(target.device, lambda: bad.logical_not().all(), message, HOST_TARGET_CHECKS):
+        return
     if bool(bad.any()):
-        raise InvalidArgumentError(
-            f"{op}: target values must lie in [0, {vocab}) or equal ignore_index {ignore_index}, "
-            f"got {int(target[bad].flatten()[0])}"
-        )
+        raise InvalidArgumentError(f"{message}, got {int(target[bad].flatten()[0])}")
 
 
 def _reference_gradients(

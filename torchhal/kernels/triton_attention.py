@@ -8,6 +8,7 @@ any strides and return contiguous tensors.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -98,6 +99,7 @@ def _dense(
 
 
 def _packed(
+    op: str,
     q: torch.Tensor,
     k: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
@@ -107,15 +109,21 @@ def _packed(
     causal: bool = False,
     scale: float | None = None,
 ) -> Problem:
-    """attention_varlen's problem from q, k and its arguments after v. The kernels read sequence
-    b's offsets at `CU + b`, so strided offsets (a column of a table, `cu[::2]`) are copied
-    contiguous: batch + 1 integers, no sync."""
-    from torchhal.kernels.triton_attention_kernels import make_problem
+    """attention_varlen's problem from q, k and its arguments after v, once `check_offsets` has
+    queued the check of the offset rule the kernels trust (their grid covers max_seqlen rows per
+    sequence): two launches, no sync. The kernels read sequence b's offsets at `CU + b`, so strided
+    offsets (a column of a table, `cu[::2]`) are copied contiguous: batch + 1 integers, no sync."""
+    from torchhal.kernels.attention_varlen import check_offsets  # it imports this module
+    from torchhal.kernels.triton_attention_kernels import make_problem, offsets_ok
 
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    check_offsets(
+        op, q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+        lambda: offsets_ok(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k),
+    )  # fmt: skip
     return make_problem(
-        q, k, seq_q=max_seqlen_q, seq_k=max_seqlen_k, batch=cu_seqlens_q.shape[0] - 1, causal=causal,
-        scale=scale, window=None, cu_seqlens_q=cu_seqlens_q.contiguous(),
-        cu_seqlens_k=cu_seqlens_k.contiguous(),
+        q, k, seq_q=max_seqlen_q, seq_k=max_seqlen_k, batch=cu_q.shape[0] - 1, causal=causal, scale=scale,
+        window=None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
     )  # fmt: skip
 
 
@@ -184,14 +192,14 @@ def bind_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor,
 
 def bind_varlen_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """attention_varlen_forward: (out, lse) for packed (tokens, heads, dim) tensors."""
-    return _bind_forward(caps, _packed)
+    return _bind_forward(caps, functools.partial(_packed, "attention_varlen_forward"))
 
 
 def bind_varlen(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
-    return _output_only(bind_varlen_forward(caps))
+    return _output_only(_bind_forward(caps, functools.partial(_packed, "attention_varlen")))
 
 
 def bind_varlen_backward(
     caps: DeviceCapabilities,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    return _bind_backward(caps, _packed)
+    return _bind_backward(caps, functools.partial(_packed, "attention_varlen_backward"))

@@ -443,6 +443,28 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
         _store_rows(DV_base, dv, offs_n, seq_k, dv_strides, offs_d, HEAD_DIM)
 
 
+# ----- attention_varlen's offsets, checked on the device before the kernels read them
+
+
+@triton.jit(do_not_specialize=("batch", "total_q", "total_k", "max_q", "max_k"))
+def _offsets_ok_kernel(CU_Q, CU_K, OK, batch, total_q, total_k, max_q, max_k, BLOCK: tl.constexpr):
+    """One program: OK = 1 when both contiguous offset tensors rise from 0 to at most their token
+    count and no sequence is longer than its max_seqlen, else 0; the lengths in blocks of BLOCK."""
+    ok = (tl.load(CU_Q) == 0) & (tl.load(CU_K) == 0)
+    ok = ok & (tl.load(CU_Q + batch).to(tl.int64) <= total_q)
+    ok = ok & (tl.load(CU_K + batch).to(tl.int64) <= total_k)
+    for start in range(0, batch, BLOCK):
+        b = start + tl.arange(0, BLOCK)
+        live = b < batch
+        len_q = (tl.load(CU_Q + b + 1, mask=live, other=0).to(tl.int64)
+                 - tl.load(CU_Q + b, mask=live, other=0).to(tl.int64))
+        len_k = (tl.load(CU_K + b + 1, mask=live, other=0).to(tl.int64)
+                 - tl.load(CU_K + b, mask=live, other=0).to(tl.int64))
+        bad = (len_q < 0) | (len_q > max_q) | (len_k < 0) | (len_k > max_k)
+        ok = ok & (tl.max(bad.to(tl.int32), 0) == 0)
+    tl.store(OK, ok.to(tl.int32))
+
+
 # fmt: on
 
 
@@ -504,6 +526,28 @@ def _on_device_of(t: torch.Tensor) -> contextlib.AbstractContextManager[object]:
     if t.device.index is None or choose is None:
         return contextlib.nullcontext()
     return choose(t.device.index)  # type: ignore[no-any-return]
+
+
+OFFSETS_BLOCK = 1024  # sequences per step of the offsets check's loop
+
+
+def offsets_ok(
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    total_q: int,
+    total_k: int,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+) -> torch.Tensor:
+    """attention_varlen's offset rule as a one-element int32 flag (1: valid), computed on their
+    device by one launch, without reading them back. Both have batch + 1 contiguous entries."""
+    ok = torch.empty(1, dtype=torch.int32, device=cu_seqlens_q.device)
+    with _on_device_of(cu_seqlens_q):
+        _offsets_ok_kernel[(1,)](
+            cu_seqlens_q, cu_seqlens_k, ok, cu_seqlens_q.shape[0] - 1, total_q, total_k, max_seqlen_q,
+            max_seqlen_k, BLOCK=OFFSETS_BLOCK,
+        )  # fmt: skip
+    return ok
 
 
 def forward(

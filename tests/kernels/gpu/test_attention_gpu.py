@@ -166,6 +166,82 @@ def test_varlen_matches_dense_per_sequence(ops, candidate, causal):
     assert torch.count_nonzero(dq[cu_q[3] :]) == 0
 
 
+def test_varlen_valid_offsets_pass_the_device_check(ops, check_op):
+    """Random lengths (some 0), max_seqlen exactly the longest, tokens after the last sequence: the
+    check queued before the kernels passes, and forward and gradients are within PyTorch's error."""
+    g = torch.Generator().manual_seed(24)
+    lens_q, lens_k = (torch.randint(0, 300, (9,), generator=g) for _ in range(2))
+    lens_q[2], lens_k[5] = 0, 0
+    cu_q, cu_k = _offsets(lens_q.tolist()), _offsets(lens_k.tolist())
+    q = torch.randn(int(lens_q.sum()) + 5, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(int(lens_k.sum()), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fixed = (cu_q, cu_k, int(lens_q.max()), int(lens_k.max()), True, None)
+    device = ops.hal.device_for_tensor(q)
+    assert (
+        ops.hal.kernels.select("attention_varlen_forward", device, q, k, v, *fixed).candidate.name == "triton"
+    )
+    check_op(
+        lambda q, k, v: ops.varlen(q, k, v, *fixed),
+        lambda q, k, v: attention_varlen.reference(q, k, v, *fixed),
+        (q, k, v),
+        (torch.randn_like(q),),
+        (0, 1, 2),
+    )
+    torch.cuda.synchronize()  # a failed device assert would raise here
+
+
+# A device assert poisons the process's CUDA context, so the bad call runs in a child process. The
+# offsets change in place after a warm call: same signature and graph, no selection or compile.
+_BAD_OFFSETS_CHILD = """
+import sys, torch, torchhal.ops
+mode = sys.argv[1]
+fn = torchhal.ops.attention_varlen
+if mode == "compiled":
+    fn = torch.compile(fn, fullgraph=True)
+cu = torch.tensor([0, 300, 301, 1330, 1394], dtype=torch.int32, device="cuda")
+q = torch.randn(1394 + 16, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=mode != "no_grad")
+k = torch.randn(1394, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=mode != "no_grad")
+v = torch.randn(1394, 2, 128, device="cuda", dtype=torch.bfloat16, requires_grad=mode != "no_grad")
+cu_q = cu.clone()
+torch.set_grad_enabled(mode != "no_grad")
+fn(q, k, v, cu_q, cu, 1029, 1029, causal=True)  # warm: compile, select outside the no-sync block
+torch.cuda.synchronize()
+cu_q[3] += 10  # query sequence 2 now has 1039 rows, above max_seqlen_q 1029: its tail went uncomputed
+torch.cuda.set_sync_debug_mode("error")  # any host sync in the checked call raises
+out = fn(q, k, v, cu_q, cu, 1029, 1029, causal=True)
+torch.cuda.set_sync_debug_mode("default")
+print("queued without a sync", flush=True)
+try:
+    torch.cuda.synchronize()
+except RuntimeError as exc:
+    print("raised at the sync:", exc, flush=True)
+    sys.exit(3)
+print("no error", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "grad", "compiled"])
+def test_varlen_offsets_past_max_seqlen_are_a_device_assert_without_a_sync(gpu_hal, tmp_path, mode):
+    """A sequence longer than max_seqlen_q: the Triton kernels left its tail uncomputed (their grid
+    covers max_seqlen rows per sequence) and returned. The offsets are not read on the host (a sync
+    per call): the candidates queue a check and torch._assert_async, which fails at the next
+    synchronisation with the op's message."""
+    import os
+    import subprocess
+    import sys
+
+    # autotune off: the Triton candidates serve the call (the reference reads the offsets, a sync)
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHHAL_AUTOTUNE": "off"}
+    child = subprocess.run(
+        [sys.executable, "-c", _BAD_OFFSETS_CHILD, mode], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert child.returncode == 3, f"stdout:\n{child.stdout}\nstderr:\n{child.stderr[-4000:]}"
+    assert "queued without a sync" in child.stdout
+    assert "device-side assert" in child.stdout
+    op = "attention_varlen" if mode == "no_grad" else "attention_varlen_forward"
+    assert f"{op}: cu_seqlens_q/_k must rise from 0 to at most 1410/1394 tokens" in child.stderr
+
+
 def test_compile_with_inductor(ops):
     """The custom ops inside one torch.compile(fullgraph=True) graph, forward and backward, against eager."""
     torch._dynamo.reset()
