@@ -61,6 +61,22 @@ def resumed_use(active: tuple[HardwareAbstractionLayer, Device] | None) -> Itera
         _active.reset(token)
 
 
+def keeping_use(function: Callable[..., Any]) -> Callable[..., Any]:
+    """`function`, run under the `hal.use(device)` block active now (or none) wherever and whenever
+    it is called: for work torch runs again later, on the thread of its choosing, such as the
+    forward that activation checkpointing recomputes during backward."""
+    use = active_use()
+
+    @functools.wraps(function)
+    def in_use(*args: Any, **kwargs: Any) -> Any:
+        if active_use() is use:
+            return function(*args, **kwargs)
+        with resumed_use(use):
+            return function(*args, **kwargs)
+
+    return in_use
+
+
 @dataclass(frozen=True, slots=True)
 class Ranked:
     device: Device

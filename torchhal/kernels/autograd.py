@@ -332,9 +332,10 @@ def _where_forward_ran(ctx: Any) -> contextlib.AbstractContextManager[object]:
     again for its backward. Autograd runs a backward on a device's own thread (CUDA, XPU), or
     wherever `backward()` is called, and the block (a context variable) is not active there, or
     another is: the backward ops went through the default HAL (or that other block's), with its
-    settings and kernels, and a simulated ASIC's backward ran on the CPU device. Not covered: a
-    forward that activation checkpointing recomputes during backward runs where backward runs,
-    and under torch.compile the backward custom op has no such hook."""
+    settings and kernels, and a simulated ASIC's backward ran on the CPU device. A forward that
+    activation checkpointing recomputes keeps the block through `checkpointing.checkpoint` (and a
+    patched Hugging Face model's gradient checkpointing); under torch.compile the backward
+    custom op has no such hook."""
     use = ctx.torchhal_use
     if active_use() is use:
         return contextlib.nullcontext()

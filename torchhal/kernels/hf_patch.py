@@ -10,6 +10,8 @@ models in the process, patched or not, keep their own behaviour):
 - Attention modules keep their class; their `forward` is rebound, on that instance, to
   `nn.rotary_attention`, and the model's attention implementation is set to "torchhal"
   (hf_attention.py: what runs, and where the fast path does not apply).
+- Gradient checkpointing (`gradient_checkpointing_enable`, before or after the patch) recomputes
+  each layer's forward under the `hal.use` block its forward ran in (checkpointing.py).
 - `*ForCausalLM` models: with labels, in training mode, the forward computes transformers' loss
   through ops.linear_cross_entropy without making the logits (hf_loss.py: what is computed, and
   when transformers' own forward runs instead).
@@ -35,6 +37,7 @@ from torch import nn
 
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 from torchhal.kernels import nn as thnn
+from torchhal.kernels.checkpointing import keep_use_in_checkpointing
 from torchhal.kernels.hf_attention import ATTN_IMPLEMENTATION, _rewire_attention, _use_torchhal_attention
 from torchhal.kernels.hf_families import SUPPORTED, Left, PatchReport, Swap, _has_hooks
 from torchhal.kernels.hf_loss import _patch_loss, causal_lm_loss
@@ -102,8 +105,23 @@ def patch(
     if attention and report.count("attention"):
         _use_torchhal_attention(model, report)
     _patch_loss(model, family, report, loss)
+    _keep_use_in_checkpointing(model, report)
     log.info("patched", model=report.model, swapped=len(report.swapped), left=len(report.left))
     return report
+
+
+def _keep_use_in_checkpointing(model: nn.Module, report: PatchReport) -> None:
+    """Gradient checkpointing (enabled now or later) recomputes under the forward's `hal.use`
+    block; see `checkpointing.keep_use_in_checkpointing`."""
+    if not hasattr(model, "_set_gradient_checkpointing"):
+        return
+    path, kind = "", "gradient_checkpointing"
+    if keep_use_in_checkpointing(model):
+        report.swapped.append(
+            Swap(path, kind, "torch.utils.checkpoint", "recompute under the forward's hal.use block")
+        )
+    else:
+        report.left.append(Left(path, kind, "already patched"))
 
 
 def _match(
