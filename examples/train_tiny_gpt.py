@@ -98,6 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1,
         help="micro-batches per step (split of each rank's rows)",
     )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block in backward instead of keeping its activations",
+    )
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--dim", type=int, default=64)
@@ -124,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         lambda params: torch.optim.AdamW(params, lr=args.lr),
         ctx=ctx,
         strategy=strategy,
+        activation_checkpointing=args.activation_checkpointing,
         policy=policy,
     )
     group, rows, local_batch = None, None, None

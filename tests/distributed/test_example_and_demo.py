@@ -20,7 +20,12 @@ WALL_LIMIT_S = 60
 pytestmark = pytest.mark.multiprocess
 
 
-def test_example_trains_under_torchrun_and_the_loss_falls(tmp_path):
+@pytest.mark.parametrize(
+    ("strategy", "options"),
+    [("ddp", []), ("fsdp", ["--activation-checkpointing"])],
+    ids=["ddp", "fsdp-checkpointed"],
+)
+def test_example_trains_under_torchrun_and_the_loss_falls(tmp_path, strategy, options):
     out = tmp_path / "out"
     env = {
         **os.environ,
@@ -38,6 +43,9 @@ def test_example_trains_under_torchrun_and_the_loss_falls(tmp_path):
         str(EXAMPLE),
         "--steps",
         "6",
+        "--strategy",
+        strategy,
+        *options,
         "--json-out",
         str(out),
     ]
@@ -49,7 +57,8 @@ def test_example_trains_under_torchrun_and_the_loss_falls(tmp_path):
     for rank in range(2):
         report = json.loads((out / f"rank{rank}.json").read_text())
         assert report["context"]["rank"] == rank and report["context"]["world_size"] == 2
-        assert report["context"]["backend"] == "gloo" and report["prepared"]["strategy"] == "ddp"
+        assert report["context"]["backend"] == "gloo" and report["prepared"]["strategy"] == strategy
+        assert report["prepared"]["checkpointed_blocks"] == (2 if options else 0)
         losses = [s["loss"] for s in report["steps"]]
         assert len(losses) == 6 and losses[-1] < 0.8 * losses[0], losses
         assert report["batch"] == {"local": 8, "global": 16, "seq_len": 32}

@@ -8,6 +8,7 @@ parameters.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from torch import nn
 
 from torchhal.distributed.precision import STRATEGIES, PrecisionPolicy, choose_precision
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
+from torchhal.hal_core.hal import keeping_use
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -41,6 +43,7 @@ class Prepared:
     scaler: torch.amp.GradScaler | None
     strategy: str
     sharded_blocks: int = 0
+    checkpointed_blocks: int = 0
 
     def report(self) -> dict[str, Any]:
         """What was prepared; the parameters' dtypes as the model holds them (the policy keeps
@@ -48,6 +51,7 @@ class Prepared:
         return {
             "strategy": self.strategy,
             "sharded_blocks": self.sharded_blocks,
+            "checkpointed_blocks": self.checkpointed_blocks,
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "parameter_dtypes": sorted(
                 {str(p.dtype).removeprefix("torch.") for p in self.model.parameters()}
@@ -66,6 +70,7 @@ def prepare(
     blocks: Callable[[nn.Module], bool] | None = None,
     mesh: DeviceMesh | None = None,
     ddp_options: Mapping[str, Any] | None = None,
+    activation_checkpointing: bool = False,
 ) -> Prepared:
     """Move `model` to `ctx.device` and wrap it for `strategy` ("ddp", "fsdp", or "local").
 
@@ -85,6 +90,10 @@ def prepare(
     modules whose parameters are of another dtype than the model's (complex, fp64) are sharded
     on their own, uncast; with more than one rank a parameter a rank left unused is reduced as a
     zero gradient, so ranks that route to different experts never mix their gradients.
+    `activation_checkpointing=True` keeps only each block's inputs in forward and runs the block
+    again in backward (torchtitan's "full" mode: one more forward of each block for its
+    activations' memory), on the blocks `blocks` selects, under every strategy; the recompute runs
+    through the HAL and device of the forward, on whichever thread autograd runs it.
     """
     if strategy not in STRATEGIES:
         raise UnsupportedError(f"prepare: strategy must be one of {STRATEGIES}, got {strategy!r}")
@@ -94,6 +103,7 @@ def prepare(
     policy = (policy or choose_precision(ctx.device)).for_strategy(strategy)
     _check_not_wrapped(model)
     plan = _fsdp_plan(model, policy, blocks) if strategy == "fsdp" else None
+    checkpointed = _checkpoint_plan(model, blocks) if activation_checkpointing else []
     names = _parameter_names(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_optimizer_covers(optimizer, names)
@@ -103,6 +113,8 @@ def prepare(
     if moved:
         log.info("model moved to its rank's device", device=ctx.device.id, parameters=len(moved))
     sharded = 0
+    for block in checkpointed:  # before DDP or FSDP: their hooks stay outside the recompute
+        block.forward = CheckpointedForward(block)
     with telemetry.span("torchhal.distributed.prepare", strategy=strategy, policy=policy.name):
         if strategy == "ddp":
             wrapped: nn.Module = _ddp(model, ctx, options)
@@ -111,7 +123,7 @@ def prepare(
         else:
             wrapped = model
         opt = _optimizer_for(wrapped, optimizer, names, resharded=strategy == "fsdp")
-    prepared = Prepared(wrapped, opt, policy, policy.grad_scaler(), strategy, sharded)
+    prepared = Prepared(wrapped, opt, policy, policy.grad_scaler(), strategy, sharded, len(checkpointed))
     log.info("model prepared", rank=ctx.rank, device=ctx.device.id, **prepared.report())
     return prepared
 
@@ -126,6 +138,61 @@ def transformer_blocks(
         if isinstance(module, nn.ModuleList) and name.rsplit(".", 1)[-1] in BLOCK_CONTAINERS:
             return list(module)
     return []
+
+
+class CheckpointedForward:
+    """A block's forward through activation checkpointing (non-reentrant, torch's recommendation),
+    set on the block instance: hooks on the module (DDP's, FSDP2's unshard) stay outside the
+    recompute, as transformers checkpoints `forward` and not `__call__`. The recompute runs under
+    the `hal.use` block of the forward (`keeping_use`): autograd runs it on a GPU's own thread,
+    where that block is not active. A class, not a closure, so the model still pickles."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint
+
+        block = self.block
+        forward = functools.partial(type(block).forward, block, **kwargs)  # kwargs bound: none meets torch's
+        return checkpoint(keeping_use(forward), *args, use_reentrant=False)
+
+
+def _checkpoint_plan(model: nn.Module, predicate: Callable[[nn.Module], bool] | None) -> list[nn.Module]:
+    """The blocks activation checkpointing wraps, refusing before anything moves: none found, one
+    whose forward was already replaced on the instance (accelerate's hooks, a checkpointing of
+    its own), or one that transformers already checkpoints (recomputing a recompute)."""
+    found = transformer_blocks(model, predicate)
+    if not found:
+        raise InvalidArgumentError(
+            f"prepare(activation_checkpointing=True): no blocks to checkpoint: the model has no "
+            f"ModuleList named one of {BLOCK_CONTAINERS} and `blocks` selected none; pass blocks="
+        )
+    names = {id(m): name for name, m in model.named_modules()}
+    for block in found:
+        if "forward" in vars(block):
+            raise InvalidArgumentError(
+                f"prepare(activation_checkpointing=True): block {names[id(block)]!r} already has a "
+                f"forward of its own on the instance ({type(vars(block)['forward']).__name__}); "
+                "checkpointing would replace it"
+            )
+        if getattr(block, "gradient_checkpointing", False):
+            raise InvalidArgumentError(
+                f"prepare(activation_checkpointing=True): block {names[id(block)]!r} is already "
+                "checkpointed by transformers (gradient_checkpointing_enable); use one of the two"
+            )
+    stateful = [names[id(m)] for b in found for m in b.modules() if _updates_running_stats(m)]
+    if stateful:
+        log.warning(
+            "activation checkpointing recomputes blocks holding BatchNorm layers, whose running "
+            "statistics the recompute updates a second time (as torch.utils.checkpoint does)",
+            layers=stateful[:8],
+        )
+    return found
+
+
+def _updates_running_stats(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm) and module.track_running_stats
 
 
 def _ddp(model: nn.Module, ctx: DistContext, options: Mapping[str, Any]) -> nn.Module:

@@ -44,9 +44,11 @@ def torchrun(script: str, *args: str, timeout: int) -> subprocess.CompletedProce
     return done
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize(
+    ("accumulate", "checkpointing"), [(1, False), (2, False), (2, True)], ids=["1", "2", "2-checkpointed"]
+)
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_example_trains_on_two_gpus(tmp_path, strategy, accumulate):
+def test_example_trains_on_two_gpus(tmp_path, strategy, accumulate, checkpointing):
     torchrun(
         "examples/train_tiny_gpt.py",
         "--steps",
@@ -55,6 +57,7 @@ def test_example_trains_on_two_gpus(tmp_path, strategy, accumulate):
         strategy,
         "--gradient-accumulation-steps",
         str(accumulate),
+        *(["--activation-checkpointing"] if checkpointing else []),
         "--json-out",
         str(tmp_path),
         timeout=180,
@@ -66,6 +69,7 @@ def test_example_trains_on_two_gpus(tmp_path, strategy, accumulate):
         assert not device.simulated and device.torch_device.type != "cpu" and device.index == rank
         assert report["context"]["backend"] == backend_for([device])
         assert report["prepared"]["precision"]["policy"] == "bf16"
+        assert report["prepared"]["checkpointed_blocks"] == (2 if checkpointing else 0)
         losses = [s["loss"] for s in report["steps"]]
         assert losses[-1] < 0.5 * losses[0], losses
         batch = report["batch"]  # every micro-batch of a step counted
