@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -48,23 +49,42 @@ def measure(attention_varlen, lq: list[int], lk: list[int]) -> dict[str, float]:
     q = torch.randn(sum(lq), HEADS_Q, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     k = torch.randn(sum(lk), HEADS_KV, DIM, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn_like(k, requires_grad=True)
-    args = (q, k, v, offsets(lq), offsets(lk), max(lq), max(lk), True)
+    args = (q, k, v, offsets(lq), offsets(lk), max(lq), max(lk))
 
     def forward():
         with torch.no_grad():
-            return attention_varlen(*args)
+            return attention_varlen(*args, causal=True)
 
     def training():
-        attention_varlen(*args).sum().backward()
+        attention_varlen(*args, causal=True).sum().backward()
 
-    return {"forward_us": per_call_us(forward, 50, 7), "forward_backward_us": per_call_us(training, 20, 7)}
+    result = {"forward_us": per_call_us(forward, 50, 7), "forward_backward_us": per_call_us(training, 20, 7)}
+    try:  # the check alone, in the builds that have it: the first sight of the offsets, and again
+        from torchhal.kernels.attention_varlen import check_offsets, queue_offsets_check
+        from torchhal.kernels.triton_attention_kernels import offsets_ok
+    except ImportError:
+        return result
+    cu_q, cu_k, max_q, max_k = args[3:]
+    check_args = ("attention_varlen", q, k, cu_q, cu_k, max_q, max_k)
+
+    def flag() -> torch.Tensor:
+        return offsets_ok(cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+
+    return {
+        **result,
+        "check_queued_us": per_call_us(lambda: queue_offsets_check(*check_args, flag), 200, 7),
+        "check_seen_us": per_call_us(lambda: check_offsets(*check_args, flag), 200, 7),
+    }
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--label", required=True)
     p.add_argument("--out")
+    p.add_argument("--pin", type=int, help="run on this CPU core only")
     args = p.parse_args()
+    if args.pin is not None:
+        os.sched_setaffinity(0, {args.pin})
     import torchhal
 
     results = {name: measure(torchhal.ops.attention_varlen, lq, lk) for name, (lq, lk) in SHAPES.items()}
@@ -79,7 +99,11 @@ def main() -> None:
             json.dump(record, f, indent=2)
     for name, r in results.items():
         fwd, both = r["forward_us"], r["forward_backward_us"]
-        print(f"{args.label:>5} {name:>22} fwd {fwd:9.1f} us  fwd+bwd {both:9.1f} us")
+        queued, seen = r.get("check_queued_us", float("nan")), r.get("check_seen_us", float("nan"))
+        print(
+            f"{args.label:>5} {name:>22} fwd {fwd:7.1f} us  fwd+bwd {both:7.1f} us  "
+            f"check queued {queued:5.1f} us, seen {seen:5.1f} us"
+        )
 
 
 if __name__ == "__main__":

@@ -88,6 +88,7 @@ def _device_check(op, q, k, v, cu_q, cu_k, max_q, max_k):
 def as_device(triton_hal, monkeypatch):
     """The CPU as a device with torch._assert_async (which raises there at once), Triton interpreted."""
     monkeypatch.setattr(_checks, "HOST_READ", {})
+    monkeypatch.setattr(attention_varlen, "_last_queued", None)
     return triton_hal
 
 
@@ -273,3 +274,47 @@ def test_a_device_assert_message_is_cut_to_the_length_cuda_takes(monkeypatch):
     message = "".join(chr(ord("a") + i % 26) for i in range(300))
     assert _checks.queue_device_assert(torch.device("cpu"), lambda: torch.tensor(True), message, "unused")
     assert seen == [message[: _checks.ASSERT_MESSAGE_LIMIT]]
+
+
+class CountedFlag:
+    """The check's device flag, counting how often it is queued."""
+
+    def __init__(self, q, k, cu_q, cu_k, max_q, max_k) -> None:
+        self.calls, self.args = 0, (cu_q, cu_k, q.shape[0], k.shape[0], max_q, max_k)
+
+    def __call__(self) -> torch.Tensor:
+        from torchhal.kernels.triton_attention_kernels import offsets_ok
+
+        self.calls += 1
+        return offsets_ok(*self.args)
+
+
+def _checked(q, k, cu_q, cu_k, max_q, max_k) -> int:
+    flag = CountedFlag(q, k, cu_q, cu_k, max_q, max_k)
+    attention_varlen.check_offsets("attention_varlen", q, k, cu_q, cu_k, max_q, max_k, flag)
+    return flag.calls
+
+
+def test_the_same_offsets_are_checked_once_until_they_are_written(as_device):
+    """Every layer of a model gets the same offsets: the check's launches are paid once. An
+    in-place write (here one that breaks the rule) or other bounds check them again."""
+    q, k, _, cu_q, cu_k, max_q, max_k = _case(None, "q", 6, torch.int32, seed=11)
+    assert _checked(q, k, cu_q, cu_k, max_q, max_k) == 1
+    assert _checked(q, k, cu_q, cu_k, max_q, max_k) == 0
+    assert _checked(q, k, cu_q, cu_k, max_q + 1, max_k) == 1  # other bounds
+    assert _checked(q, k, cu_q.clone(), cu_k, max_q + 1, max_k) == 1  # other tensors, same values
+    cu_q[-1] = q.shape[0] + 1  # past the tokens, written in place
+    with pytest.raises(RuntimeError, match="cu_seqlens_q/_k must rise from 0"):
+        _checked(q, k, cu_q, cu_k, max_q, max_k)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q/_k must rise from 0"):  # a failure is not kept
+        _checked(q, k, cu_q, cu_k, max_q, max_k)
+
+
+def test_offsets_are_checked_on_every_call_while_a_graph_is_captured(as_device, monkeypatch):
+    """A captured graph replays what was launched, on whatever offsets are copied in later: the
+    check must be in it even where the same offsets were checked before the capture."""
+    q, k, _, cu_q, cu_k, max_q, max_k = _case(None, "k", 6, torch.int64, seed=12)
+    assert _checked(q, k, cu_q, cu_k, max_q, max_k) == 1
+    monkeypatch.setattr(attention_varlen, "_capturing", lambda device: True)
+    assert _checked(q, k, cu_q, cu_k, max_q, max_k) == 1
+    assert _checked(q, k, cu_q, cu_k, max_q, max_k) == 1
