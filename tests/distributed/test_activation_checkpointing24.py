@@ -17,7 +17,7 @@ from tests.distributed.test_grad_accumulation import DIM, assert_same_parameters
 from tests.kernels.test_backward_follows_forward23 import _in_another_thread
 from torchhal import distributed as thd
 from torchhal.distributed.prepare import CheckpointedForward
-from torchhal.hal_core import InvalidArgumentError
+from torchhal.hal_core import InvalidArgumentError, telemetry
 from torchhal.hal_core.hal import active_use
 
 WIDTH = 4 * DIM
@@ -26,20 +26,21 @@ WIDTH = 4 * DIM
 class Block(nn.Module):
     """An MLP block that counts its forwards and records the `hal.use` block each ran under."""
 
-    def __init__(self) -> None:
+    def __init__(self, record: bool = True) -> None:
         super().__init__()
         self.up, self.down = nn.Linear(DIM, WIDTH), nn.Linear(WIDTH, DIM)
-        self.uses: list[object] = []
+        self.uses: list[object] | None = [] if record else None  # a context variable: no torch.compile
 
     def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
-        self.uses.append(active_use())
+        if self.uses is not None:
+            self.uses.append(active_use())
         return x + scale * self.down(torch.tanh(self.up(x)))
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, record: bool = True) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Block() for _ in range(3))
+        self.layers = nn.ModuleList(Block(record) for _ in range(3))
         self.head = nn.Linear(DIM, 1)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -142,3 +143,82 @@ def test_what_cannot_be_checkpointed_is_refused_before_anything_changes(ctx, mak
         thd.prepare(model, sgd, ctx=ctx, strategy="fsdp", blocks=blocks, activation_checkpointing=True)
     assert [vars(m).get("forward") for m in model.modules()] == forwards
     assert not any(type(m).__name__.startswith("FSDP") for m in model.modules())
+
+
+def test_a_failed_prepare_leaves_the_blocks_as_they_were(ctx):
+    """An optimizer factory that raises comes after the blocks were wrapped: a corrected retry
+    must find them unwrapped (it was refused as 'already has a forward of its own')."""
+    model = Net()
+
+    def bad_optimizer(params):
+        return torch.optim.Adam(params, lr=-1.0)
+
+    with pytest.raises(ValueError, match="learning rate"):
+        thd.prepare(model, bad_optimizer, ctx=ctx, strategy="local", activation_checkpointing=True)
+    assert not any("forward" in vars(block) for block in model.layers)
+    prepared = thd.prepare(model, sgd, ctx=ctx, strategy="local", activation_checkpointing=True)
+    assert prepared.checkpointed_blocks == 3
+
+
+def test_without_grad_the_blocks_run_as_they_are(ctx, monkeypatch):
+    """Evaluation and generation record nothing to recompute: torch's checkpoint is not called."""
+    prepared = thd.prepare(Net(), sgd, ctx=ctx, strategy="local", activation_checkpointing=True)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("checkpoint called without grad")
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", refused)
+    with torch.no_grad():
+        prepared.model(torch.randn(4, DIM), torch.randn(4))
+    assert [len(b.uses) for b in prepared.model.layers] == [1] * 3
+
+
+class CachedBlock(Block):
+    """A block that appends its input to a KV-cache-like list it is given, as attention layers do."""
+
+    def forward(self, x, *, past_key_values=None, use_cache=False, scale=1.0):  # type: ignore[override]
+        if past_key_values is not None:
+            past_key_values.append(x.detach())
+        self.seen = (past_key_values, use_cache)
+        return super().forward(x, scale=scale)
+
+
+class CachedNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CachedBlock() for _ in range(2))
+
+    def forward(self, x, y, cache=None):  # type: ignore[override]
+        for layer in self.layers:
+            x = layer(x, past_key_values=cache, use_cache=cache is not None)
+        return F.mse_loss(self.head(x).squeeze(-1), y)
+
+
+def test_a_kv_cache_given_to_a_checkpointed_block_is_dropped_and_said(ctx):
+    """The recompute would append the keys again (a patched Hugging Face model then failed its
+    backward with a CheckpointError, an unpatched one doubled its cache silently)."""
+    prepared = thd.prepare(CachedNet(), sgd, ctx=ctx, strategy="local", activation_checkpointing=True)
+    cache: list[torch.Tensor] = []
+    counter = "torchhal.distributed.checkpointed_cache_dropped,block=CachedBlock"
+    before = telemetry.counts().get(counter, 0)
+    prepared.model(torch.randn(4, DIM), torch.randn(4), cache).backward()
+    assert cache == []
+    assert all(block.seen == (None, False) for block in prepared.model.layers)
+    assert telemetry.counts()[counter] == before + 2  # one call per block: the recompute gets None
+    with torch.no_grad():  # nothing recomputed: the cache is the caller's to fill
+        prepared.model(torch.randn(4, DIM), torch.randn(4), cache)
+    assert len(cache) == 2
+
+
+def test_torch_compile_traces_a_checkpointed_model_in_one_graph(ctx):
+    """keeping_use steps aside while Dynamo traces: its context variable was a graph break per block."""
+    torch.manual_seed(3)
+    model = Net(record=False)
+    plain = copy.deepcopy(model)
+    prepared = thd.prepare(model, sgd, ctx=ctx, strategy="local", activation_checkpointing=True)
+    compiled = torch.compile(prepared.model, fullgraph=True, backend="aot_eager")
+    x, y = torch.randn(8, DIM), torch.randn(8)
+    compiled(x, y).backward()
+    plain(x, y).backward()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, msg=lambda m, name=name: f"{name}: {m}")

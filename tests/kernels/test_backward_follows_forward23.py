@@ -14,36 +14,15 @@ import pytest
 import torch
 
 import torchhal
+from tests.kernels.recorded_op import recording_hal
 from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import hookimpl
 from torchhal.hal_core.settings import Settings
 from torchhal.kernels import rms_norm
 
 
-class RecordedBackward:
-    """A kernel plugin whose rms_norm backward (the reference's numbers) records each call."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    @hookimpl
-    def torchhal_register_kernels(self, registry) -> None:
-        reference = registry.op("rms_norm_backward").reference
-
-        def recorded(*args):
-            self.calls.append(threading.current_thread().name)
-            return reference(*args)
-
-        registry.register("rms_norm_backward", "recorded", recorded, provider="test", priority=1e9)
-
-
 @pytest.fixture
 def recorder():
-    recorder = RecordedBackward()
-    hal = HardwareAbstractionLayer(
-        plugins=[recorder], settings=Settings.from_env({"TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    )
-    return hal, recorder
+    return recording_hal("rms_norm_backward")
 
 
 def _in_another_thread(run) -> None:

@@ -7,45 +7,22 @@ and a simulated ASIC's recompute ran on the CPU device."""
 from __future__ import annotations
 
 import io
-import threading
 
 import pytest
 import torch
 
 import torchhal
 import torchhal.kernels
+from tests.kernels.recorded_op import recording_hal
 from tests.kernels.test_backward_follows_forward23 import _in_another_thread
 from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import hookimpl
 from torchhal.hal_core.settings import Settings
 from torchhal.kernels import rms_norm
 
 
-class RecordedForwards:
-    """A kernel plugin whose rms_norm (the reference's numbers; also the op's training forward)
-    records the thread of each call."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    @hookimpl
-    def torchhal_register_kernels(self, registry) -> None:
-        reference = registry.op("rms_norm").reference
-
-        def recorded(*args):
-            self.calls.append(threading.current_thread().name)
-            return reference(*args)
-
-        registry.register("rms_norm", "recorded", recorded, provider="test", priority=1e9)
-
-
 @pytest.fixture
 def recorder():
-    recorder = RecordedForwards()
-    hal = HardwareAbstractionLayer(
-        plugins=[recorder], settings=Settings.from_env({"TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1"})
-    )
-    return hal, recorder
+    return recording_hal("rms_norm")
 
 
 def _block(x, weight):
@@ -165,3 +142,49 @@ def test_a_patched_model_with_checkpointing_still_pickles_whole(recorder):
     loss.backward()
     recomputed = recorded.calls[2 * LAYERS + 1 :]
     assert recomputed == ["MainThread"] * 2 * LAYERS
+
+
+class Wrapped(torch.nn.Module):
+    """A wrapper that forwards attribute lookups to the model it holds, as PEFT's PeftModel does."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.base = model
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.base, name)
+
+    def forward(self, *args, **kwargs):
+        return self.base(*args, **kwargs)
+
+
+def test_a_wrapped_models_later_checkpointing_recomputes_on_the_hal_of_the_forward(recorder):
+    """The setter found through the wrapper belongs to the model inside: it was left unwrapped and
+    the patch reported "already patched"."""
+    hal, recorded = recorder
+    model = Wrapped(make_model("llama"))
+    report = torchhal.kernels.patch(model)
+    assert report.count("gradient_checkpointing") == 1
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, 128, (2, 9))
+    with hal.use("cpu"):
+        loss = model(ids, labels=ids).loss
+    _in_another_thread(loss.backward)
+    assert recorded.calls[2 * LAYERS + 1 :] == ["autograd-like"] * 2 * LAYERS
+
+
+def test_the_setters_default_function_is_wrapped_too(recorder):
+    """`_set_gradient_checkpointing(enable=True)` without a function sets torch's checkpoint."""
+    hal, recorded = recorder
+    model = make_model("llama")
+    torchhal.kernels.patch(model)
+    model._set_gradient_checkpointing(enable=True)
+    model.enable_input_require_grads()  # the default, torch's checkpoint, is reentrant
+    ids = torch.randint(0, 128, (1, 7))
+    with hal.use("cpu"):
+        loss = model(ids, labels=ids).loss
+    _in_another_thread(loss.backward)
+    assert recorded.calls[2 * LAYERS + 1 :] == ["autograd-like"] * 2 * LAYERS

@@ -318,3 +318,11 @@ def test_offsets_are_checked_on_every_call_while_a_graph_is_captured(as_device, 
     monkeypatch.setattr(attention_varlen, "_capturing", lambda device: True)
     assert _checked(q, k, cu_q, cu_k, max_q, max_k) == 1
     assert _checked(q, k, cu_q, cu_k, max_q, max_k) == 1
+
+
+def test_inference_tensors_are_checked_on_every_call(as_device):
+    """They have no version counter to remember (reading it raised, and the Triton candidate fell
+    back to the reference for that signature for good)."""
+    with torch.inference_mode():
+        q, k, _, cu_q, cu_k, max_q, max_k = _case(None, "q", 6, torch.int32, seed=13)
+        assert [_checked(q, k, cu_q, cu_k, max_q, max_k) for _ in range(2)] == [1, 1]

@@ -115,14 +115,19 @@ def prepare(
     sharded = 0
     for block in checkpointed:  # before DDP or FSDP: their hooks stay outside the recompute
         block.forward = CheckpointedForward(block)
-    with telemetry.span("torchhal.distributed.prepare", strategy=strategy, policy=policy.name):
-        if strategy == "ddp":
-            wrapped: nn.Module = _ddp(model, ctx, options)
-        elif plan is not None:  # fsdp
-            wrapped, sharded = _fsdp(model, ctx, policy, plan, mesh)
-        else:
-            wrapped = model
-        opt = _optimizer_for(wrapped, optimizer, names, resharded=strategy == "fsdp")
+    try:
+        with telemetry.span("torchhal.distributed.prepare", strategy=strategy, policy=policy.name):
+            if strategy == "ddp":
+                wrapped: nn.Module = _ddp(model, ctx, options)
+            elif plan is not None:  # fsdp
+                wrapped, sharded = _fsdp(model, ctx, policy, plan, mesh)
+            else:
+                wrapped = model
+            opt = _optimizer_for(wrapped, optimizer, names, resharded=strategy == "fsdp")
+    except BaseException:
+        for block in checkpointed:  # a corrected retry finds the blocks as they were
+            del block.forward
+        raise
     prepared = Prepared(wrapped, opt, policy, policy.grad_scaler(), strategy, sharded, len(checkpointed))
     log.info("model prepared", rank=ctx.rank, device=ctx.device.id, **prepared.report())
     return prepared
@@ -140,22 +145,72 @@ def transformer_blocks(
     return []
 
 
+CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past", "cache")
+"""Keyword arguments through which a block writes a KV cache: the recompute would write it again."""
+
+
 class CheckpointedForward:
     """A block's forward through activation checkpointing (non-reentrant, torch's recommendation),
     set on the block instance: hooks on the module (DDP's, FSDP2's unshard) stay outside the
-    recompute, as transformers checkpoints `forward` and not `__call__`. The recompute runs under
-    the `hal.use` block of the forward (`keeping_use`): autograd runs it on a GPU's own thread,
-    where that block is not active. A class, not a closure, so the model still pickles."""
+    recompute, as transformers checkpoints `forward` and not `__call__`. A class, not a closure,
+    so the model still pickles. What it takes care of:
+
+    - the recompute runs under the `hal.use` block of the forward (`keeping_use`): autograd runs
+      it on a GPU's own thread, where that block is not active;
+    - without grad (evaluation, generation) the forward runs as it is: nothing would be recomputed;
+    - tensors passed by keyword reach torch's checkpoint positionally: it restores the random
+      state (dropout) of the devices of its positional tensors only;
+    - a KV cache passed to the block (`CACHE_ARGUMENTS`, `use_cache`) is dropped, as transformers
+      drops it under its own checkpointing: the recompute would append the keys again (logged
+      once per block class, counted)."""
 
     def __init__(self, block: nn.Module) -> None:
         self.block = block
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block = self.block
+        forward = functools.partial(type(block).forward, block)
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
         from torch.utils.checkpoint import checkpoint
 
-        block = self.block
-        forward = functools.partial(type(block).forward, block, **kwargs)  # kwargs bound: none meets torch's
-        return checkpoint(keeping_use(forward), *args, use_reentrant=False)
+        _drop_cache(block, kwargs)
+        tensors = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
+        others = {name: value for name, value in kwargs.items() if name not in tensors}
+        positional = len(args)
+
+        def run(*values: Any) -> Any:
+            return forward(
+                *values[:positional], **others, **dict(zip(tensors, values[positional:], strict=True))
+            )
+
+        return checkpoint(keeping_use(run), *args, *(kwargs[name] for name in tensors), use_reentrant=False)
+
+
+def _drop_cache(block: nn.Module, kwargs: dict[str, Any]) -> None:
+    dropped = [name for name in CACHE_ARGUMENTS if kwargs.get(name) is not None]
+    if kwargs.get("use_cache"):
+        dropped.append("use_cache")
+        kwargs["use_cache"] = False
+    for name in dropped:
+        if name != "use_cache":
+            kwargs[name] = None
+    if not dropped:
+        return
+    kind = type(block).__name__
+    telemetry.count("torchhal.distributed.checkpointed_cache_dropped", block=kind)
+    if kind not in _CACHE_DROP_SAID:
+        _CACHE_DROP_SAID.add(kind)
+        log.warning(
+            "a checkpointed block was given a KV cache: dropped, as its recompute would write it "
+            "again (transformers drops it under its own checkpointing)",
+            block=kind,
+            arguments=dropped,
+        )
+
+
+_CACHE_DROP_SAID: set[str] = set()
+"""Block classes whose dropped KV cache was logged (once per process)."""
 
 
 def _checkpoint_plan(model: nn.Module, predicate: Callable[[nn.Module], bool] | None) -> list[nn.Module]:

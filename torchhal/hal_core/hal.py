@@ -64,7 +64,13 @@ def resumed_use(active: tuple[HardwareAbstractionLayer, Device] | None) -> Itera
 def keeping_use(function: Callable[..., Any]) -> Callable[..., Any]:
     """`function`, run under the `hal.use(device)` block active now (or none) wherever and whenever
     it is called: for work torch runs again later, on the thread of its choosing, such as the
-    forward that activation checkpointing recomputes during backward."""
+    forward that activation checkpointing recomputes during backward. While torch.compile traces,
+    `function` itself: Dynamo cannot trace a context variable (a graph break per call), and a
+    compiled graph runs no hook of ours anyway (the backward custom ops have none either)."""
+    import torch  # loaded by whoever checkpoints; hal_core does not import it at module level
+
+    if torch.compiler.is_compiling():
+        return function
     use = active_use()
 
     @functools.wraps(function)

@@ -108,20 +108,29 @@ def check_offsets(
     version counters (an in-place write, `copy_` included, bumps them) and the bounds they were
     checked against; the same tensors, unwritten, under the same bounds are not checked again,
     except while a graph is captured, so that the graph replays the check on whatever values are
-    copied in later. A write that bypasses the version counter (a custom kernel writing through a
-    raw pointer) is not seen."""
+    copied in later. Not seen, so those offsets must be new tensors or written by an ordinary
+    in-place op: writes that bypass the version counter (a graph's replay, `.data`, DLPack or a
+    custom kernel writing through a raw pointer). Checked on every call: inference tensors
+    (`torch.inference_mode`: no version counter), strided offsets (copied contiguous, a new tensor
+    each call) and a pair other than the last one (a model alternating self- and cross-attention
+    offsets)."""
     global _last_queued
     bounds = (q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     last = _last_queued
+    inference = cu_seqlens_q.is_inference() or cu_seqlens_k.is_inference()  # no version counters
     if (
-        last is not None
+        not inference
+        and last is not None
         and last[0]() is cu_seqlens_q
         and last[1]() is cu_seqlens_k
         and last[2] == (cu_seqlens_q._version, cu_seqlens_k._version, *bounds)
         and not _capturing(q.device)
     ):
         return
-    if queue_offsets_check(op, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, flag):
+    if (
+        queue_offsets_check(op, q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, flag)
+        and not inference
+    ):
         versions = (cu_seqlens_q._version, cu_seqlens_k._version, *bounds)
         _last_queued = (weakref.ref(cu_seqlens_q), weakref.ref(cu_seqlens_k), versions)
 

@@ -43,19 +43,20 @@ def _keeps_use(checkpoint_function: Callable[..., Any]) -> bool:
 def keep_use_in_checkpointing(model: nn.Module) -> bool:
     """Make a Hugging Face model's gradient checkpointing recompute under the block of its forward,
     enabled now or later: each module's `_gradient_checkpointing_func` (what transformers calls as
-    `func(forward, *args)`) is wrapped, and so is the model's `_set_gradient_checkpointing`, which
-    sets them when checkpointing is enabled. Wrapping twice changes nothing. Returns whether
-    anything was wrapped now."""
+    `func(forward, *args)`) is wrapped, and so is each `_set_gradient_checkpointing` of the
+    transformers models in it, which sets them when checkpointing is enabled: the model's own, or
+    the one inside a wrapper such as PEFT's, which forwards the call. Wrapping twice changes
+    nothing. Returns whether anything was wrapped now."""
     wrapped = False
     for module in model.modules():
         func = module.__dict__.get("_gradient_checkpointing_func")
         if func is not None and not _keeps_use(func):
             module._gradient_checkpointing_func = functools.partial(_keeping_use_of, func)
             wrapped = True
-    setter = getattr(model, "_set_gradient_checkpointing", None)
-    if inspect.ismethod(setter) and setter.__self__ is model:
-        model._set_gradient_checkpointing = _SetterKeepingUse(model, setter.__func__)
-        wrapped = True
+        setter = getattr(module, "_set_gradient_checkpointing", None)
+        if inspect.ismethod(setter) and setter.__self__ is module:
+            module._set_gradient_checkpointing = _SetterKeepingUse(module, setter.__func__)
+            wrapped = True
     return wrapped
 
 
@@ -75,6 +76,7 @@ class _SetterKeepingUse:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.__signature__.bind(*args, **kwargs)
+        bound.apply_defaults()  # the function it sets by default (torch's checkpoint) is wrapped too
         func = bound.arguments.get("gradient_checkpointing_func")
         if func is not None and not _keeps_use(func):
             bound.arguments["gradient_checkpointing_func"] = functools.partial(_keeping_use_of, func)

@@ -5,6 +5,7 @@ model's gradient checkpointing)."""
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
@@ -12,38 +13,18 @@ import torch
 
 import torchhal
 import torchhal.kernels
-from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import hookimpl
+from tests.kernels.recorded_op import recording_hal
 from torchhal.hal_core.settings import Settings
 from torchhal.kernels import rms_norm
 
 pytestmark = pytest.mark.gpu
 
 
-class RecordedForwards:
-    """rms_norm through the reference, recording the thread of each call."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    @hookimpl
-    def torchhal_register_kernels(self, registry) -> None:
-        reference = registry.op("rms_norm").reference
-
-        def recorded(*args):
-            self.calls.append(threading.current_thread().name)
-            return reference(*args)
-
-        registry.register("rms_norm", "recorded", recorded, provider="test", priority=1e9)
-
-
 @pytest.fixture
 def recorder():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    recorder = RecordedForwards()
-    hal = HardwareAbstractionLayer(plugins=[recorder], settings=Settings(autotune="off"))
-    return hal, recorder
+    return recording_hal("rms_norm", Settings(autotune="off"))
 
 
 def _block(x, weight):
@@ -84,3 +65,34 @@ def test_a_patched_llamas_gradient_checkpointing_recomputes_on_the_hal_of_the_fo
     forward, recompute = recorded.calls[: 2 * layers + 1], recorded.calls[2 * layers + 1 :]
     assert set(forward) == {threading.current_thread().name}
     assert len(recompute) == 2 * layers and threading.current_thread().name not in recompute
+
+
+class KeywordDropout(torch.nn.Module):
+    """A block with dropout whose tensor comes by keyword, as many transformer blocks take theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear, self.dropout = torch.nn.Linear(512, 512), torch.nn.Dropout(0.5)
+
+    def forward(self, *, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dropout(self.linear(hidden)))
+
+
+def test_a_checkpointed_blocks_dropout_recomputes_with_its_mask_when_its_tensor_comes_by_keyword():
+    """torch's checkpoint restores the random state of the devices of its positional tensors only:
+    bound into the function, a keyword tensor's GPU drew another mask in the recompute."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from torchhal.distributed.prepare import CheckpointedForward
+
+    torch.manual_seed(0)
+    plain = KeywordDropout().cuda()
+    block = copy.deepcopy(plain)
+    block.forward = CheckpointedForward(block)
+    x = torch.randn(64, 512, device="cuda")
+    grad = torch.randn(64, 512, device="cuda")
+    for model in (plain, block):
+        torch.cuda.manual_seed(7)
+        model(hidden=x).backward(grad)
+    for (name, p), q in zip(plain.named_parameters(), block.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, msg=lambda m, name=name: f"{name}: {m}")
