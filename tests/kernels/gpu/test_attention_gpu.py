@@ -10,6 +10,7 @@ import pytest
 import torch
 from torchhal_nvidia import sdpa
 
+from tests.kernels.gpu.device_assert import run_expecting_device_assert
 from torchhal.kernels import attention, attention_varlen, plugin
 from torchhal.kernels.autograd import DifferentiableOp
 from torchhal.testing import tolerance
@@ -209,14 +210,6 @@ torch.cuda.synchronize()
 cu_q[3] += 10  # query sequence 2 now has 1039 rows, above max_seqlen_q 1029: its tail went uncomputed
 torch.cuda.set_sync_debug_mode("error")  # any host sync in the checked call raises
 out = fn(q, k, v, cu_q, cu, 1029, 1029, causal=True)
-torch.cuda.set_sync_debug_mode("default")
-print("queued without a sync", flush=True)
-try:
-    torch.cuda.synchronize()
-except RuntimeError as exc:
-    print("raised at the sync:", exc, flush=True)
-    sys.exit(3)
-print("no error", flush=True)
 """
 
 
@@ -226,18 +219,8 @@ def test_varlen_offsets_past_max_seqlen_are_a_device_assert_without_a_sync(gpu_h
     covers max_seqlen rows per sequence) and returned. The offsets are not read on the host (a sync
     per call): the candidates queue a check and torch._assert_async, which fails at the next
     synchronisation with the op's message."""
-    import os
-    import subprocess
-    import sys
-
     # autotune off: the Triton candidates serve the call (the reference reads the offsets, a sync)
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path), "TORCHHAL_AUTOTUNE": "off"}
-    child = subprocess.run(
-        [sys.executable, "-c", _BAD_OFFSETS_CHILD, mode], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert child.returncode == 3, f"stdout:\n{child.stdout}\nstderr:\n{child.stderr[-4000:]}"
-    assert "queued without a sync" in child.stdout
-    assert "device-side assert" in child.stdout
+    child = run_expecting_device_assert(_BAD_OFFSETS_CHILD, mode, tmp_path, TORCHHAL_AUTOTUNE="off")
     op = "attention_varlen" if mode == "no_grad" else "attention_varlen_forward"
     assert f"{op}: cu_seqlens_q/_k must rise from 0 to at most 1410/1394 tokens" in child.stderr
 

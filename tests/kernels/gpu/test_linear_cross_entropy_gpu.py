@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.gpu.device_assert import run_expecting_device_assert
 from torchhal.kernels import linear_cross_entropy as lce
 from torchhal.kernels.autograd import DifferentiableOp
 from torchhal.testing import tolerance
@@ -192,14 +193,6 @@ torch.cuda.synchronize()
 target[3] = 1000
 torch.cuda.set_sync_debug_mode("error")  # any host sync in the checked call raises
 loss = fn(hidden, weight, target)
-torch.cuda.set_sync_debug_mode("default")
-print("queued without a sync", flush=True)
-try:
-    torch.cuda.synchronize()
-except RuntimeError as exc:
-    print("raised at the sync:", exc, flush=True)
-    sys.exit(3)
-print("no error", flush=True)
 """
 
 
@@ -209,17 +202,7 @@ def test_out_of_range_target_is_a_device_assert_without_a_sync(gpu_hal, tmp_path
     """A target outside [0, vocab) that is not ignore_index: the Triton kernels gave NaN. On CUDA the
     targets are not read (a sync per call): every candidate queues torch._assert_async, which fails
     at the next synchronisation with the op's message, as torch's cross_entropy's device assert does."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "TORCHHAL_DISABLE_KERNELS": disabled, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
-    child = subprocess.run(
-        [sys.executable, "-c", _BAD_TARGET_CHILD, mode], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert child.returncode == 3, f"stdout:\n{child.stdout}\nstderr:\n{child.stderr[-4000:]}"
-    assert "queued without a sync" in child.stdout
-    assert "device-side assert" in child.stdout
+    child = run_expecting_device_assert(_BAD_TARGET_CHILD, mode, tmp_path, TORCHHAL_DISABLE_KERNELS=disabled)
     assert (
         "linear_cross_entropy: target values must lie in [0, 1000) or equal ignore_index -100" in child.stderr
     )
