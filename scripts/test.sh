@@ -10,7 +10,7 @@ bash scripts/setup.sh dev
 .venv/bin/mypy
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 status=0
-.venv/bin/python -m pytest "$@" || status=$?
+.venv/bin/python -m pytest --durations=15 "$@" || status=$?
 if [ "$status" -eq 5 ]; then
   echo "pytest collected no tests: failing, since a suite that ran nothing proves nothing" >&2
   exit 1
