@@ -111,8 +111,9 @@ def _packed(
 ) -> Problem:
     """attention_varlen's problem from q, k and its arguments after v, once `check_offsets` has
     queued the check of the offset rule the kernels trust (their grid covers max_seqlen rows per
-    sequence): two launches, no sync. The kernels read sequence b's offsets at `CU + b`, so strided
-    offsets (a column of a table, `cu[::2]`) are copied contiguous: batch + 1 integers, no sync."""
+    sequence): two launches, no sync, once per offset tensors. The kernels read sequence b's
+    offsets at `CU + b`, so strided offsets (a column of a table, `cu[::2]`) are copied
+    contiguous: batch + 1 integers, no sync."""
     from torchhal.kernels.attention_varlen import check_offsets  # it imports this module
     from torchhal.kernels.triton_attention_kernels import make_problem, offsets_ok
 
