@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import torch
-from bench_llama_patch import build_model, check_hal, parse_args, synchronize, train_step
+from bench_llama_patch import build_model, check_hal, device_and_dtype, parse_args, synchronize, train_step
 
 VARIANTS = ("none", "transformers", "torchhal")
 
@@ -65,10 +65,7 @@ def main() -> None:
     import torchhal.kernels
     from torchhal import ops
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        sys.exit("bench_activation_checkpointing: needs a CUDA device (or --tiny for a CPU smoke run)")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args, "bench_activation_checkpointing")
     hal_info = check_hal(device)
     hal = ops.default_hal()
     model = build_model(args, device, dtype)

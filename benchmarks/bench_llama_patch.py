@@ -121,6 +121,14 @@ def check_hal(device: torch.device) -> dict[str, Any]:
     return {"hal_device": dev.id, "name": caps.name, "features": sorted(f.value for f in caps.features)}
 
 
+def device_and_dtype(args: argparse.Namespace, benchmark: str) -> tuple[torch.device, torch.dtype]:
+    """cuda:0 in bf16, or with --tiny and no GPU the CPU in fp32; refuses a full run on the CPU."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and not args.tiny:
+        sys.exit(f"{benchmark}: needs a CUDA device (or --tiny for a CPU smoke run)")
+    return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def main() -> None:
     args = parse_args()
     import torchhal.kernels
@@ -128,10 +136,7 @@ def main() -> None:
     from torchhal.hal_core import telemetry
     from torchhal.kernels import nn as thnn
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        sys.exit("bench_llama_patch: needs a CUDA device (or --tiny for a CPU smoke run)")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device, dtype = device_and_dtype(args, "bench_llama_patch")
     hal = check_hal(device)
 
     unpatched = build_model(args, device, dtype)

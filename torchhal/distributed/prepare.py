@@ -189,12 +189,11 @@ class CheckpointedForward:
 
 def _drop_cache(block: nn.Module, kwargs: dict[str, Any]) -> None:
     dropped = [name for name in CACHE_ARGUMENTS if kwargs.get(name) is not None]
-    if kwargs.get("use_cache"):
-        dropped.append("use_cache")
-        kwargs["use_cache"] = False
     for name in dropped:
-        if name != "use_cache":
-            kwargs[name] = None
+        kwargs[name] = None
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+        dropped.append("use_cache")
     if not dropped:
         return
     kind = type(block).__name__
