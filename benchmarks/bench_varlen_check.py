@@ -1,8 +1,9 @@
 """What `torchhal.ops.attention_varlen` costs per call, forward and forward+backward, at packed
-shapes from decoding-sized to prefill-sized: run once with each build (the session's start and
-the new one, which queues the device check of cu_seqlens and max_seqlen) in alternation, and
-compare the rows. Wall time per call over a block of calls between synchronisations (so a
-launch-bound call shows its host cost), median of blocks.
+shapes from decoding-sized to prefill-sized: run once with each build (a session's start and its
+new one: session 24's queues the device check of cu_seqlens and max_seqlen, session 25's memoises
+the op's validation off the CPU) in alternation, and compare the rows. Wall time per call over a
+block of calls between synchronisations (so a launch-bound call shows its host cost), median of
+blocks.
 
     PYTHONPATH=/tmp/site python benchmarks/bench_varlen_check.py --label new --out new.json
 """

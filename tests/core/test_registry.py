@@ -675,6 +675,36 @@ def test_ops_whose_signature_reads_contents_validate_every_call(settings):
     assert len(calls) == 2
 
 
+def test_an_op_reading_contents_on_some_device_types_is_memoised_on_the_others(settings):
+    """attention_varlen's signature reads its offsets on the CPU only (free there; a sync on an
+    accelerator, where its kernels check them on the device): its calls elsewhere skip validation
+    once seen, and on the CPU are validated every time. Meta tensors stand in for an accelerator."""
+    hal = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1"))
+    seen_on = []
+    hal.kernels.define_op(
+        "double_on_host",
+        lambda t: t * 2,
+        signature=lambda t: seen_on.append(t.device.type) or (t.dtype, t.dim()),
+        reads_values_on=("cpu",),
+    )
+    cpu = hal.device("cpu")
+    host, meta = torch.randn(5), torch.empty(5, device="meta")
+    for t in (host, host, meta, meta, meta, host):
+        assert hal.kernels.call("double_on_host", cpu, t).device == t.device
+    assert seen_on == ["cpu", "cpu", "meta", "cpu"]
+    assert hal.kernels.op("double_on_host").reads_values_on == frozenset({"cpu"})
+
+
+@pytest.mark.parametrize("value", ["cpu", ["cpu", ""], [3]], ids=["a-string", "empty", "not-a-string"])
+def test_reads_values_on_takes_device_type_names(hal, value):
+    """A lone string would be read as the device types of its letters."""
+    with pytest.raises(
+        InvalidArgumentError, match="reads_values_on must be a collection of device type names"
+    ):
+        hal.kernels.define_op("bad", lambda t: t, signature=lambda t: t.dtype, reads_values_on=value)
+    assert "bad" not in hal.kernels.ops()
+
+
 def test_dispatch_seen_runs_only_layouts_guarded_without_gradients(hal):
     """What the autograd glue asks first when gradients are on: it must answer NOT_SEEN (and run
     nothing) for a new layout, and for a seen one whose tensors required grad, since only a

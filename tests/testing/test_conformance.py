@@ -215,14 +215,17 @@ def test_the_same_adapter_instance_from_a_hal_is_certified() -> None:
 
 
 def test_the_kits_registry_keeps_each_ops_memo_setting() -> None:
-    """attention_varlen's signature reads its offsets' contents, so it opts out of the argument
-    memo; the kit's copy of the core ops must keep that, or a second call with new offsets of the
-    same shape would skip their validation."""
+    """attention_varlen's signature reads its offsets' contents on the CPU, so calls there opt out
+    of the argument memo; the kit's copy of the core ops must keep that, or a second CPU call with
+    new offsets of the same shape would skip their validation."""
     from torchhal.testing.context import AdapterUnderTest
 
     registry = AdapterUnderTest(adapters.GoodKernels(), seed=0).kernel_registry()
     core = HardwareAbstractionLayer()
-    assert {op: registry.op(op).memoize for op in registry.ops()} == {
-        op: core.kernels.op(op).memoize for op in core.kernels.ops()
-    }
-    assert not registry.op("attention_varlen").memoize
+
+    def memo_settings(kernels):
+        return {op: (kernels.op(op).memoize, kernels.op(op).reads_values_on) for op in kernels.ops()}
+
+    assert memo_settings(registry) == memo_settings(core.kernels)
+    for op in ("attention_varlen", "attention_varlen_forward", "attention_varlen_backward"):
+        assert registry.op(op).reads_values_on == frozenset({"cpu"})

@@ -14,7 +14,7 @@ import enum
 import math
 import reprlib
 import threading
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -127,6 +127,19 @@ class OpDef:
     memoize: bool = True
     # fresh random argument tuples for the conformance kit, for an op outside the kit's own inputs
     examples: Examples | None = None
+    # torch device types (a tensor's `.device.type`) on which the signature does read tensor
+    # contents, where reading them costs no synchronisation (attention_varlen's offsets on the
+    # CPU): calls whose first argument is there are validated every time, others are memoised
+    reads_values_on: frozenset[str] = frozenset()
+
+    def memoizes(self, args: tuple[Any, ...]) -> bool:
+        """Whether a call with `args`, once validated, may skip validation next time."""
+        if not self.memoize:
+            return False
+        if not self.reads_values_on:
+            return True
+        device = getattr(args[0], "device", None) if args else None
+        return device is not None and getattr(device, "type", None) not in self.reads_values_on
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,13 +187,22 @@ class KernelRegistry:
         doc: str = "",
         memoize: bool = True,
         examples: Examples | None = None,
+        reads_values_on: Collection[str] = (),
     ) -> None:
         """Define an op with its reference implementation, which is also its last candidate.
-        `memoize=False` for an op whose signature reads tensor contents (e.g. offsets).
+        `memoize=False` for an op whose signature reads tensor contents (e.g. offsets);
+        `reads_values_on=("cpu",)` where it reads them only for tensors on those device types.
         `examples(device, dtype, generator)` returns a list of argument tuples (fresh random
         inputs at odd shapes) on which the conformance kit checks the op's candidates against
         its reference; without it the kit cannot check them (the core's ops have the kit's own)."""
-        opdef = OpDef(name, reference, signature, doc, memoize, examples)
+        if isinstance(reads_values_on, str) or not all(
+            isinstance(t, str) and t for t in reads_values_on
+        ):  # "cpu" alone would read as the device types "c", "p" and "u"
+            raise InvalidArgumentError(
+                f"define_op: op {name!r}: reads_values_on must be a collection of device type names, "
+                f"got {_seen(reads_values_on)}"
+            )
+        opdef = OpDef(name, reference, signature, doc, memoize, examples, frozenset(reads_values_on))
         _check_op(opdef)
         if name in self._ops:
             raise TorchHALError(f"op {name!r} is already defined (by {self._ops[name].reference!r})")
@@ -302,7 +324,7 @@ class KernelRegistry:
             device = locate(op, args[0] if args else None)
             sig = opdef.signature(*args)
             selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args)
-            if key is not None and seen is not None:
+            if key is not None and seen is not None and opdef.memoizes(args):
                 seen.remember(key, route, args, (device, selection))
         else:
             device, selection = hit

@@ -8,11 +8,12 @@ sequence get zero output and zero gradients. Ops: `attention_varlen`, `attention
 
 The offsets must rise from 0 to at most the token count, with no sequence longer than its
 `max_seqlen_*` (the Triton grid covers `max_seqlen` rows per sequence). On the CPU the signature
-reads them and InvalidArgumentError names the values. On an accelerator a read would synchronise
-every call, so the Triton candidates queue the check on the device (`check_offsets`: one small
-launch and `torch._assert_async`, once per offset tensors and their version); it fails at the
-next synchronisation as a device-side assert, which cannot name the values. The reference reads
-them anyway and checks them there.
+reads them and InvalidArgumentError names the values: calls there are validated every time
+(`reads_values_on`). On an accelerator a read would synchronise every call, so the signature
+reads only layouts (memoised as any op's) and the Triton candidates queue the check on the device
+(`check_offsets`: one small launch and `torch._assert_async`, once per offset tensors and their
+version); it fails at the next synchronisation as a device-side assert, which cannot name the
+values. The reference reads them anyway and checks them there.
 """
 
 from __future__ import annotations
@@ -416,16 +417,16 @@ def register(registry: KernelRegistry) -> None:
         reference,
         signature=signature,
         doc="attention over packed variable-length sequences",
-        memoize=False,  # the signature validates cu_seqlens' contents
+        reads_values_on=("cpu",),  # the signature checks cu_seqlens' values there
     )
     triton_attention.register(registry, "attention_varlen", triton_attention.bind_varlen)
     registry.define_op(
         "attention_varlen_forward", reference_forward, signature=forward_signature,
-        doc="(out, lse) of attention_varlen", memoize=False,
+        doc="(out, lse) of attention_varlen", reads_values_on=("cpu",),
     )  # fmt: skip
     triton_attention.register(registry, "attention_varlen_forward", triton_attention.bind_varlen_forward)
     registry.define_op(
         "attention_varlen_backward", reference_backward, signature=backward_signature,
-        doc="(dq, dk, dv) of attention_varlen", memoize=False,
+        doc="(dq, dk, dv) of attention_varlen", reads_values_on=("cpu",),
     )  # fmt: skip
     triton_attention.register(registry, "attention_varlen_backward", triton_attention.bind_varlen_backward)

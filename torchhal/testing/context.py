@@ -220,6 +220,7 @@ class AdapterUnderTest:
                 doc=opdef.doc,
                 memoize=opdef.memoize,
                 examples=opdef.examples,
+                reads_values_on=opdef.reads_values_on,
             )
         self.devices()
         self.adapter.register_kernels(registry)

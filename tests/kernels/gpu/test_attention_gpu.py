@@ -4,6 +4,7 @@ sliding windows, varlen against dense, torch.compile with inductor, and the SDPA
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -191,6 +192,42 @@ def test_varlen_valid_offsets_pass_the_device_check(ops, check_op):
     torch.cuda.synchronize()  # a failed device assert would raise here
 
 
+def test_varlen_validation_is_memoised_on_the_gpu(ops, monkeypatch):
+    """Off the CPU attention_varlen's signature reads no offsets (its kernels check them on the
+    device), so a layout seen before skips validation, as every other op's does: the layers of a
+    decoding step share one layout, and validating cost a quarter of a small call's host time. New
+    offsets of that layout, with and without gradients, still give the reference's answer."""
+    validated = []
+
+    def counting(op, signature):
+        return lambda *args: validated.append(op) or signature(*args)
+
+    for op in ("attention_varlen", "attention_varlen_forward", "attention_varlen_backward"):
+        opdef = ops.hal.kernels.op(op)
+        replaced = dataclasses.replace(opdef, signature=counting(op, opdef.signature))
+        monkeypatch.setitem(ops.hal.kernels._ops, op, replaced)
+    g = torch.Generator().manual_seed(25)
+    total_q, total_k = 1241, 1237  # a layout no other test uses: not in the memo yet
+    q = torch.randn(total_q, 4, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(total_k, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def offsets(total):  # five sequences, fresh random lengths; the offsets' shape stays
+        cuts = torch.randint(0, total + 1, (4,), generator=g).sort().values.tolist()
+        return torch.tensor([0, *cuts, total], dtype=torch.int32, device="cuda")
+
+    for grad in (False, False, False, True, True):
+        fixed = (offsets(total_q), offsets(total_k), total_q, total_k, True, None)
+        inputs = [t.detach().requires_grad_(grad) for t in (q, k, v)]
+        with torch.set_grad_enabled(grad):
+            out = ops.varlen(*inputs, *fixed)
+        torch.testing.assert_close(out, attention_varlen.reference(q, k, v, *fixed), rtol=2e-2, atol=2e-2)
+        if grad:
+            out.float().square().sum().backward()
+            assert all(t.grad is not None for t in inputs)
+    torch.cuda.synchronize()  # a failed device check would raise here
+    assert validated == ["attention_varlen", "attention_varlen_forward", "attention_varlen_backward"]
+
+
 # A device assert poisons the process's CUDA context, so the bad call runs in a child process. The
 # offsets change in place after a warm call: same signature and graph, no selection or compile.
 _BAD_OFFSETS_CHILD = """
@@ -218,7 +255,8 @@ def test_varlen_offsets_past_max_seqlen_are_a_device_assert_without_a_sync(gpu_h
     """A sequence longer than max_seqlen_q: the Triton kernels left its tail uncomputed (their grid
     covers max_seqlen rows per sequence) and returned. The offsets are not read on the host (a sync
     per call): the candidates queue a check and torch._assert_async, which fails at the next
-    synchronisation with the op's message."""
+    synchronisation with the op's message. The bad call's layout was seen by the warm call, so the
+    registry skips its validation (memoised off the CPU): the kernels' check alone catches it."""
     # autotune off: the Triton candidates serve the call (the reference reads the offsets, a sync)
     child = run_expecting_device_assert(_BAD_OFFSETS_CHILD, mode, tmp_path, TORCHHAL_AUTOTUNE="off")
     op = "attention_varlen" if mode == "no_grad" else "attention_varlen_forward"
