@@ -115,6 +115,32 @@ def test_varlen_matches_the_dense_op_on_each_sequence(ops):
             torch.testing.assert_close(leaf.grad[s], part.grad[0].transpose(0, 1), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("lens_q", "max_extra", "spare"),
+    [([1, 1, 1], 0, 70), ([50, 3], 40, 5)],
+    ids=["one-program-per-head-long-tail", "many-programs-short-tail"],
+)
+def test_the_kernel_writes_the_rows_after_the_last_sequence(ops, lens_q, max_extra, spare):
+    """The Triton forward allocates its outputs unfilled (two launches less per call) and the first
+    sequence's programs write the rows no sequence owns: output 0, lse -inf. Under deterministic
+    algorithms torch fills new memory with NaN, so a row left unwritten shows."""
+    lens_k = [20, 33, 7][: len(lens_q)]
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 16, spare_q=spare)
+    fixed = (cu_q, cu_k, max(lens_q) + max_extra, max(lens_k), True, None)
+    forward = ops.hal.kernels.select("attention_varlen_forward", ops.hal.device("cpu"), q, k, v, *fixed)
+    assert forward.candidate.name == "triton"
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, lse = forward.fn(q, k, v, *fixed)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    expected_out, expected_lse = attention_varlen.reference_forward(q, k, v, *fixed)
+    assert torch.count_nonzero(out[sum(lens_q) :]) == 0 and torch.isneginf(lse[:, sum(lens_q) :]).all()
+    torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
 def test_compile_fullgraph(plain_ops):
     torch._dynamo.reset()
     q, k, v, cu_q, cu_k = _packed([9, 14], [12, 14], 2, 1, 16)

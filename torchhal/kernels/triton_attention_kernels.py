@@ -262,11 +262,30 @@ def _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, o
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=_RUNTIME)
+@triton.jit
+def _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, pid_m, n_batch, total_q,
+                       HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Packed rows after the last sequence belong to none: output 0, lse -inf, for head h. The
+    programs of the first sequence share them out (a grid-stride loop over axis 0), so the outputs
+    need no fill launches before the kernel (two of a decoding step's four launches)."""
+    first = tl.load(CU_Q + n_batch)
+    n_rows = total_q - first
+    O_base = _tile_base(Out, o_strides, b, h, first)
+    L_base = _tile_base(LSE, lse_strides, b, h, first)
+    offs_d = tl.arange(0, D_PAD)
+    zeros = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    no_keys = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for start in range(pid_m * BLOCK_M, n_rows, tl.num_programs(0) * BLOCK_M):
+        rows = start + tl.arange(0, BLOCK_M)
+        _store_rows(O_base, zeros, rows, n_rows, o_strides, offs_d, HEAD_DIM)
+        tl.store(L_base + rows * lse_strides[2], no_keys, mask=rows < n_rows)
+
+
+@triton.jit(do_not_specialize=(*_RUNTIME, "n_batch", "total_q"))
 def _attn_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K,
                      q_strides, k_strides, v_strides, o_strides, lse_strides,
                      group, dense_seq_q, dense_seq_k, q_sign, qk_scale, left, right, head0, batch0,
-                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                     n_batch, total_q, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                      VARLEN: tl.constexpr, REVERSE_M: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
@@ -308,6 +327,10 @@ def _attn_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K,
         _store_rows(O_base, acc / l_safe[:, None], offs_m, seq_q, o_strides, offs_d, HEAD_DIM)
         lse_row = _tile_base(LSE, lse_strides, b, h, q_start)
         tl.store(lse_row + offs_m * lse_strides[2], lse, mask=offs_m < seq_q)
+    if VARLEN:
+        if b == 0:
+            _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, pid_m, n_batch, total_q,
+                               HEAD_DIM, D_PAD, BLOCK_M)
 
 
 # ----- backward: dq, with delta = rowsum(dO * O) fused in
@@ -553,14 +576,16 @@ def offsets_ok(
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, configs: LaunchConfigs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse), contiguous. Packed outputs start at zero: tokens outside any sequence read 0, lse -inf."""
+    """(out, lse), contiguous. Packed tokens outside every sequence read 0, lse -inf: the kernel
+    writes them (`_fill_unowned_rows`), except without sequences, where nothing is launched."""
     varlen, device = problem.varlen, q.device
-    if varlen:
+    lse_shape = (problem.heads_q, q.shape[0]) if varlen else q.shape[:-1]
+    if varlen and problem.batch == 0:
         out = torch.zeros(q.shape, dtype=q.dtype, device=device)
-        lse = torch.full((problem.heads_q, q.shape[0]), float("-inf"), device=device, dtype=torch.float32)
+        lse = torch.full(lse_shape, float("-inf"), device=device, dtype=torch.float32)
     else:
         out = torch.empty(q.shape, dtype=q.dtype, device=device)
-        lse = torch.empty(q.shape[:-1], device=device, dtype=torch.float32)
+        lse = torch.empty(lse_shape, device=device, dtype=torch.float32)
     full_width = triton.cdiv(problem.seq_q, configs.forward.block_m) * problem.heads_q * problem.batch
     tile = configs.forward_for(full_width)
     cu_q, cu_k, flags = _common(problem, q)
@@ -573,7 +598,7 @@ def forward(
                 _row_strides(lse, varlen),
                 problem.heads_q // problem.heads_kv, problem.seq_q, problem.seq_k,
                 math.copysign(1.0, problem.scale), abs(problem.scale) * LOG2E,
-                problem.window_left, problem.window_right, head0, batch0,
+                problem.window_left, problem.window_right, head0, batch0, problem.batch, q.shape[0],
                 BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, REVERSE_M=reverse_m,
                 num_warps=tile.num_warps, num_stages=tile.num_stages, **flags,
             )  # fmt: skip

@@ -168,6 +168,33 @@ def test_varlen_matches_dense_per_sequence(ops, candidate, causal):
     assert torch.count_nonzero(dq[cu_q[3] :]) == 0
 
 
+@pytest.mark.parametrize(
+    ("lens_q", "spare"),
+    [([1] * 8, 1000), ([300, 1029], 17)],
+    ids=["decoding-long-tail", "prefill-short-tail"],
+)
+def test_varlen_kernel_writes_the_rows_after_the_last_sequence(ops, candidate, lens_q, spare):
+    """The forward's outputs are allocated unfilled; the kernel writes the rows no sequence owns
+    (output 0, lse -inf). Under deterministic algorithms new memory is NaN, so a row left unwritten
+    shows; the rows of the sequences match the reference."""
+    lens_k = [1024] * len(lens_q)
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    q = torch.randn(sum(lens_q) + spare, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fixed = (cu_q, cu_k, max(lens_q), max(lens_k), True, None)
+    forward = candidate(ops.hal, "attention_varlen_forward", "triton", q, k, v, *fixed)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, lse = forward(q, k, v, *fixed)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    assert torch.count_nonzero(out[sum(lens_q) :]) == 0 and torch.isneginf(lse[:, sum(lens_q) :]).all()
+    expected_out, expected_lse = attention_varlen.reference_forward(q, k, v, *fixed)
+    torch.testing.assert_close(out, expected_out, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, expected_lse, rtol=1e-3, atol=1e-3)
+
+
 def test_varlen_valid_offsets_pass_the_device_check(ops, check_op):
     """Random lengths (some 0), max_seqlen exactly the longest, tokens after the last sequence: the
     check queued before the kernels passes, and forward and gradients are within PyTorch's error."""
