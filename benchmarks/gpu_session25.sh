@@ -12,8 +12,11 @@
 #                                          # outputs before the kernel: the attention GPU tests (the
 #                                          # varlen ones, the graphs, a part of the dense sweep), the
 #                                          # varlen per-call A/B and profile again
+#   bash benchmarks/gpu_session25.sh host  # one GPU: the varlen per-call A/B alone, five rounds,
+#                                          # with the fastest block of 15 beside the median (the
+#                                          # decoding-sized rows of `fill` were too noisy to read)
 set -uo pipefail
-phase=${1:?one or fill}
+phase=${1:?one, fill or host}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
@@ -28,14 +31,16 @@ if [ "$phase" = one ]; then
     tests/kernels/gpu/test_attention_gpu.py tests/kernels/gpu/test_linear_cross_entropy_gpu.py \
     -k "graph or varlen or assert or target" 2>&1 | tee "$RAW/gpu_tests.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
-else
+elif [ "$phase" = fill ]; then
   timeout 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_cuda_graphs_gpu.py \
     tests/kernels/gpu/test_attention_gpu.py \
     -k "graph or varlen or grouped or transposed or compile or (sweep and 128 and (1024 or 2048))" \
     2>&1 | tee "$RAW/gpu_tests_fill.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
 fi
-for run in old_1 new_1 old_2 new_2 old_3 new_3; do
+runs="old_1 new_1 old_2 new_2 old_3 new_3"
+[ "$phase" = host ] && runs="$runs old_4 new_4 old_5 new_5"
+for run in $runs; do
   site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
   PYTHONPATH=$site timeout 120 python3 benchmarks/bench_varlen_check.py --pin 3 --label "$run" \
     --out "$RAW/varlen_$run.json" 2>&1 | tee "$RAW/varlen_$run.log" | tail -3
