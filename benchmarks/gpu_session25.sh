@@ -15,8 +15,13 @@
 #   bash benchmarks/gpu_session25.sh host  # one GPU: the varlen per-call A/B alone, five rounds,
 #                                          # with the fastest block of 15 beside the median (the
 #                                          # decoding-sized rows of `fill` were too noisy to read)
+#   bash benchmarks/gpu_session25.sh decode  # one GPU: attention at decoding shapes, every candidate
+#                                            # and ops.attention, GPU time (bench_attention_decode.py)
+#   bash benchmarks/gpu_session25.sh splitkv  # one GPU, with the split-KV candidate: its GPU tests
+#                                             # (and the grid-limit and graph tests it now serves),
+#                                             # then the decoding benchmark again
 set -uo pipefail
-phase=${1:?one, fill or host}
+phase=${1:?one, fill, host, decode or splitkv}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
@@ -24,6 +29,17 @@ export PYTHONUNBUFFERED=1 TORCHHAL_CACHE_DIR=/tmp/cache PYTHONPATH=/tmp/site
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 RAW=$OUT/raw; mkdir -p "$RAW"
 pack() { tar czf "$OUT/results.tgz" -C "$OUT" raw && rm -rf "$RAW"; }
+if [ "$phase" = splitkv ]; then
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
+    tests/kernels/gpu/test_cuda_graphs_gpu.py -k "split_kv or more_heads or graph or no_grad_op" 2>&1 \
+    | tee "$RAW/gpu_tests_splitkv.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+fi
+if [ "$phase" = decode ] || [ "$phase" = splitkv ]; then
+  timeout 400 python3 benchmarks/bench_attention_decode.py --out "$RAW/attention_decode.json" 2>&1 \
+    | tee "$RAW/attention_decode.log" | tail -12
+  pack; exit 0
+fi
 cp -r /tmp/site /tmp/old
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
 if [ "$phase" = one ]; then

@@ -105,7 +105,9 @@ def test_a_gradient_penalty_through_the_triton_kernels_has_its_second_order_term
     assert telemetry.counts().get(f"torchhal.kernels.recorded_backward_references,op={op}", 0) == count + 1
     if any(c.qualified_name == "torchhal/triton" for c in triton_hal.kernels.candidates(FORWARD[op])):
         selected = {s.candidate.qualified_name for s in triton_hal.kernels._cache[FORWARD[op]].values()}
-        assert selected == {"torchhal/triton"}, selected  # the forward whose backward is not differentiable
+        # a Triton forward (FlashAttention's or, for few query rows, the split-KV one), whose backward
+        # is not differentiable
+        assert selected and selected <= {"torchhal/triton", "torchhal/triton_decode"}, selected
 
 
 def test_a_gradient_penalty_through_the_fused_cross_entropy_is_refused(triton_hal):

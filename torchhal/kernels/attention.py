@@ -53,6 +53,9 @@ class AttentionSignature(NamedTuple):
     seq_bucket: int  # bit length of max(seq_q, seq_k): which kernel is fastest depends on it
     unit_stride_dim: bool  # q, k and v have unit stride along the head dim
     empty: bool  # some size is 0: nothing to compute
+    # bit length of (heads_q // heads_kv) * seq_q - 1, the query rows of one kv head's group as a
+    # power of two: a decoding step (a few rows) and a prefill of one cache length differ here
+    group_rows_bucket: int
 
 
 def _check(
@@ -127,6 +130,7 @@ def _summary(
         max(q.shape[2], k.shape[2]).bit_length(),
         all(unit_stride(t) for t in (q, k, v)),
         0 in q.shape or 0 in k.shape or 0 in v.shape,
+        max(0, q.shape[1] // max(1, k.shape[1]) * q.shape[2] - 1).bit_length(),
     )
 
 
@@ -386,10 +390,12 @@ def register(registry: KernelRegistry) -> None:
     )
     registry.register("attention", "sdpa", sdpa, provider=PROVIDER, supports=sdpa_supports, priority=10)
     triton_attention.register(registry, "attention", triton_attention.bind_attention)
+    triton_attention.register_decode(registry, "attention", triton_attention.bind_decode_attention)
     registry.define_op(
         "attention_forward", reference_forward, signature=forward_signature, doc="(out, lse) of attention"
     )
     triton_attention.register(registry, "attention_forward", triton_attention.bind_forward)
+    triton_attention.register_decode(registry, "attention_forward", triton_attention.bind_decode_forward)
     registry.define_op(
         "attention_backward",
         reference_backward,

@@ -64,6 +64,38 @@ def register(
     registry.register(op, "triton", unbound, provider=PROVIDER, supports=supports, priority=20, bind=bind)
 
 
+class GroupShapes(Shapes, Protocol):
+    @property
+    def group_rows_bucket(self) -> int: ...
+
+
+def decode_supports(caps: DeviceCapabilities, sig: GroupShapes) -> Unsupported | None:
+    """The split-KV kernel: what the FlashAttention kernel takes, with at most DECODE_MAX_ROWS
+    query rows per kv head (query heads per kv head x query length): decoding and short chunks."""
+    from torchhal.kernels.triton_attention_config import DECODE_MAX_ROWS
+
+    verdict = supports(caps, sig)
+    if verdict is not None:
+        return verdict
+    if 1 << sig.group_rows_bucket > DECODE_MAX_ROWS:
+        return Unsupported(
+            RejectionReason.SHAPE,
+            f"query rows per kv head (heads per kv head x query length) above {DECODE_MAX_ROWS}, "
+            f"got up to {1 << sig.group_rows_bucket}: the split-KV kernel is for decoding",
+        )
+    return None
+
+
+def register_decode(
+    registry: KernelRegistry, op: str, bind: Callable[[DeviceCapabilities], Callable[..., Any]]
+) -> None:
+    """`bind`'s split-KV kernel as `op`'s `triton_decode` candidate, preferred to the FlashAttention
+    kernel where it applies (a few query rows per kv head), when selection does not measure."""
+    registry.register(
+        op, "triton_decode", unbound, provider=PROVIDER, supports=decode_supports, priority=25, bind=bind
+    )
+
+
 class _Configs:
     """Launch configurations of one device, made once per (padded head dim, element size)."""
 
@@ -204,3 +236,39 @@ def bind_varlen_backward(
     caps: DeviceCapabilities,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     return _bind_backward(caps, functools.partial(_packed, "attention_varlen_backward"))
+
+
+def bind_decode_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """attention_forward by split-KV: (out, lse) for dense tensors with few query rows per kv head,
+    the key slices sized from the device's compute units (`decode_splits`)."""
+    from torchhal.kernels import triton_attention_decode as decode
+    from torchhal.kernels.triton_attention_config import TileConfig, decode_splits, decode_tile
+
+    tiles: dict[tuple[int, int, int], TileConfig] = {}
+
+    def forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        causal: bool = False,
+        scale: float | None = None,
+        window: Sequence[int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        problem = _dense(q, k, causal, scale, window)
+        key = (
+            problem.head_dim_padded,
+            q.element_size(),
+            decode.query_tile_rows(q.shape[1], k.shape[1], q.shape[2]),
+        )
+        tile = tiles.get(key)
+        if tile is None:
+            tile = tiles[key] = decode_tile(caps, *key)
+        splits, keys_per_split = decode_splits(caps, q.shape[0] * k.shape[1], k.shape[2], tile.block_n)
+        return decode.forward(q, k, v, problem, tile, splits, keys_per_split)
+
+    return forward
+
+
+def bind_decode_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
+    """attention (no gradient) by split-KV: the output alone."""
+    return _output_only(bind_decode_forward(caps))

@@ -120,3 +120,35 @@ def launch_configs(caps: DeviceCapabilities, head_dim_padded: int, element_bytes
 
 def _floor_power_of_2(n: int) -> int:
     return 1 << max(0, n.bit_length() - 1)
+
+
+# Split-KV decoding (`triton_attention_decode`): a few query rows per kv head against a long cache.
+DECODE_MAX_ROWS = 64  # query rows of one kv head's group (query heads x query length) in one tile
+DECODE_MAX_SPLITS = 256  # the combine pass reads every split's partial row
+DECODE_PROGRAMS_PER_UNIT = 4  # enough programs in flight per compute unit to keep memory busy
+
+
+def decode_tile(caps: DeviceCapabilities, head_dim_padded: int, element_bytes: int, rows: int) -> TileConfig:
+    """The split-KV pass's tile: all `rows` (a power of two, at least 16) of a kv head's group in
+    one query tile, `block_n` keys streamed through as many stages as shared memory holds. The
+    pass reads the cache once and computes little, so the key tile is what matters: 64 rows of
+    16-bit keys at head dims up to 128 (32 past it), 32 and 16 in fp32 (no tensor cores there)."""
+    d, e = head_dim_padded, element_bytes
+    if caps.shared_memory_per_block_bytes is None:  # the CPU through Triton's interpreter
+        return TileConfig(rows, 32, 4, 1)
+    budget = _Budget(int(caps.shared_memory_per_block_bytes * SHARED_MEMORY_HEADROOM), caps.simd_width)
+    block_n = (64 if d <= 128 else 32) if e <= 2 else (32 if d <= 64 else 16)
+    stages = budget.stages(rows * d * e, 2 * block_n * d * e, 3 if e <= 2 else 2)
+    return TileConfig(rows, block_n, 4, stages)
+
+
+def decode_splits(caps: DeviceCapabilities, groups: int, seq_k: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split) for `groups` (batch x kv heads) programs' worth of work over
+    `seq_k` keys: enough splits that the device holds DECODE_PROGRAMS_PER_UNIT programs per
+    compute unit, none shorter than one key tile, each a whole number of key tiles (a tile never
+    straddles two splits). One split where the groups alone fill the device."""
+    tiles = max(1, -(-seq_k // block_n))
+    wanted = -(-DECODE_PROGRAMS_PER_UNIT * caps.compute_units // max(1, groups))
+    splits = max(1, min(wanted, tiles, DECODE_MAX_SPLITS))
+    tiles_per_split = -(-tiles // splits)
+    return -(-tiles // tiles_per_split), tiles_per_split * block_n

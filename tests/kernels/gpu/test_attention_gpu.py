@@ -290,6 +290,33 @@ def test_varlen_offsets_past_max_seqlen_are_a_device_assert_without_a_sync(gpu_h
     assert f"{op}: cu_seqlens_q/_k must rise from 0 to at most 1410/1394 tokens" in child.stderr
 
 
+@pytest.mark.parametrize(
+    ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "dim", "causal", "window"),
+    [
+        (1, 32, 8, 1, 131072, 128, False, None),
+        (4, 32, 8, 4, 8193, 128, True, None),
+        (2, 16, 2, 1, 3000, 64, True, (512, 0)),
+        (3, 8, 8, 3, 777, 96, True, None),
+        (1, 4, 1, 2, 5000, 256, False, None),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_kv_decode_candidate(
+    gpu_hal, candidate, batch, heads_q, heads_kv, seq_q, seq_k, dim, causal, window, dtype
+):
+    """The split-KV kernel at decoding shapes, its key slices sized from the H100's compute units:
+    output (2x PyTorch's error) and lse against fp64."""
+    q, k, v = _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, dtype)
+    args = (q, k, v, causal, None, window)
+    out, lse = candidate(gpu_hal, "attention_forward", "triton_decode", *args)(*args)
+    truth_out, truth_lse = attention.reference_forward(*(t.double() for t in (q, k, v)), causal, None, window)
+    assert out.is_contiguous() and lse.shape == (batch, heads_q, seq_q) and lse.dtype == torch.float32
+    assert_within_pytorch_error("out", out, torch_math(*args[:3], causal, None, window), truth_out, 2)
+    torch.testing.assert_close(lse, truth_lse.float(), rtol=0, atol=1e-4)
+    no_grad = candidate(gpu_hal, "attention", "triton_decode", *args)(*args)
+    torch.testing.assert_close(no_grad, out, rtol=0, atol=0)
+
+
 def test_compile_with_inductor(ops):
     """The custom ops inside one torch.compile(fullgraph=True) graph, forward and backward, against eager."""
     torch._dynamo.reset()

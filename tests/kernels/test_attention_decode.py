@@ -1,0 +1,156 @@
+"""attention's split-KV (flash-decoding) Triton candidate, `triton_decode`: the kernel on the CPU
+interpreter (fp32) against the fp64 reference under FlashAttention's rule, with the keys cut in
+one slice, several, and slices no query sees; through the registry (forward, and gradients through
+the FlashAttention backward from its LSE); where it applies; and its split count."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.core.adapters import fake_caps
+from torchhal.hal_core import RejectionReason
+from torchhal.kernels import attention
+from torchhal.kernels.autograd import DifferentiableOp
+from torchhal.kernels.triton_attention_config import (
+    DECODE_MAX_ROWS,
+    DECODE_MAX_SPLITS,
+    decode_splits,
+)
+
+from .conftest import assert_within_pytorch_error
+
+NAMESPACE = "torchhal_test_attention_decode"
+
+
+class DecodeOps:
+    def __init__(self) -> None:
+        self.hal = None
+        self.attention = DifferentiableOp(attention.AUTOGRAD, self.dispatch, namespace=NAMESPACE)
+
+    def dispatch(self, op, first, *args):
+        return self.hal.dispatch(op, first, *args)
+
+
+_OPS = DecodeOps()
+
+
+@pytest.fixture
+def ops(triton_hal):
+    _OPS.hal = triton_hal
+    yield _OPS
+    _OPS.hal = None
+
+
+def _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, layout="contiguous"):
+    def make(heads, seq):
+        if layout == "bshd":  # (batch, seq, heads, dim) memory, as a projection's output reshaped
+            return torch.randn(batch, seq, heads, dim).transpose(1, 2)
+        return torch.randn(batch, heads, seq, dim)
+
+    return make(heads_q, seq_q), make(heads_kv, seq_k), make(heads_kv, seq_k)
+
+
+CASES = [  # (batch, heads_q, heads_kv, seq_q, seq_k, dim, causal, scale, window, layout)
+    pytest.param(2, 4, 2, 1, 203, 32, False, None, None, "contiguous", id="gqa-one-row-d32"),
+    pytest.param(1, 8, 1, 1, 130, 64, True, None, None, "bshd", id="mqa-one-row-causal-bshd"),
+    pytest.param(1, 2, 2, 5, 97, 24, True, -0.5, None, "contiguous", id="mha-5-rows-d24-negative-scale"),
+    pytest.param(2, 6, 3, 4, 150, 40, True, None, (33, 0), "bshd", id="sliding-window-33"),
+    pytest.param(1, 4, 2, 3, 77, 16, False, 0.3, (10, 6), "contiguous", id="window-both-sides"),
+    pytest.param(1, 2, 1, 9, 6, 16, True, None, None, "contiguous", id="more-rows-than-keys"),
+]
+FIELDS = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "dim", "causal", "scale", "window", "layout")
+
+
+def _forward(caps, q, k, v, causal, scale, window, splits):
+    """The kernel called with `splits` slices (the bound candidate sizes them from the device)."""
+    from torchhal.kernels import triton_attention_decode as decode
+    from torchhal.kernels.triton_attention_config import decode_tile
+    from torchhal.kernels.triton_attention_kernels import make_problem
+
+    problem = make_problem(
+        q, k, seq_q=q.shape[2], seq_k=k.shape[2], batch=q.shape[0], causal=causal, scale=scale, window=window
+    )
+    rows = decode.query_tile_rows(q.shape[1], k.shape[1], q.shape[2])
+    tile = decode_tile(caps, problem.head_dim_padded, q.element_size(), rows)
+    tiles = -(-k.shape[2] // tile.block_n)
+    per_split = -(-tiles // splits) * tile.block_n
+    return decode.forward(q, k, v, problem, tile, -(-k.shape[2] // per_split), per_split)
+
+
+@pytest.mark.parametrize("splits", [1, 3, 64], ids=["one-slice", "three-slices", "a-slice-per-tile"])
+@pytest.mark.parametrize(FIELDS, CASES)
+def test_kernel_within_pytorch_error(
+    triton_hal, splits, batch, heads_q, heads_kv, seq_q, seq_k, dim, causal, scale, window, layout
+):
+    """Output and LSE against fp64 under FlashAttention's rule, however the keys are sliced: a
+    window leaves whole slices unseen (their partials are empty), more query rows than keys leave
+    the first queries with no key at all (output 0, lse -inf)."""
+    q, k, v = _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, layout)
+    args = (causal, scale, window)
+    out, lse = _forward(triton_hal.device("cpu").capabilities, q, k, v, *args, splits)
+    same_out, same_lse = attention.reference_forward(q, k, v, *args)
+    truth_out, truth_lse = attention.reference_forward(q.double(), k.double(), v.double(), *args)
+    assert_within_pytorch_error("output", out, same_out, truth_out, 2.0)
+    seen = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    assert torch.count_nonzero(out[~seen]) == 0
+    assert_within_pytorch_error("lse", lse[seen], same_lse[seen], truth_lse[seen], 2.0)
+
+
+@pytest.mark.parametrize(FIELDS, CASES[:4])
+def test_selected_for_decoding_with_gradients_through_its_lse(
+    ops, check_op, batch, heads_q, heads_kv, seq_q, seq_k, dim, causal, scale, window, layout
+):
+    """Where selection does not measure (the CPU), the split-KV candidate is preferred for a few
+    query rows per kv head; a training step's backward (the FlashAttention kernels) takes its LSE."""
+    q, k, v = _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, layout)
+    args = (q, k, v, causal, scale, window)
+    cpu = ops.hal.device("cpu")
+    for op in ("attention", "attention_forward"):
+        assert ops.hal.kernels.select(op, cpu, *args).candidate.name == "triton_decode"
+    check_op(ops.attention, attention.reference, args, (torch.randn_like(q),), (0, 1, 2))
+
+
+def test_not_offered_past_its_query_tile(triton_hal):
+    """Query heads per kv head x query length above DECODE_MAX_ROWS is a prefill: the FlashAttention
+    kernel's, and the decode candidate says why it stepped aside."""
+    q, k, v = _qkv(1, 4, 1, DECODE_MAX_ROWS // 4 + 1, 100, 16)
+    selection = triton_hal.kernels.select("attention", triton_hal.device("cpu"), q, k, v)
+    assert selection.candidate.name == "triton"
+    (rejection,) = [r for r in selection.rejected if r.candidate == "torchhal/triton_decode"]
+    assert rejection.reason is RejectionReason.SHAPE
+    assert f"above {DECODE_MAX_ROWS}, got up to 128" in rejection.detail
+    at_limit = _qkv(1, 4, 1, DECODE_MAX_ROWS // 4, 100, 16)
+    assert triton_hal.kernels.select("attention", triton_hal.device("cpu"), *at_limit).candidate.name == (
+        "triton_decode"
+    )
+
+
+@pytest.mark.parametrize(
+    ("units", "groups", "seq_k", "expected"),
+    [
+        (132, 8, 131072, (64, 2048)),  # batch 1, 8 kv heads: 66 wanted, 64 of 32 whole tiles
+        (132, 256, 16384, (3, 5504)),  # batch 32 nearly fills the device alone
+        (132, 1024, 16384, (1, 16384)),  # more groups than programs wanted: one slice
+        (132, 8, 100, (2, 64)),  # never shorter than one tile: 2 tiles, 2 slices
+        (1000, 1, 10**7, (DECODE_MAX_SPLITS, 39104)),  # at most DECODE_MAX_SPLITS
+    ],
+)
+def test_split_count_fills_the_device(units, groups, seq_k, expected):
+    """DECODE_PROGRAMS_PER_UNIT programs per compute unit, in whole key tiles, every slice with keys."""
+    splits, keys = decode_splits(fake_caps(compute_units=units), groups, seq_k, 64)
+    assert (splits, keys) == expected
+    assert keys % 64 == 0 and (splits - 1) * keys < seq_k <= splits * keys
+
+
+def test_the_decode_signature_tells_decoding_from_prefill():
+    """One cache length, one query row against all of them: the selection cache must not hand a
+    prefill's winner to a decoding step (they share seq_bucket)."""
+    q1, k, v = _qkv(1, 8, 2, 1, 4096, 16)
+    q_long = torch.randn(1, 8, 4096, 16)
+    decode_sig = attention.signature(q1, k, v)
+    prefill_sig = attention.signature(q_long, k, v)
+    assert decode_sig.seq_bucket == prefill_sig.seq_bucket
+    assert decode_sig != prefill_sig
+    assert (decode_sig.group_rows_bucket, prefill_sig.group_rows_bucket) == (2, 14)

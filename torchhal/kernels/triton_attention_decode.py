@@ -1,0 +1,181 @@
+"""Split-KV ("flash-decoding") attention forward in Triton: a few query rows against a long cache.
+
+The FlashAttention forward (`triton_attention_kernels`) gives each (query tile, head, batch) one
+program that walks every key. Decoding has one query row per head: a batch of one is 32 programs
+on a GPU of 132 compute units, each a serial walk of the whole cache, and every query head of a
+GQA group reads its kv head's cache again (an H100 read a 1x32x131072 cache at 313 GB/s, SDPA at
+2,983: benchmarks.md, twenty-fifth session). Here one program takes every query row of a kv
+head's group (query heads x query length, at most DECODE_MAX_ROWS) as its query tile and one slice
+of the keys, so the cache is read once per kv head, by as many programs as the device holds
+(`decode_splits`); a second pass merges the slices by their log-sum-exp.
+
+Same rule and numerics as the FlashAttention forward, whose key loop (`_fwd_tiles`) and block
+split (`_key_blocks`) it runs per slice: bottom-right causal and sliding windows as one band,
+scores in the log2 domain, fp32 accumulation, output 0 and lse -inf for a query that sees no key.
+Each slice's partial output is normalised and kept in fp32 with its log2-sum-exp. Dense layouts
+only (batch, heads, seq, dim), any strides.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from torchhal.kernels.triton_attention_config import TileConfig
+from torchhal.kernels.triton_attention_kernels import (
+    LOG2E,
+    Problem,
+    _fwd_tiles,
+    _key_blocks,
+    _on_device_of,
+    _row_strides,
+    _strides,
+    _tile_base,
+)
+
+COMBINE_SPLITS = 16  # slices the combine pass reads per step
+
+# fmt: off
+
+
+@triton.jit(do_not_specialize=("group", "seq_q", "seq_k", "heads_kv", "splits", "left", "right",
+                               "keys_per_split"))
+def _split_kernel(Q, K, V, O_part, L_part, q_strides, k_strides, v_strides,
+                  group, seq_q, seq_k, heads_kv, splits, q_sign, qk_scale, left, right, keys_per_split,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """One slice of one kv head's keys against all its group's query rows: row r is query head
+    hk * group + r // seq_q at position r % seq_q. Writes the slice's normalised output and
+    log2-sum-exp (-inf where its keys are all out of the rows' sight)."""
+    pid = tl.program_id(0)
+    split = pid % splits
+    hk = (pid // splits) % heads_kv
+    b = pid // (splits * heads_kv)
+    n_rows = group * seq_q
+    rows = tl.arange(0, BLOCK_M)
+    query = rows % seq_q
+    heads = hk * group + rows // seq_q
+    offs_d = tl.arange(0, D_PAD)
+    q_ptrs = (Q + b.to(tl.int64) * q_strides[0] + heads[:, None].to(tl.int64) * q_strides[1]
+              + query[:, None].to(tl.int64) * q_strides[2] + offs_d[None, :] * q_strides[3])
+    q = tl.load(q_ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q = (q * q_sign).to(Q.dtype.element_ty)  # exact: the sign of the scale moves onto q
+    band = (seq_k - seq_q, left, right)
+    K_base = _tile_base(K, k_strides, b, hk, 0)
+    V_base = _tile_base(V, v_strides, b, hk, 0)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    # the group's key blocks (its queries are 0 .. seq_q - 1), cut to this slice's whole tiles
+    lo, mid_lo, mid_hi, hi = _key_blocks(0, seq_q, seq_k, band, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    first = split * keys_per_split
+    last = first + keys_per_split
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, query, offs_d,
+                               tl.maximum(lo, first), tl.minimum(mid_lo, last), seq_k, band, qk_scale,
+                               BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, query, offs_d,
+                               tl.maximum(mid_lo, first), tl.minimum(mid_hi, last), seq_k, band, qk_scale,
+                               BLOCK_N, HEAD_DIM, D_PAD, False, HAS_LEFT, HAS_RIGHT, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, query, offs_d,
+                               tl.maximum(mid_hi, first), tl.minimum(hi, last), seq_k, band, qk_scale,
+                               BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    part = pid.to(tl.int64) * n_rows + rows  # (b, hk, split) flattened, as pid is, then the row
+    keep = rows < n_rows
+    tl.store(O_part + part[:, None] * D_PAD + offs_d[None, :], acc / l_safe[:, None], mask=keep[:, None])
+    tl.store(L_part + part, tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe)), mask=keep)
+
+
+@triton.jit(do_not_specialize=("group", "seq_q", "heads_kv", "splits"))
+def _combine_kernel(O_part, L_part, Out, LSE, o_strides, lse_strides, group, seq_q, heads_kv, splits,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr):
+    """One query row: its slices weighted by exp2(their log2-sum-exp - the largest); output 0 and
+    lse -inf where no slice saw a key."""
+    pid = tl.program_id(0)
+    n_rows = group * seq_q
+    r = pid % n_rows
+    hk = (pid // n_rows) % heads_kv
+    b = pid // (n_rows * heads_kv)
+    first = ((b * heads_kv + hk).to(tl.int64) * splits) * n_rows + r  # this row in slice 0
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, D_PAD)
+    best = tl.full([SPLITS], float("-inf"), tl.float32)
+    for s0 in range(0, splits, SPLITS):
+        s = s0 + offs_s
+        best = tl.maximum(best, tl.load(L_part + first + s * n_rows, mask=s < splits, other=float("-inf")))
+    m = tl.max(best, 0)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    weights = tl.zeros([SPLITS], tl.float32)
+    acc = tl.zeros([D_PAD], tl.float32)
+    for s0 in range(0, splits, SPLITS):
+        s = s0 + offs_s
+        w = tl.math.exp2(tl.load(L_part + first + s * n_rows, mask=s < splits, other=float("-inf")) - m_use)
+        o = tl.load(O_part + (first + s * n_rows)[:, None] * D_PAD + offs_d[None, :],
+                    mask=(s < splits)[:, None], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+        weights += w
+    total = tl.sum(weights, 0)
+    empty = total == 0.0
+    total_safe = tl.where(empty, 1.0, total)
+    head = hk * group + r // seq_q
+    base = _tile_base(Out, o_strides, b, head, r % seq_q)
+    out = (acc / total_safe).to(Out.dtype.element_ty)
+    tl.store(base + offs_d * o_strides[3], out, mask=offs_d < HEAD_DIM)
+    lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(total_safe)) * 0.6931471805599453)
+    tl.store(_tile_base(LSE, lse_strides, b, head, r % seq_q), lse)
+
+
+# fmt: on
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    problem: Problem,
+    tile: TileConfig,
+    splits: int,
+    keys_per_split: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of dense attention, contiguous, in `splits` slices of `keys_per_split` keys (a
+    multiple of `tile.block_n`); `tile.block_m` holds every query row of a kv head's group."""
+    batch, heads_q, seq_q, _ = q.shape
+    group, rows = heads_q // problem.heads_kv, heads_q // problem.heads_kv * seq_q
+    d_pad = problem.head_dim_padded
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    o_part = torch.empty((batch, problem.heads_kv, splits, rows, d_pad), dtype=torch.float32, device=q.device)
+    l_part = torch.empty((batch, problem.heads_kv, splits, rows), dtype=torch.float32, device=q.device)
+    flags = {
+        "HEAD_DIM": problem.head_dim,
+        "D_PAD": d_pad,
+        "HAS_LEFT": problem.has_left,
+        "HAS_RIGHT": problem.has_right,
+        "PRECISION": "ieee" if q.dtype == torch.float32 else None,  # no tf32 behind an fp32 op
+    }
+    with _on_device_of(q):
+        _split_kernel[(splits * problem.heads_kv * batch,)](
+            q, k, v, o_part, l_part, _strides(q, False), _strides(k, False), _strides(v, False),
+            group, seq_q, problem.seq_k, problem.heads_kv, splits,
+            math.copysign(1.0, problem.scale), abs(problem.scale) * LOG2E,
+            problem.window_left, problem.window_right, keys_per_split,
+            BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
+            num_stages=tile.num_stages, **flags,
+        )  # fmt: skip
+        _combine_kernel[(rows * problem.heads_kv * batch,)](
+            o_part, l_part, out, lse, _strides(out, False), _row_strides(lse, False),
+            group, seq_q, problem.heads_kv, splits,
+            HEAD_DIM=problem.head_dim, D_PAD=d_pad, SPLITS=COMBINE_SPLITS, num_warps=1,
+        )  # fmt: skip
+    return out, lse
+
+
+def query_tile_rows(heads_q: int, heads_kv: int, seq_q: int) -> int:
+    """The split pass's query tile: every row of a kv head's group, a power of two, at least 16
+    (tl.dot's smallest)."""
+    return max(16, triton.next_power_of_2(heads_q // heads_kv * seq_q))
