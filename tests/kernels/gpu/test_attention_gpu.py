@@ -405,9 +405,21 @@ def test_sdpa_training_candidates(
         assert_within_pytorch_error(what, got, s, t, 3)
 
 
-@pytest.mark.parametrize(("heads_q", "heads_kv"), [(65536 + 8, 4), (2 * 65535 + 2, 2 * 65535 + 2)])
-def test_more_heads_than_cudas_grid_limit(ops, check_op, heads_q, heads_kv):
+@pytest.mark.parametrize(
+    ("heads_q", "heads_kv", "seq_q"), [(65536 + 8, 4, 5), (2 * 65535 + 2, 2 * 65535 + 2, 70)]
+)
+def test_more_heads_than_cudas_grid_limit(ops, check_op, heads_q, heads_kv, seq_q):
     """65535 is CUDA's cap on grid axis 1 (query heads; kv heads in the dk/dv kernel): past it
-    the kernels launch in slices, each head keeping its kv head across them."""
-    args = (*_qkv(1, heads_q, heads_kv, 5, 7, 16, torch.bfloat16), True, None, None)
+    the kernels launch in slices, each head keeping its kv head across them. (70 query rows per kv
+    head: more than the split-KV kernel takes, so the FlashAttention kernels serve the forward.)"""
+    args = (*_qkv(1, heads_q, heads_kv, seq_q, 7, 16, torch.bfloat16), True, None, None)
     _check(ops, check_op, args)
+
+
+def test_split_kv_past_cudas_grid_limit(gpu_hal, candidate):
+    """The split-KV kernels launch one-dimensional grids: 131072 kv heads of a few rows each."""
+    q, k, v = _qkv(1, 2 * 65535 + 2, 2 * 65535 + 2, 5, 40, 16, torch.bfloat16)
+    out, lse = candidate(gpu_hal, "attention_forward", "triton_decode", q, k, v, True)(q, k, v, True)
+    truth_out, truth_lse = attention.reference_forward(q.double(), k.double(), v.double(), True)
+    assert_within_pytorch_error("out", out, torch_math(q, k, v, True), truth_out, 2)
+    torch.testing.assert_close(lse, truth_lse.float(), rtol=0, atol=1e-4)
