@@ -695,14 +695,33 @@ def test_an_op_reading_contents_on_some_device_types_is_memoised_on_the_others(s
     assert hal.kernels.op("double_on_host").reads_values_on == frozenset({"cpu"})
 
 
-@pytest.mark.parametrize("value", ["cpu", ["cpu", ""], [3]], ids=["a-string", "empty", "not-a-string"])
+@pytest.mark.parametrize(
+    "value", ["cpu", ["cpu", ""], [3], None], ids=["a-string", "empty", "not-a-string", "none"]
+)
 def test_reads_values_on_takes_device_type_names(hal, value):
-    """A lone string would be read as the device types of its letters."""
+    """A lone string would be read as the device types of its letters; None was a bare TypeError."""
     with pytest.raises(
         InvalidArgumentError, match="reads_values_on must be a collection of device type names"
     ):
         hal.kernels.define_op("bad", lambda t: t, signature=lambda t: t.dtype, reads_values_on=value)
     assert "bad" not in hal.kernels.ops()
+
+
+def test_reads_values_on_keeps_what_a_generator_gives(hal):
+    """Checked and kept from one pass: a generator was emptied by the check, and the op then
+    memoised the CPU calls its signature reads values for."""
+    seen = []
+    hal.kernels.define_op(
+        "first_positive",
+        lambda t: t * (t[0] > 0),
+        signature=lambda t: seen.append(1) or (t.dtype, bool(t[0] > 0)),
+        reads_values_on=(kind for kind in ["cpu"]),
+    )
+    assert hal.kernels.op("first_positive").reads_values_on == frozenset({"cpu"})
+    t = torch.rand(3) + 0.5
+    for _ in range(2):
+        hal.kernels.call("first_positive", hal.device("cpu"), t)
+    assert len(seen) == 2
 
 
 def test_dispatch_seen_runs_only_layouts_guarded_without_gradients(hal):

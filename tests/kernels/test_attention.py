@@ -23,6 +23,8 @@ from torchhal.kernels import attention, triton_attention
 from torchhal.kernels.autograd import DifferentiableOp
 from torchhal.kernels.triton_attention_config import DECODE_MAX_ROWS
 
+from .conftest import assert_within_pytorch_error
+
 FLASH, CUDNN = sdpa.FLASH_BACKEND, sdpa.CUDNN_BACKEND
 NAMESPACE = "torchhal_test_attention"  # custom ops of this module, apart from torchhal.ops' and conftest's
 
@@ -131,7 +133,7 @@ def test_the_no_grad_op_matches_the_training_forward(attn):
     causal=st.booleans(),
     layout=st.sampled_from(["bshd", "sliced-dim", "contiguous"]),
 )
-def test_any_strides_property(attn, check_op, seq_q, seq_k, dim, heads, causal, layout):
+def test_any_strides_property(attn, check_op, candidate, seq_q, seq_k, dim, heads, causal, layout):
     """Inputs as PyTorch code hands them over: (b, s, h, d) transposed views and head-dim slices of
     a fused projection. The kernels index strides, so they compute every layout themselves (the
     split-KV one where a kv head has few query rows: test_attention_decode)."""
@@ -149,6 +151,10 @@ def test_any_strides_property(attn, check_op, seq_q, seq_k, dim, heads, causal, 
     expected = "triton_decode" if few_rows else "triton"
     assert _selected(attn.hal, "attention_forward", q, k, v, causal) == expected
     check_op(attn.attention, attention.reference, (q, k, v, causal, None, None), (grad_out,), (0, 1, 2))
+    if few_rows:  # the split-KV forward served the op: the FlashAttention forward on these strides too
+        out, _ = candidate(attn.hal, "attention_forward", "triton", q, k, v, causal)(q, k, v, causal)
+        truth = attention.reference(q.double(), k.double(), v.double(), causal)
+        assert_within_pytorch_error("forward", out, attention.reference(q, k, v, causal), truth, 2.0)
 
 
 def test_a_single_key_gives_its_value_and_a_dq_of_rounding_size(attn):

@@ -5,13 +5,15 @@ the FlashAttention backward from its LSE); where it applies; and its split count
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
+import torchhal.ops
 from tests.core.adapters import fake_caps
 from torchhal.hal_core import RejectionReason
 from torchhal.kernels import attention
-from torchhal.kernels.autograd import DifferentiableOp
 from torchhal.kernels.triton_attention_config import (
     DECODE_MAX_ROWS,
     DECODE_MAX_SPLITS,
@@ -19,27 +21,6 @@ from torchhal.kernels.triton_attention_config import (
 )
 
 from .conftest import assert_within_pytorch_error
-
-NAMESPACE = "torchhal_test_attention_decode"
-
-
-class DecodeOps:
-    def __init__(self) -> None:
-        self.hal = None
-        self.attention = DifferentiableOp(attention.AUTOGRAD, self.dispatch, namespace=NAMESPACE)
-
-    def dispatch(self, op, first, *args):
-        return self.hal.dispatch(op, first, *args)
-
-
-_OPS = DecodeOps()
-
-
-@pytest.fixture
-def ops(triton_hal):
-    _OPS.hal = triton_hal
-    yield _OPS
-    _OPS.hal = None
 
 
 def _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, layout="contiguous"):
@@ -58,6 +39,10 @@ CASES = [  # (batch, heads_q, heads_kv, seq_q, seq_k, dim, causal, scale, window
     pytest.param(2, 6, 3, 4, 150, 40, True, None, (33, 0), "bshd", id="sliding-window-33"),
     pytest.param(1, 4, 2, 3, 77, 16, False, 0.3, (10, 6), "contiguous", id="window-both-sides"),
     pytest.param(1, 2, 1, 9, 6, 16, True, None, None, "contiguous", id="more-rows-than-keys"),
+    # more slices than the combine pass reads per step (COMBINE_SPLITS): 22 key tiles
+    pytest.param(1, 4, 2, 2, 700, 16, True, None, None, "contiguous", id="more-slices-than-one-combine-step"),
+    # slices from the band's first tile, far from the cache's start
+    pytest.param(1, 4, 1, 1, 700, 16, False, None, (100, 0), "bshd", id="window-at-the-end-of-the-cache"),
 ]
 FIELDS = ("batch", "heads_q", "heads_kv", "seq_q", "seq_k", "dim", "causal", "scale", "window", "layout")
 
@@ -73,9 +58,10 @@ def _forward(caps, q, k, v, causal, scale, window, splits):
     )
     rows = decode.query_tile_rows(q.shape[1], k.shape[1], q.shape[2])
     tile = decode_tile(caps, problem.head_dim_padded, q.element_size(), rows)
-    tiles = -(-k.shape[2] // tile.block_n)
-    per_split = -(-tiles // splits) * tile.block_n
-    return decode.forward(q, k, v, problem, tile, -(-k.shape[2] // per_split), per_split)
+    keys = decode.visible_keys(problem, tile.block_n)
+    tiles = math.ceil(keys / tile.block_n)
+    per_split = math.ceil(tiles / splits) * tile.block_n
+    return decode.forward(q, k, v, problem, tile, math.ceil(keys / per_split), per_split)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 64], ids=["one-slice", "three-slices", "a-slice-per-tile"])
@@ -100,16 +86,33 @@ def test_kernel_within_pytorch_error(
 
 @pytest.mark.parametrize(FIELDS, CASES[:4])
 def test_selected_for_decoding_with_gradients_through_its_lse(
-    ops, check_op, batch, heads_q, heads_kv, seq_q, seq_k, dim, causal, scale, window, layout
+    triton_hal,
+    on_triton,
+    check_op,
+    batch,
+    heads_q,
+    heads_kv,
+    seq_q,
+    seq_k,
+    dim,
+    causal,
+    scale,
+    window,
+    layout,
 ):
     """Where selection does not measure (the CPU), the split-KV candidate is preferred for a few
     query rows per kv head; a training step's backward (the FlashAttention kernels) takes its LSE."""
     q, k, v = _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, layout)
     args = (q, k, v, causal, scale, window)
-    cpu = ops.hal.device("cpu")
-    for op in ("attention", "attention_forward"):
-        assert ops.hal.kernels.select(op, cpu, *args).candidate.name == "triton_decode"
-    check_op(ops.attention, attention.reference, args, (torch.randn_like(q),), (0, 1, 2))
+
+    def op(q, k, v, causal, scale, window):
+        return torchhal.ops.attention(q, k, v, causal=causal, scale=scale, window=window)
+
+    check_op(op, attention.reference, args, (torch.randn_like(q),), (0, 1, 2))
+    assert set(on_triton) == {("attention_forward", "triton_decode"), ("attention_backward", "triton")}
+    with torch.no_grad():
+        op(*args)
+    assert on_triton[-1] == ("attention", "triton_decode")
 
 
 def test_not_offered_past_its_query_tile(triton_hal):
@@ -154,3 +157,47 @@ def test_the_decode_signature_tells_decoding_from_prefill():
     assert decode_sig.seq_bucket == prefill_sig.seq_bucket
     assert decode_sig != prefill_sig
     assert (decode_sig.group_rows_bucket, prefill_sig.group_rows_bucket) == (2, 14)
+
+
+def test_slices_must_be_whole_key_tiles(triton_hal):
+    """Slices of another length overlapped and read past the cache (errors of 1e24 in the lse)."""
+    from torchhal.hal_core import InvalidArgumentError
+    from torchhal.kernels import triton_attention_decode as decode
+    from torchhal.kernels.triton_attention_config import decode_tile
+    from torchhal.kernels.triton_attention_kernels import make_problem
+
+    q, k, v = _qkv(1, 2, 1, 1, 100, 16)
+    problem = make_problem(q, k, seq_q=1, seq_k=100, batch=1, causal=False, scale=None, window=None)
+    tile = decode_tile(triton_hal.device("cpu").capabilities, 16, 4, 16)
+    with pytest.raises(InvalidArgumentError, match=f"multiple of the key tile {tile.block_n}, got 40"):
+        decode.forward(q, k, v, problem, tile, 3, 40)
+
+
+@pytest.mark.parametrize(
+    ("seq_q", "seq_k", "causal", "window", "expected"),
+    [
+        (1, 32768, True, None, 32768),  # causal: the whole cache
+        (1, 32768, True, (4096, 0), 1 + 4096 + 0 + 64),  # a window: its band and the rounding tile
+        (3, 32768, False, (100, 20), 3 + 100 + 20 + 64),
+        (1, 300, True, (4096, 0), 300),  # never more than the cache
+    ],
+)
+def test_slices_cover_the_band_a_window_leaves(seq_q, seq_k, causal, window, expected):
+    """Sized over the whole cache, a 4k window over 32k keys left 7 of 8 slices idle."""
+    from torchhal.kernels import triton_attention_decode as decode
+    from torchhal.kernels.triton_attention_kernels import make_problem
+
+    q, k = torch.empty(1, 8, seq_q, 64), torch.empty(1, 2, seq_k, 64)
+    problem = make_problem(q, k, seq_q=seq_q, seq_k=seq_k, batch=1, causal=causal, scale=None, window=window)
+    assert decode.visible_keys(problem, 64) == expected
+
+
+def test_the_tile_fits_a_small_shared_memory():
+    """64 fp32 rows at head dim 256 beside one stage of keys: on a 64 KB device the key tile
+    halves as far as it goes, and the accumulator takes 8 warps, not 4."""
+    from torchhal.kernels.triton_attention_config import decode_tile
+
+    tile = decode_tile(fake_caps(shared_memory_per_block_bytes=64 * 1024, simd_width=32), 256, 4, 64)
+    assert (tile.block_n, tile.num_warps, tile.num_stages) == (16, 8, 1)
+    roomy = decode_tile(fake_caps(shared_memory_per_block_bytes=228 * 1024, simd_width=32), 128, 2, 16)
+    assert (roomy.block_n, roomy.num_warps, roomy.num_stages) == (64, 4, 3)

@@ -195,14 +195,9 @@ class KernelRegistry:
         `examples(device, dtype, generator)` returns a list of argument tuples (fresh random
         inputs at odd shapes) on which the conformance kit checks the op's candidates against
         its reference; without it the kit cannot check them (the core's ops have the kit's own)."""
-        if isinstance(reads_values_on, str) or not all(
-            isinstance(t, str) and t for t in reads_values_on
-        ):  # "cpu" alone would read as the device types "c", "p" and "u"
-            raise InvalidArgumentError(
-                f"define_op: op {name!r}: reads_values_on must be a collection of device type names, "
-                f"got {_seen(reads_values_on)}"
-            )
-        opdef = OpDef(name, reference, signature, doc, memoize, examples, frozenset(reads_values_on))
+        opdef = OpDef(
+            name, reference, signature, doc, memoize, examples, _device_types(name, reads_values_on)
+        )
         _check_op(opdef)
         if name in self._ops:
             raise TorchHALError(f"op {name!r} is already defined (by {self._ops[name].reference!r})")
@@ -631,6 +626,18 @@ def _check_op(opdef: OpDef) -> None:
             raise InvalidArgumentError(f"{where}: {part} must be callable, got {_seen(getattr(opdef, part))}")
     if opdef.examples is not None and not callable(opdef.examples):
         raise InvalidArgumentError(f"{where}: examples must be callable or None, got {_seen(opdef.examples)}")
+
+
+def _device_types(op: str, value: object) -> frozenset[str]:
+    """`define_op`'s reads_values_on as a set of device type names: a lone string would read as the
+    device types of its letters, and a generator checked before being kept would be kept empty."""
+    items = tuple(value) if isinstance(value, Iterable) and not isinstance(value, str) else None
+    if items is None or not all(isinstance(t, str) and t for t in items):
+        raise InvalidArgumentError(
+            f"define_op: op {op!r}: reads_values_on must be a collection of device type names, "
+            f"got {_seen(value)}"
+        )
+    return frozenset(items)
 
 
 def _check_name(where: str, what: str, value: object) -> None:

@@ -263,7 +263,8 @@ def bind_decode_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.T
         tile = tiles.get(key)
         if tile is None:
             tile = tiles[key] = decode_tile(caps, *key)
-        splits, keys_per_split = decode_splits(caps, q.shape[0] * k.shape[1], k.shape[2], tile.block_n)
+        keys = decode.visible_keys(problem, tile.block_n)
+        splits, keys_per_split = decode_splits(caps, q.shape[0] * k.shape[1], keys, tile.block_n)
         return decode.forward(q, k, v, problem, tile, splits, keys_per_split)
 
     return forward

@@ -132,14 +132,18 @@ def decode_tile(caps: DeviceCapabilities, head_dim_padded: int, element_bytes: i
     """The split-KV pass's tile: all `rows` (a power of two, at least 16) of a kv head's group in
     one query tile, `block_n` keys streamed through as many stages as shared memory holds. The
     pass reads the cache once and computes little, so the key tile is what matters: 64 rows of
-    16-bit keys at head dims up to 128 (32 past it), 32 and 16 in fp32 (no tensor cores there)."""
+    16-bit keys at head dims up to 128 (32 past it), 32 and 16 in fp32 (no tensor cores there),
+    halved where the query tile and one stage would not fit in shared memory; warps as the
+    forward's, about 64 fp32 accumulator elements per lane."""
     d, e = head_dim_padded, element_bytes
     if caps.shared_memory_per_block_bytes is None:  # the CPU through Triton's interpreter
         return TileConfig(rows, 32, 4, 1)
     budget = _Budget(int(caps.shared_memory_per_block_bytes * SHARED_MEMORY_HEADROOM), caps.simd_width)
     block_n = (64 if d <= 128 else 32) if e <= 2 else (32 if d <= 64 else 16)
+    while block_n > 16 and not budget.fits(rows * d * e, 2 * block_n * d * e):
+        block_n //= 2
     stages = budget.stages(rows * d * e, 2 * block_n * d * e, 3 if e <= 2 else 2)
-    return TileConfig(rows, block_n, 4, stages)
+    return TileConfig(rows, block_n, budget.warps(rows * d), stages)
 
 
 def decode_splits(caps: DeviceCapabilities, groups: int, seq_k: int, block_n: int) -> tuple[int, int]:

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from torchhal.hal_core import InvalidArgumentError
 from torchhal.kernels.triton_attention_config import TileConfig
 from torchhal.kernels.triton_attention_kernels import (
     LOG2E,
@@ -70,9 +71,10 @@ def _split_kernel(Q, K, V, O_part, L_part, q_strides, k_strides, v_strides,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    # the group's key blocks (its queries are 0 .. seq_q - 1), cut to this slice's whole tiles
+    # the group's key blocks (its queries are 0 .. seq_q - 1) from the first one any row sees, cut
+    # into the slices' whole tiles: a window's slices cover its band, not the whole cache
     lo, mid_lo, mid_hi, hi = _key_blocks(0, seq_q, seq_k, band, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    first = split * keys_per_split
+    first = lo + split * keys_per_split
     last = first + keys_per_split
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, query, offs_d,
                                tl.maximum(lo, first), tl.minimum(mid_lo, last), seq_k, band, qk_scale,
@@ -142,8 +144,14 @@ def forward(
     splits: int,
     keys_per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of dense attention, contiguous, in `splits` slices of `keys_per_split` keys (a
-    multiple of `tile.block_n`); `tile.block_m` holds every query row of a kv head's group."""
+    """(out, lse) of dense attention, contiguous, in `splits` slices of `keys_per_split` keys from
+    the first key any query sees (`visible_keys` of them); `tile.block_m` holds every query row of
+    a kv head's group."""
+    if keys_per_split <= 0 or keys_per_split % tile.block_n:  # slices would overlap or read past seq_k
+        raise InvalidArgumentError(
+            f"attention split-KV: keys_per_split must be a positive multiple of the key tile "
+            f"{tile.block_n}, got {keys_per_split}"
+        )
     batch, heads_q, seq_q, _ = q.shape
     group, rows = heads_q // problem.heads_kv, heads_q // problem.heads_kv * seq_q
     d_pad = problem.head_dim_padded
@@ -173,6 +181,16 @@ def forward(
             HEAD_DIM=problem.head_dim, D_PAD=d_pad, SPLITS=COMBINE_SPLITS, num_warps=1,
         )  # fmt: skip
     return out, lse
+
+
+def visible_keys(problem: Problem, block_n: int) -> int:
+    """How many keys, from the first key tile any query row sees, the slices must cover: the whole
+    cache, or under a sliding window its band (`seq_q` rows, `left` keys before the first, `right`
+    after the last, and the tile the band's start is rounded down into)."""
+    if not problem.has_left:
+        return problem.seq_k
+    band = problem.seq_q + problem.window_left + problem.window_right + block_n
+    return min(problem.seq_k, band)
 
 
 def query_tile_rows(heads_q: int, heads_kv: int, seq_q: int) -> int:

@@ -276,7 +276,7 @@ def _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, pid_m, n_ba
     zeros = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     no_keys = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for start in range(pid_m * BLOCK_M, n_rows, tl.num_programs(0) * BLOCK_M):
-        rows = start + tl.arange(0, BLOCK_M)
+        rows = start.to(tl.int64) + tl.arange(0, BLOCK_M)  # a tail is not bounded by max_seqlen_q
         _store_rows(O_base, zeros, rows, n_rows, o_strides, offs_d, HEAD_DIM)
         tl.store(L_base + rows * lse_strides[2], no_keys, mask=rows < n_rows)
 
