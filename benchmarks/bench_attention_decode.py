@@ -10,7 +10,8 @@ a device copy measured in the same run (read + write bytes of a copy of K over i
 
 bf16, 32 query heads and 8 key/value heads (GQA, Llama-3-8B's), head dim 128, full attention (a
 single query row sees its whole cache; SDPA's causal mask is top-left aligned, so the op's
-bottom-right causal is the same thing here only without the flag).
+bottom-right causal is the same thing here only without the flag). Then packed decoding
+(`attention_varlen`): sequences of different cache lengths in one call, its candidates alone.
 """
 
 from __future__ import annotations
@@ -67,6 +68,43 @@ def row(hal: torchhal.HardwareAbstractionLayer, batch: int, rows: int, cache: in
     }
 
 
+# packed decoding (attention_varlen): (name, query rows per sequence, each sequence's cache length)
+VARLEN_SHAPES = [
+    ("8 seqs, caches 512..64k", 1, [512 << i for i in range(8)]),
+    ("32 seqs, caches 1k..8k", 1, [1024 + (i * 7919) % 7168 for i in range(32)]),
+    ("4 seqs x 4 rows, caches 32k", 4, [32768] * 4),
+]
+
+
+def varlen_row(
+    hal: torchhal.HardwareAbstractionLayer, name: str, rows: int, caches: list[int], rounds: int
+) -> dict:
+    def offsets(lengths: list[int]) -> torch.Tensor:
+        return torch.tensor([0, *lengths], device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+    q = torch.randn(rows * len(caches), HEADS_Q, DIM, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(caches), HEADS_KV, DIM, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    args = (q, k, v, offsets([rows] * len(caches)), offsets(caches), rows, max(caches), False, None)
+    device = hal.device_for_tensor(q)
+    torchhal.ops.attention_varlen(*args[:7])  # the first call selects (and measures)
+    selection = hal.kernels.select("attention_varlen", device, *args)
+    contenders = [c for c in (selection.candidate, *selection.fallbacks) if c.name != "reference"]
+    times = {"ops.attention_varlen": gpu_us(lambda: torchhal.ops.attention_varlen(*args[:7]), rounds)}
+    for cand in contenders:
+        fn = hal.kernels.bound(cand, device)
+        times[cand.qualified_name] = gpu_us(lambda fn=fn: fn(*args), rounds)
+    cache_bytes = 2 * k.numel() * k.element_size()
+    return {
+        "shape": name,
+        "query_rows": rows,
+        "caches": caches,
+        "selected": selection.candidate.qualified_name,
+        "measured_at_selection_ms": dict(selection.timings_ms),
+        "us": times,
+        "cache_read_GBps": {n: cache_bytes / us / 1e3 for n, us in times.items()},
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
@@ -80,12 +118,17 @@ def main() -> None:
         for batch, query_rows, cache_len in SHAPES:
             rows.append(row(hal, batch, query_rows, cache_len, args.rounds))
             print(rows[-1]["batch"], rows[-1]["cache"], rows[-1]["us"], flush=True)
+        varlen_rows = []
+        for name, query_rows, caches in VARLEN_SHAPES:
+            varlen_rows.append(varlen_row(hal, name, query_rows, caches, args.rounds))
+            print(name, varlen_rows[-1]["us"], flush=True)
     record = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "rows": rows,
+        "varlen_rows": varlen_rows,
     }
     if args.out:
         Path(args.out).write_text(json.dumps(record, indent=2))
@@ -102,6 +145,9 @@ def main() -> None:
         )
         shape = f"{r['batch']}x{r['query_rows']}x{r['cache']}"
         print(f"{shape:>22} {r['selected'][-20:]:>20} {cells}  {r['copy_GBps']:6.0f}")
+    for r in varlen_rows:
+        cells = "  ".join(f"{n}: {us:.1f}us {r['cache_read_GBps'][n]:.0f} GB/s" for n, us in r["us"].items())
+        print(f"varlen {r['shape']}: selected {r['selected']}  {cells}")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@
 #   bash benchmarks/gpu_session25.sh decode  # one GPU: attention at decoding shapes, every candidate
 #                                            # and ops.attention, GPU time (bench_attention_decode.py)
 #   bash benchmarks/gpu_session25.sh splitkv  # one GPU, with the split-KV candidate: its GPU tests
-#                                             # (and the grid-limit and graph tests it now serves),
-#                                             # then the decoding benchmark again
+#                                             # (and the grid-limit, graph and varlen tests it now
+#                                             # serves), then the decoding benchmark again (packed
+#                                             # decoding rows from the wheels of the varlen commit)
 set -uo pipefail
 phase=${1:?one, fill, host, decode or splitkv}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -31,7 +32,7 @@ RAW=$OUT/raw; mkdir -p "$RAW"
 pack() { tar czf "$OUT/results.tgz" -C "$OUT" raw && rm -rf "$RAW"; }
 if [ "$phase" = splitkv ]; then
   timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
-    tests/kernels/gpu/test_cuda_graphs_gpu.py -k "split_kv or more_heads or graph or no_grad_op" 2>&1 \
+    tests/kernels/gpu/test_cuda_graphs_gpu.py -k "split_kv or more_heads or graph or no_grad_op or varlen" 2>&1 \
     | tee "$RAW/gpu_tests_splitkv.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
 fi

@@ -201,3 +201,89 @@ def test_the_tile_fits_a_small_shared_memory():
     assert (tile.block_n, tile.num_warps, tile.num_stages) == (16, 8, 1)
     roomy = decode_tile(fake_caps(shared_memory_per_block_bytes=228 * 1024, simd_width=32), 128, 2, 16)
     assert (roomy.block_n, roomy.num_warps, roomy.num_stages) == (64, 4, 3)
+
+
+def _packed(lens_q, lens_k, heads_q, heads_kv, dim, spare_q):
+    """Packed q, k, v and int32 offsets, with `spare_q` query tokens after the last sequence."""
+
+    def offsets(lengths):
+        return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+    q = torch.randn(sum(lens_q) + spare_q, heads_q, dim)
+    k, v = (torch.randn(sum(lens_k), heads_kv, dim) for _ in range(2))
+    return q, k, v, offsets(lens_q), offsets(lens_k)
+
+
+VARLEN_CASES = [  # lengths of q and k per sequence, heads, dim, causal, tokens after the last sequence
+    pytest.param([1, 1, 1, 1], [300, 0, 57, 129], 8, 2, 32, True, 5, id="decoding-steps-one-empty-cache"),
+    pytest.param([3, 0, 2], [200, 90, 1], 4, 1, 24, True, 40, id="chunks-an-empty-query-more-rows-than-keys"),
+    pytest.param([2, 4], [700, 33], 2, 2, 16, False, 0, id="more-slices-than-one-combine-step"),
+]
+
+
+@pytest.mark.parametrize("splits", [1, 4, 64], ids=["one-slice", "four-slices", "a-slice-per-tile"])
+@pytest.mark.parametrize(("lens_q", "lens_k", "heads_q", "heads_kv", "dim", "causal", "spare"), VARLEN_CASES)
+def test_packed_kernel_within_pytorch_error(
+    triton_hal, splits, lens_q, lens_k, heads_q, heads_kv, dim, causal, spare
+):
+    """Packed sequences, each with its own query and key lengths, sliced by max_seqlen_k: output
+    and LSE per sequence against fp64 under the rule, tokens after the last sequence 0 and -inf
+    (new memory is NaN under deterministic algorithms, so a row left unwritten shows)."""
+    from torchhal.kernels import attention_varlen
+    from torchhal.kernels import triton_attention_decode as decode
+    from torchhal.kernels.triton_attention_config import decode_tile
+    from torchhal.kernels.triton_attention_kernels import make_problem
+
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, heads_q, heads_kv, dim, spare)
+    fixed = (cu_q, cu_k, max(lens_q), max(lens_k), causal, None)
+    problem = make_problem(
+        q, k, seq_q=max(lens_q), seq_k=max(lens_k), batch=len(lens_q), causal=causal, scale=None,
+        window=None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+    )  # fmt: skip
+    rows = decode.query_tile_rows(heads_q, heads_kv, max(lens_q))
+    tile = decode_tile(triton_hal.device("cpu").capabilities, problem.head_dim_padded, 4, rows)
+    per_split = math.ceil(math.ceil(max(lens_k) / tile.block_n) / splits) * tile.block_n
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, lse = decode.forward(q, k, v, problem, tile, math.ceil(max(lens_k) / per_split), per_split)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    same_out, same_lse = attention_varlen.reference_forward(q, k, v, *fixed)
+    truth_out, truth_lse = attention_varlen.reference_forward(q.double(), k.double(), v.double(), *fixed)
+    assert_within_pytorch_error("output", out, same_out, truth_out, 2.0)
+    seen = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen) and torch.count_nonzero(out.transpose(0, 1)[~seen]) == 0
+    assert_within_pytorch_error("lse", lse[seen], same_lse[seen], truth_lse[seen], 2.0)
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k", "heads_q", "heads_kv", "dim", "causal", "spare"), VARLEN_CASES[:2]
+)
+def test_packed_decoding_selected_with_gradients(
+    triton_hal, on_triton, check_op, lens_q, lens_k, heads_q, heads_kv, dim, causal, spare
+):
+    """torchhal.ops.attention_varlen on the split-KV forward where few rows per kv head, the
+    FlashAttention varlen backward from its LSE; and the no-gradient op on it too."""
+    from torchhal.kernels import attention_varlen
+
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, heads_q, heads_kv, dim, spare)
+    fixed = (cu_q, cu_k, max(lens_q), max(lens_k))
+
+    def op(q, k, v):
+        return torchhal.ops.attention_varlen(q, k, v, *fixed, causal=causal)
+
+    check_op(
+        op,
+        lambda q, k, v: attention_varlen.reference(q, k, v, *fixed, causal),
+        (q, k, v),
+        (torch.randn_like(q),),
+        (0, 1, 2),
+    )
+    assert set(on_triton) == {
+        ("attention_varlen_forward", "triton_decode"),
+        ("attention_varlen_backward", "triton"),
+    }
+    with torch.no_grad():
+        op(q, k, v)
+    assert on_triton[-1] == ("attention_varlen", "triton_decode")

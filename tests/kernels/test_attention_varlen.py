@@ -15,6 +15,9 @@ import torchhal.ops
 from torchhal.hal_core import InvalidArgumentError, RejectionReason
 from torchhal.kernels import attention, attention_varlen, plugin
 from torchhal.kernels.autograd import DifferentiableOp
+from torchhal.kernels.triton_attention_config import DECODE_MAX_ROWS
+
+from .conftest import assert_within_pytorch_error
 
 NAMESPACE = "torchhal_test_attention_varlen"
 
@@ -120,19 +123,19 @@ def test_varlen_matches_the_dense_op_on_each_sequence(ops):
     [([1, 1, 1], 0, 70), ([50, 3], 40, 5)],
     ids=["one-program-per-head-long-tail", "many-programs-short-tail"],
 )
-def test_the_kernel_writes_the_rows_after_the_last_sequence(ops, lens_q, max_extra, spare):
+def test_the_kernel_writes_the_rows_after_the_last_sequence(ops, candidate, lens_q, max_extra, spare):
     """The Triton forward allocates its outputs unfilled (two launches less per call) and the first
     sequence's programs write the rows no sequence owns: output 0, lse -inf. Under deterministic
-    algorithms torch fills new memory with NaN, so a row left unwritten shows."""
+    algorithms torch fills new memory with NaN, so a row left unwritten shows. (The FlashAttention
+    forward; the split-KV one's: test_attention_decode.)"""
     lens_k = [20, 33, 7][: len(lens_q)]
     q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 16, spare_q=spare)
     fixed = (cu_q, cu_k, max(lens_q) + max_extra, max(lens_k), True, None)
-    forward = ops.hal.kernels.select("attention_varlen_forward", ops.hal.device("cpu"), q, k, v, *fixed)
-    assert forward.candidate.name == "triton"
+    forward = candidate(ops.hal, "attention_varlen_forward", "triton", q, k, v, *fixed)
     deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        out, lse = forward.fn(q, k, v, *fixed)
+        out, lse = forward(q, k, v, *fixed)
     finally:
         torch.use_deterministic_algorithms(deterministic)
     expected_out, expected_lse = attention_varlen.reference_forward(q, k, v, *fixed)
@@ -246,7 +249,19 @@ LAYOUTS = ["contiguous", "fused-qkv", "heads-first", "token-strided", "dim-strid
     offsets=(torch.int64, False), max_extra=3,
 )  # fmt: skip
 def test_lengths_heads_and_layouts_property(
-    triton_hal, on_triton, check_op, lengths, spare, heads, dim, causal, scale, layouts, offsets, max_extra
+    triton_hal,
+    on_triton,
+    check_op,
+    candidate,
+    lengths,
+    spare,
+    heads,
+    dim,
+    causal,
+    scale,
+    layouts,
+    offsets,
+    max_extra,
 ):
     """torchhal.ops.attention_varlen on random packed batches: sequences of length 0 on either side,
     query and key lengths that differ per sequence, tokens after the last sequence, max_seqlen above
@@ -282,14 +297,20 @@ def test_lengths_heads_and_layouts_property(
     on_triton.clear()  # hypothesis runs every example in one call of the test
     check_op(varlen, reference, (q, k, v), (grad_out,), (0, 1, 2))
     nothing = fixed[2] == 0  # max_seqlen_q 0: no query to compute
+    few_rows = heads_q // heads_kv * fixed[2] <= DECODE_MAX_ROWS  # the split-KV forward's case
     assert on_triton == [
-        ("attention_varlen_forward", "reference" if nothing else "triton"),
+        ("attention_varlen_forward", "reference" if nothing else "triton_decode" if few_rows else "triton"),
         ("attention_varlen_backward", "reference" if nothing else "triton"),
     ]
     if nothing:
         sel = triton_hal.kernels.select("attention_varlen_forward", triton_hal.device("cpu"), q, k, v, *fixed,
                                         causal, scale)  # fmt: skip
         assert {r.candidate: r.reason for r in sel.rejected}["torchhal/triton"] is RejectionReason.SHAPE
+    elif few_rows:  # the split-KV forward served the op: the FlashAttention one on these layouts too
+        args = (q, k, v, *fixed, causal, scale)
+        flash, _ = candidate(triton_hal, "attention_varlen_forward", "triton", *args)(*args)
+        truth = attention_varlen.reference(*(t.double() for t in (q, k, v)), *fixed, causal, scale)
+        assert_within_pytorch_error("forward", flash, reference(q, k, v), truth, 2.0)
 
     out = outs[0].detach()
     spans = list(zip(_offsets(lens_q).tolist(), _offsets(lens_k).tolist(), strict=True))

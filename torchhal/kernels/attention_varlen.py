@@ -40,6 +40,7 @@ class VarlenSignature(NamedTuple):
     causal: bool
     seq_bucket: int  # bit length of max(max_seqlen_q, max_seqlen_k)
     empty: bool
+    group_rows_bucket: int  # as attention's, with max_seqlen_q: the split-KV kernel's query tile
 
 
 def _check(
@@ -185,6 +186,7 @@ def _summary(
         bool(causal),
         max(max_seqlen_q, max_seqlen_k).bit_length(),
         0 in q.shape or 0 in k.shape or 0 in v.shape or max_seqlen_q == 0,
+        max(0, q.shape[1] // max(1, k.shape[1]) * max_seqlen_q - 1).bit_length(),
     )
 
 
@@ -420,11 +422,15 @@ def register(registry: KernelRegistry) -> None:
         reads_values_on=("cpu",),  # the signature checks cu_seqlens' values there
     )
     triton_attention.register(registry, "attention_varlen", triton_attention.bind_varlen)
+    triton_attention.register_decode(registry, "attention_varlen", triton_attention.bind_decode_varlen)
     registry.define_op(
         "attention_varlen_forward", reference_forward, signature=forward_signature,
         doc="(out, lse) of attention_varlen", reads_values_on=("cpu",),
     )  # fmt: skip
     triton_attention.register(registry, "attention_varlen_forward", triton_attention.bind_varlen_forward)
+    triton_attention.register_decode(
+        registry, "attention_varlen_forward", triton_attention.bind_decode_varlen_forward
+    )
     registry.define_op(
         "attention_varlen_backward", reference_backward, signature=backward_signature,
         doc="(dq, dk, dv) of attention_varlen", reads_values_on=("cpu",),

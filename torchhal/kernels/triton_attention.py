@@ -238,38 +238,46 @@ def bind_varlen_backward(
     return _bind_backward(caps, functools.partial(_packed, "attention_varlen_backward"))
 
 
-def bind_decode_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """attention_forward by split-KV: (out, lse) for dense tensors with few query rows per kv head,
-    the key slices sized from the device's compute units (`decode_splits`)."""
+def _bind_decode(caps: DeviceCapabilities, problem: Callable[..., Problem]) -> Callable[..., Any]:
+    """An op's split-KV forward, (q, k, v, *its other arguments) -> (out, lse), for the dense and
+    packed layouts alike (as `_bind_forward`), its key slices sized from the device's compute units
+    (`decode_splits`) over the keys the queries can see (`visible_keys`)."""
     from torchhal.kernels import triton_attention_decode as decode
     from torchhal.kernels.triton_attention_config import TileConfig, decode_splits, decode_tile
 
     tiles: dict[tuple[int, int, int], TileConfig] = {}
 
     def forward(
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        causal: bool = False,
-        scale: float | None = None,
-        window: Sequence[int] | None = None,
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        problem = _dense(q, k, causal, scale, window)
-        key = (
-            problem.head_dim_padded,
-            q.element_size(),
-            decode.query_tile_rows(q.shape[1], k.shape[1], q.shape[2]),
-        )
+        made = problem(q, k, *args, **kwargs)
+        rows = decode.query_tile_rows(made.heads_q, made.heads_kv, made.seq_q)
+        key = (made.head_dim_padded, q.element_size(), rows)
         tile = tiles.get(key)
         if tile is None:
             tile = tiles[key] = decode_tile(caps, *key)
-        keys = decode.visible_keys(problem, tile.block_n)
-        splits, keys_per_split = decode_splits(caps, q.shape[0] * k.shape[1], keys, tile.block_n)
-        return decode.forward(q, k, v, problem, tile, splits, keys_per_split)
+        keys = decode.visible_keys(made, tile.block_n)
+        splits, keys_per_split = decode_splits(caps, made.batch * made.heads_kv, keys, tile.block_n)
+        return decode.forward(q, k, v, made, tile, splits, keys_per_split)
 
     return forward
+
+
+def bind_decode_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """attention_forward by split-KV: (out, lse) for dense tensors with few query rows per kv head."""
+    return _bind_decode(caps, _dense)
 
 
 def bind_decode_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
     """attention (no gradient) by split-KV: the output alone."""
     return _output_only(bind_decode_forward(caps))
+
+
+def bind_decode_varlen_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """attention_varlen_forward by split-KV: packed sequences of a few query rows each (decoding
+    steps of a batch of sequences with caches of their own lengths)."""
+    return _bind_decode(caps, functools.partial(_packed, "attention_varlen_forward"))
+
+
+def bind_decode_varlen(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
+    return _output_only(_bind_decode(caps, functools.partial(_packed, "attention_varlen")))

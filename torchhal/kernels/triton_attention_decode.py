@@ -12,8 +12,10 @@ of the keys, so the cache is read once per kv head, by as many programs as the d
 Same rule and numerics as the FlashAttention forward, whose key loop (`_fwd_tiles`) and block
 split (`_key_blocks`) it runs per slice: bottom-right causal and sliding windows as one band,
 scores in the log2 domain, fp32 accumulation, output 0 and lse -inf for a query that sees no key.
-Each slice's partial output is normalised and kept in fp32 with its log2-sum-exp. Dense layouts
-only (batch, heads, seq, dim), any strides.
+Each slice's partial output is normalised and kept in fp32 with its log2-sum-exp. Dense
+(batch, heads, seq, dim) and packed (tokens, heads, dim) layouts with any strides, as the
+FlashAttention kernels take them: packed, each sequence reads its own offsets and lengths, the
+slices follow max_seqlen_k, and a slice past a sequence's own keys does nothing.
 """
 
 from __future__ import annotations
@@ -29,10 +31,13 @@ from torchhal.kernels.triton_attention_config import TileConfig
 from torchhal.kernels.triton_attention_kernels import (
     LOG2E,
     Problem,
+    _common,
+    _fill_unowned_rows,
     _fwd_tiles,
     _key_blocks,
     _on_device_of,
     _row_strides,
+    _sequence,
     _strides,
     _tile_base,
 )
@@ -44,46 +49,50 @@ COMBINE_SPLITS = 16  # slices the combine pass reads per step
 
 @triton.jit(do_not_specialize=("group", "seq_q", "seq_k", "heads_kv", "splits", "left", "right",
                                "keys_per_split"))
-def _split_kernel(Q, K, V, O_part, L_part, q_strides, k_strides, v_strides,
+def _split_kernel(Q, K, V, O_part, L_part, CU_Q, CU_K, q_strides, k_strides, v_strides,
                   group, seq_q, seq_k, heads_kv, splits, q_sign, qk_scale, left, right, keys_per_split,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """One slice of one kv head's keys against all its group's query rows: row r is query head
-    hk * group + r // seq_q at position r % seq_q. Writes the slice's normalised output and
+                  VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+    """One slice of one kv head's keys of sequence b against all its group's query rows: row r is
+    query head hk * group + r // seq_q at position r % seq_q (seq_q: max_seqlen_q when VARLEN,
+    where a shorter sequence leaves rows empty). Writes the slice's normalised output and
     log2-sum-exp (-inf where its keys are all out of the rows' sight)."""
     pid = tl.program_id(0)
     split = pid % splits
     hk = (pid // splits) % heads_kv
     b = pid // (splits * heads_kv)
+    q_start, len_q = _sequence(CU_Q, b, seq_q, VARLEN)
+    k_start, len_k = _sequence(CU_K, b, seq_k, VARLEN)
     n_rows = group * seq_q
     rows = tl.arange(0, BLOCK_M)
     query = rows % seq_q
     heads = hk * group + rows // seq_q
     offs_d = tl.arange(0, D_PAD)
     q_ptrs = (Q + b.to(tl.int64) * q_strides[0] + heads[:, None].to(tl.int64) * q_strides[1]
-              + query[:, None].to(tl.int64) * q_strides[2] + offs_d[None, :] * q_strides[3])
-    q = tl.load(q_ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+              + (q_start + query[:, None]).to(tl.int64) * q_strides[2] + offs_d[None, :] * q_strides[3])
+    in_sequence = (rows < n_rows) & (query < len_q)
+    q = tl.load(q_ptrs, mask=in_sequence[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     q = (q * q_sign).to(Q.dtype.element_ty)  # exact: the sign of the scale moves onto q
-    band = (seq_k - seq_q, left, right)
-    K_base = _tile_base(K, k_strides, b, hk, 0)
-    V_base = _tile_base(V, v_strides, b, hk, 0)
+    band = (len_k - len_q, left, right)
+    K_base = _tile_base(K, k_strides, b, hk, k_start)
+    V_base = _tile_base(V, v_strides, b, hk, k_start)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     # the group's key blocks (its queries are 0 .. seq_q - 1) from the first one any row sees, cut
     # into the slices' whole tiles: a window's slices cover its band, not the whole cache
-    lo, mid_lo, mid_hi, hi = _key_blocks(0, seq_q, seq_k, band, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    lo, mid_lo, mid_hi, hi = _key_blocks(0, len_q, len_k, band, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     first = lo + split * keys_per_split
     last = first + keys_per_split
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, query, offs_d,
-                               tl.maximum(lo, first), tl.minimum(mid_lo, last), seq_k, band, qk_scale,
+                               tl.maximum(lo, first), tl.minimum(mid_lo, last), len_k, band, qk_scale,
                                BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, query, offs_d,
-                               tl.maximum(mid_lo, first), tl.minimum(mid_hi, last), seq_k, band, qk_scale,
+                               tl.maximum(mid_lo, first), tl.minimum(mid_hi, last), len_k, band, qk_scale,
                                BLOCK_N, HEAD_DIM, D_PAD, False, HAS_LEFT, HAS_RIGHT, PRECISION)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, query, offs_d,
-                               tl.maximum(mid_hi, first), tl.minimum(hi, last), seq_k, band, qk_scale,
+                               tl.maximum(mid_hi, first), tl.minimum(hi, last), len_k, band, qk_scale,
                                BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
@@ -93,16 +102,25 @@ def _split_kernel(Q, K, V, O_part, L_part, q_strides, k_strides, v_strides,
     tl.store(L_part + part, tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe)), mask=keep)
 
 
-@triton.jit(do_not_specialize=("group", "seq_q", "heads_kv", "splits"))
-def _combine_kernel(O_part, L_part, Out, LSE, o_strides, lse_strides, group, seq_q, heads_kv, splits,
-                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr):
+@triton.jit(do_not_specialize=("group", "seq_q", "heads_kv", "splits", "n_batch", "total_q"))
+def _combine_kernel(O_part, L_part, Out, LSE, CU_Q, o_strides, lse_strides, group, seq_q, heads_kv, splits,
+                    n_batch, total_q, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                    VARLEN: tl.constexpr):
     """One query row: its slices weighted by exp2(their log2-sum-exp - the largest); output 0 and
-    lse -inf where no slice saw a key."""
+    lse -inf where no slice saw a key. Packed, the first sequence's programs also write the rows
+    after the last sequence (`_fill_unowned_rows`)."""
     pid = tl.program_id(0)
     n_rows = group * seq_q
     r = pid % n_rows
     hk = (pid // n_rows) % heads_kv
     b = pid // (n_rows * heads_kv)
+    head = hk * group + r // seq_q
+    query = r % seq_q
+    if VARLEN:
+        if b == 0:
+            _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, head, query, seq_q, n_batch,
+                               total_q, HEAD_DIM, D_PAD, 16)
+    q_start, len_q = _sequence(CU_Q, b, seq_q, VARLEN)
     first = ((b * heads_kv + hk).to(tl.int64) * splits) * n_rows + r  # this row in slice 0
     offs_s = tl.arange(0, SPLITS)
     offs_d = tl.arange(0, D_PAD)
@@ -124,12 +142,12 @@ def _combine_kernel(O_part, L_part, Out, LSE, o_strides, lse_strides, group, seq
     total = tl.sum(weights, 0)
     empty = total == 0.0
     total_safe = tl.where(empty, 1.0, total)
-    head = hk * group + r // seq_q
-    base = _tile_base(Out, o_strides, b, head, r % seq_q)
-    out = (acc / total_safe).to(Out.dtype.element_ty)
-    tl.store(base + offs_d * o_strides[3], out, mask=offs_d < HEAD_DIM)
-    lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(total_safe)) * 0.6931471805599453)
-    tl.store(_tile_base(LSE, lse_strides, b, head, r % seq_q), lse)
+    if query < len_q:  # a packed sequence shorter than max_seqlen_q has no such row
+        base = _tile_base(Out, o_strides, b, head, q_start + query)
+        out = (acc / total_safe).to(Out.dtype.element_ty)
+        tl.store(base + offs_d * o_strides[3], out, mask=offs_d < HEAD_DIM)
+        lse = tl.where(empty, float("-inf"), (m_use + tl.math.log2(total_safe)) * 0.6931471805599453)
+        tl.store(_tile_base(LSE, lse_strides, b, head, q_start + query), lse)
 
 
 # fmt: on
@@ -144,41 +162,40 @@ def forward(
     splits: int,
     keys_per_split: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of dense attention, contiguous, in `splits` slices of `keys_per_split` keys from
-    the first key any query sees (`visible_keys` of them); `tile.block_m` holds every query row of
-    a kv head's group."""
+    """(out, lse) of dense or packed attention, contiguous, in `splits` slices of `keys_per_split`
+    keys from the first key any query sees (`visible_keys` of them); `tile.block_m` holds every
+    query row of a kv head's group. Packed tokens outside every sequence read 0 and lse -inf."""
     if keys_per_split <= 0 or keys_per_split % tile.block_n:  # slices would overlap or read past seq_k
         raise InvalidArgumentError(
             f"attention split-KV: keys_per_split must be a positive multiple of the key tile "
             f"{tile.block_n}, got {keys_per_split}"
         )
-    batch, heads_q, seq_q, _ = q.shape
-    group, rows = heads_q // problem.heads_kv, heads_q // problem.heads_kv * seq_q
+    varlen, device, batch = problem.varlen, q.device, problem.batch
+    group = problem.heads_q // problem.heads_kv
+    rows = group * problem.seq_q
+    lse_shape = (problem.heads_q, q.shape[0]) if varlen else q.shape[:-1]
+    if batch == 0:  # packed, no sequence: nothing to launch
+        return q.new_zeros(q.shape), torch.full(lse_shape, float("-inf"), device=device)
+    out = torch.empty(q.shape, dtype=q.dtype, device=device)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
     d_pad = problem.head_dim_padded
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
-    o_part = torch.empty((batch, problem.heads_kv, splits, rows, d_pad), dtype=torch.float32, device=q.device)
-    l_part = torch.empty((batch, problem.heads_kv, splits, rows), dtype=torch.float32, device=q.device)
-    flags = {
-        "HEAD_DIM": problem.head_dim,
-        "D_PAD": d_pad,
-        "HAS_LEFT": problem.has_left,
-        "HAS_RIGHT": problem.has_right,
-        "PRECISION": "ieee" if q.dtype == torch.float32 else None,  # no tf32 behind an fp32 op
-    }
+    o_part = torch.empty((batch, problem.heads_kv, splits, rows, d_pad), dtype=torch.float32, device=device)
+    l_part = torch.empty((batch, problem.heads_kv, splits, rows), dtype=torch.float32, device=device)
+    cu_q, cu_k, flags = _common(problem, q)
     with _on_device_of(q):
         _split_kernel[(splits * problem.heads_kv * batch,)](
-            q, k, v, o_part, l_part, _strides(q, False), _strides(k, False), _strides(v, False),
-            group, seq_q, problem.seq_k, problem.heads_kv, splits,
+            q, k, v, o_part, l_part, cu_q, cu_k,
+            _strides(q, varlen), _strides(k, varlen), _strides(v, varlen),
+            group, problem.seq_q, problem.seq_k, problem.heads_kv, splits,
             math.copysign(1.0, problem.scale), abs(problem.scale) * LOG2E,
             problem.window_left, problem.window_right, keys_per_split,
             BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, num_warps=tile.num_warps,
             num_stages=tile.num_stages, **flags,
         )  # fmt: skip
         _combine_kernel[(rows * problem.heads_kv * batch,)](
-            o_part, l_part, out, lse, _strides(out, False), _row_strides(lse, False),
-            group, seq_q, problem.heads_kv, splits,
-            HEAD_DIM=problem.head_dim, D_PAD=d_pad, SPLITS=COMBINE_SPLITS, num_warps=1,
+            o_part, l_part, out, lse, cu_q, _strides(out, varlen), _row_strides(lse, varlen),
+            group, problem.seq_q, problem.heads_kv, splits, batch, q.shape[0],
+            HEAD_DIM=problem.head_dim, D_PAD=d_pad, SPLITS=COMBINE_SPLITS, VARLEN=varlen, num_warps=1,
         )  # fmt: skip
     return out, lse
 

@@ -263,11 +263,12 @@ def _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, o
 
 
 @triton.jit
-def _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, pid_m, n_batch, total_q,
+def _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, program, programs, n_batch, total_q,
                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """Packed rows after the last sequence belong to none: output 0, lse -inf, for head h. The
-    programs of the first sequence share them out (a grid-stride loop over axis 0), so the outputs
-    need no fill launches before the kernel (two of a decoding step's four launches)."""
+    `programs` programs of the first sequence that serve head h share them out (this one is number
+    `program`), so the outputs need no fill launches before the kernel (two of a decoding step's
+    four launches)."""
     first = tl.load(CU_Q + n_batch)
     n_rows = total_q - first
     O_base = _tile_base(Out, o_strides, b, h, first)
@@ -275,8 +276,8 @@ def _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, pid_m, n_ba
     offs_d = tl.arange(0, D_PAD)
     zeros = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     no_keys = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for start in range(pid_m * BLOCK_M, n_rows, tl.num_programs(0) * BLOCK_M):
-        rows = start.to(tl.int64) + tl.arange(0, BLOCK_M)  # a tail is not bounded by max_seqlen_q
+    for start in range(program * BLOCK_M, n_rows, programs * BLOCK_M):
+        rows = tl.arange(0, BLOCK_M).to(tl.int64) + start  # a tail is not bounded by max_seqlen_q
         _store_rows(O_base, zeros, rows, n_rows, o_strides, offs_d, HEAD_DIM)
         tl.store(L_base + rows * lse_strides[2], no_keys, mask=rows < n_rows)
 
@@ -329,8 +330,8 @@ def _attn_fwd_kernel(Q, K, V, Out, LSE, CU_Q, CU_K,
         tl.store(lse_row + offs_m * lse_strides[2], lse, mask=offs_m < seq_q)
     if VARLEN:
         if b == 0:
-            _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, pid_m, n_batch, total_q,
-                               HEAD_DIM, D_PAD, BLOCK_M)
+            _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, pid_m, tl.num_programs(0),
+                               n_batch, total_q, HEAD_DIM, D_PAD, BLOCK_M)
 
 
 # ----- backward: dq, with delta = rowsum(dO * O) fused in

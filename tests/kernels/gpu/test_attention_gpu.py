@@ -416,6 +416,34 @@ def test_more_heads_than_cudas_grid_limit(ops, check_op, heads_q, heads_kv, seq_
     _check(ops, check_op, args)
 
 
+@pytest.mark.parametrize(
+    ("rows", "caches", "spare"),
+    [(1, [512 << i for i in range(8)], 3), (4, [40000, 0, 777, 9000], 0), (2, [1, 300, 65536], 100)],
+    ids=["decoding-caches-512-to-64k", "4-rows-an-empty-cache", "2-rows-more-rows-than-keys-padding"],
+)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_kv_packed_decode(gpu_hal, candidate, rows, caches, spare, dtype):
+    """The split-KV kernel on packed sequences, each with its own cache length, causal: output (2x
+    PyTorch's error) and lse against fp64 per sequence; tokens after the last sequence 0 and -inf
+    (new memory is NaN under deterministic algorithms, so a row left unwritten shows)."""
+    lens_q = [rows] * len(caches)
+    q = torch.randn(sum(lens_q) + spare, 32, 128, device="cuda", dtype=dtype)
+    k, v = (torch.randn(sum(caches), 8, 128, device="cuda", dtype=dtype) for _ in range(2))
+    fixed = (_offsets(lens_q), _offsets(caches), rows, max(caches), True, None)
+    forward = candidate(gpu_hal, "attention_varlen_forward", "triton_decode", q, k, v, *fixed)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, lse = forward(q, k, v, *fixed)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    truth_out, truth_lse = attention_varlen.reference_forward(*(t.double() for t in (q, k, v)), *fixed)
+    same_out = attention_varlen.reference_forward(q, k, v, *fixed)[0]
+    assert_within_pytorch_error("out", out, same_out, truth_out, 2)
+    torch.testing.assert_close(lse, truth_lse.float(), rtol=0, atol=1e-4)
+    assert torch.count_nonzero(out[sum(lens_q) :]) == 0
+
+
 def test_split_kv_past_cudas_grid_limit(gpu_hal, candidate):
     """The split-KV kernels launch one-dimensional grids: 131072 kv heads of a few rows each."""
     q, k, v = _qkv(1, 2 * 65535 + 2, 2 * 65535 + 2, 5, 40, 16, torch.bfloat16)
