@@ -13,6 +13,7 @@ TRITON_INTERPRET=1 is set for the whole process.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
@@ -232,6 +233,18 @@ def gpu_ops(gpu_hal: HardwareAbstractionLayer) -> Iterator[RowOps]:
 def fresh_ops() -> Iterator[RowOps]:
     """The ops on a HAL of this test's own (no Triton), free to register extra candidates on."""
     yield from _bound_ops(make_hal(interpret=False))
+
+
+@contextlib.contextmanager
+def new_memory_as_nan() -> Iterator[None]:
+    """New tensors filled with NaN (torch's deterministic mode fills uninitialised memory): a row a
+    kernel was meant to write and did not shows, where fresh memory would often read as zeros."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def assert_within_pytorch_error(

@@ -20,7 +20,7 @@ from torchhal.kernels.triton_attention_config import (
     decode_splits,
 )
 
-from .conftest import assert_within_pytorch_error
+from .conftest import assert_within_pytorch_error, new_memory_as_nan
 
 
 def _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, layout="contiguous"):
@@ -243,12 +243,8 @@ def test_packed_kernel_within_pytorch_error(
     rows = decode.query_tile_rows(heads_q, heads_kv, max(lens_q))
     tile = decode_tile(triton_hal.device("cpu").capabilities, problem.head_dim_padded, 4, rows)
     per_split = math.ceil(math.ceil(max(lens_k) / tile.block_n) / splits) * tile.block_n
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with new_memory_as_nan():
         out, lse = decode.forward(q, k, v, problem, tile, math.ceil(max(lens_k) / per_split), per_split)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     same_out, same_lse = attention_varlen.reference_forward(q, k, v, *fixed)
     truth_out, truth_lse = attention_varlen.reference_forward(q.double(), k.double(), v.double(), *fixed)
     assert_within_pytorch_error("output", out, same_out, truth_out, 2.0)

@@ -16,7 +16,7 @@ from torchhal.kernels import attention, attention_varlen, plugin
 from torchhal.kernels.autograd import DifferentiableOp
 from torchhal.testing import tolerance
 
-from ..conftest import assert_within_pytorch_error
+from ..conftest import assert_within_pytorch_error, new_memory_as_nan
 
 pytestmark = pytest.mark.gpu
 
@@ -183,12 +183,8 @@ def test_varlen_kernel_writes_the_rows_after_the_last_sequence(ops, candidate, l
     k, v = (torch.randn(sum(lens_k), 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     fixed = (cu_q, cu_k, max(lens_q), max(lens_k), True, None)
     forward = candidate(ops.hal, "attention_varlen_forward", "triton", q, k, v, *fixed)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with new_memory_as_nan():
         out, lse = forward(q, k, v, *fixed)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     assert torch.count_nonzero(out[sum(lens_q) :]) == 0 and torch.isneginf(lse[:, sum(lens_q) :]).all()
     expected_out, expected_lse = attention_varlen.reference_forward(q, k, v, *fixed)
     torch.testing.assert_close(out, expected_out, rtol=2e-2, atol=2e-2)
@@ -431,12 +427,8 @@ def test_split_kv_packed_decode(gpu_hal, candidate, rows, caches, spare, dtype):
     k, v = (torch.randn(sum(caches), 8, 128, device="cuda", dtype=dtype) for _ in range(2))
     fixed = (_offsets(lens_q), _offsets(caches), rows, max(caches), True, None)
     forward = candidate(gpu_hal, "attention_varlen_forward", "triton_decode", q, k, v, *fixed)
-    deterministic = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with new_memory_as_nan():
         out, lse = forward(q, k, v, *fixed)
-    finally:
-        torch.use_deterministic_algorithms(deterministic)
     truth_out, truth_lse = attention_varlen.reference_forward(*(t.double() for t in (q, k, v)), *fixed)
     same_out = attention_varlen.reference_forward(q, k, v, *fixed)[0]
     assert_within_pytorch_error("out", out, same_out, truth_out, 2)
