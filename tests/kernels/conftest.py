@@ -235,6 +235,25 @@ def fresh_ops() -> Iterator[RowOps]:
     yield from _bound_ops(make_hal(interpret=False))
 
 
+def assert_out_and_lse_within_pytorch_error(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    reference_forward: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    inputs: tuple[torch.Tensor, ...],
+    rest: tuple[Any, ...],
+) -> None:
+    """An attention forward's (out, lse) against `reference_forward(*inputs, *rest)` in fp64 under
+    the rule; a query that sees no key has lse -inf and output 0 (dense rows, or packed tokens)."""
+    same_out, same_lse = reference_forward(*inputs, *rest)
+    truth_out, truth_lse = reference_forward(*(t.double() for t in inputs), *rest)
+    assert_within_pytorch_error("output", out, same_out, truth_out, 2.0)
+    seen = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isneginf(lse), ~seen)
+    rows = out if out.shape[:-1] == lse.shape else out.transpose(0, 1)  # packed: (tokens, heads, dim)
+    assert torch.count_nonzero(rows[~seen]) == 0
+    assert_within_pytorch_error("lse", lse[seen], same_lse[seen], truth_lse[seen], 2.0)
+
+
 @contextlib.contextmanager
 def new_memory_as_nan() -> Iterator[None]:
     """New tensors filled with NaN (torch's deterministic mode fills uninitialised memory): a row a

@@ -20,7 +20,7 @@ from torchhal.kernels.triton_attention_config import (
     decode_splits,
 )
 
-from .conftest import assert_within_pytorch_error, new_memory_as_nan
+from .conftest import assert_out_and_lse_within_pytorch_error, assert_within_pytorch_error, new_memory_as_nan
 
 
 def _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, layout="contiguous"):
@@ -75,13 +75,7 @@ def test_kernel_within_pytorch_error(
     q, k, v = _qkv(batch, heads_q, heads_kv, seq_q, seq_k, dim, layout)
     args = (causal, scale, window)
     out, lse = _forward(triton_hal.device("cpu").capabilities, q, k, v, *args, splits)
-    same_out, same_lse = attention.reference_forward(q, k, v, *args)
-    truth_out, truth_lse = attention.reference_forward(q.double(), k.double(), v.double(), *args)
-    assert_within_pytorch_error("output", out, same_out, truth_out, 2.0)
-    seen = torch.isfinite(truth_lse)
-    assert torch.equal(torch.isneginf(lse), ~seen)
-    assert torch.count_nonzero(out[~seen]) == 0
-    assert_within_pytorch_error("lse", lse[seen], same_lse[seen], truth_lse[seen], 2.0)
+    assert_out_and_lse_within_pytorch_error(out, lse, attention.reference_forward, (q, k, v), args)
 
 
 @pytest.mark.parametrize(FIELDS, CASES[:4])
@@ -111,8 +105,10 @@ def test_selected_for_decoding_with_gradients_through_its_lse(
     check_op(op, attention.reference, args, (torch.randn_like(q),), (0, 1, 2))
     assert set(on_triton) == {("attention_forward", "triton_decode"), ("attention_backward", "triton")}
     with torch.no_grad():
-        op(*args)
+        out = op(*args)
     assert on_triton[-1] == ("attention", "triton_decode")
+    truth = attention.reference(q.double(), k.double(), v.double(), causal, scale, window)
+    assert_within_pytorch_error("no-grad output", out, attention.reference(*args), truth, 2.0)
 
 
 def test_not_offered_past_its_query_tile(triton_hal):
@@ -245,12 +241,7 @@ def test_packed_kernel_within_pytorch_error(
     per_split = math.ceil(math.ceil(max(lens_k) / tile.block_n) / splits) * tile.block_n
     with new_memory_as_nan():
         out, lse = decode.forward(q, k, v, problem, tile, math.ceil(max(lens_k) / per_split), per_split)
-    same_out, same_lse = attention_varlen.reference_forward(q, k, v, *fixed)
-    truth_out, truth_lse = attention_varlen.reference_forward(q.double(), k.double(), v.double(), *fixed)
-    assert_within_pytorch_error("output", out, same_out, truth_out, 2.0)
-    seen = torch.isfinite(truth_lse)
-    assert torch.equal(torch.isneginf(lse), ~seen) and torch.count_nonzero(out.transpose(0, 1)[~seen]) == 0
-    assert_within_pytorch_error("lse", lse[seen], same_lse[seen], truth_lse[seen], 2.0)
+    assert_out_and_lse_within_pytorch_error(out, lse, attention_varlen.reference_forward, (q, k, v), fixed)
 
 
 @pytest.mark.parametrize(
@@ -281,5 +272,26 @@ def test_packed_decoding_selected_with_gradients(
         ("attention_varlen_backward", "triton"),
     }
     with torch.no_grad():
-        op(q, k, v)
+        out = op(q, k, v)
     assert on_triton[-1] == ("attention_varlen", "triton_decode")
+    truth = attention_varlen.reference(q.double(), k.double(), v.double(), *fixed, causal)
+    assert_within_pytorch_error(
+        "no-grad output", out, attention_varlen.reference(q, k, v, *fixed, causal), truth, 2.0
+    )
+
+
+def test_no_sequences_give_zeros_and_a_float32_lse(triton_hal, candidate):
+    """Offsets of one entry (no sequence): nothing is launched; every token reads 0 and lse -inf,
+    in float32 whatever torch's default dtype (the lse was made in the default dtype)."""
+    q, k, v = torch.randn(3, 4, 16), torch.randn(5, 2, 16), torch.randn(5, 2, 16)
+    cu = torch.zeros(1, dtype=torch.int32)
+    args = (q, k, v, cu, cu, 1, 1, False, None)
+    forward = candidate(triton_hal, "attention_varlen_forward", "triton_decode", *args)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        out, lse = forward(*args)
+    finally:
+        torch.set_default_dtype(default)
+    assert lse.dtype == torch.float32 and lse.shape == (4, 3) and torch.isneginf(lse).all()
+    assert out.dtype == q.dtype and torch.count_nonzero(out) == 0

@@ -84,7 +84,7 @@ def _split_kernel(Q, K, V, O_part, L_part, CU_Q, CU_K, q_strides, k_strides, v_s
     # into the slices' whole tiles: a window's slices cover its band, not the whole cache
     lo, mid_lo, mid_hi, hi = _key_blocks(0, len_q, len_k, band, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     first = lo + split * keys_per_split
-    last = first + keys_per_split
+    last = tl.where(len_q > 0, first + keys_per_split, first)  # no query row: no key to read
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, query, offs_d,
                                tl.maximum(lo, first), tl.minimum(mid_lo, last), len_k, band, qk_scale,
                                BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
@@ -175,7 +175,7 @@ def forward(
     rows = group * problem.seq_q
     lse_shape = (problem.heads_q, q.shape[0]) if varlen else q.shape[:-1]
     if batch == 0:  # packed, no sequence: nothing to launch
-        return q.new_zeros(q.shape), torch.full(lse_shape, float("-inf"), device=device)
+        return q.new_zeros(q.shape), torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device)
     out = torch.empty(q.shape, dtype=q.dtype, device=device)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
     d_pad = problem.head_dim_padded
