@@ -130,8 +130,13 @@ def _summary(
         max(q.shape[2], k.shape[2]).bit_length(),
         all(unit_stride(t) for t in (q, k, v)),
         0 in q.shape or 0 in k.shape or 0 in v.shape,
-        max(0, q.shape[1] // max(1, k.shape[1]) * q.shape[2] - 1).bit_length(),
+        group_rows_bucket(q.shape[1], k.shape[1], q.shape[2]),
     )
+
+
+def group_rows_bucket(heads_q: int, heads_kv: int, seq_q: int) -> int:
+    """Bit length of (heads_q // heads_kv) * seq_q - 1: a kv head's query rows as a power of two."""
+    return max(0, heads_q // max(1, heads_kv) * seq_q - 1).bit_length()
 
 
 def signature(

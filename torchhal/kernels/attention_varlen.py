@@ -186,7 +186,7 @@ def _summary(
         bool(causal),
         max(max_seqlen_q, max_seqlen_k).bit_length(),
         0 in q.shape or 0 in k.shape or 0 in v.shape or max_seqlen_q == 0,
-        max(0, q.shape[1] // max(1, k.shape[1]) * max_seqlen_q - 1).bit_length(),
+        dense.group_rows_bucket(q.shape[1], k.shape[1], max_seqlen_q),
     )
 
 

@@ -40,6 +40,7 @@ from torchhal.kernels.triton_attention_kernels import (
     _sequence,
     _strides,
     _tile_base,
+    forward_outputs,
 )
 
 COMBINE_SPLITS = 16  # slices the combine pass reads per step
@@ -173,11 +174,9 @@ def forward(
     varlen, device, batch = problem.varlen, q.device, problem.batch
     group = problem.heads_q // problem.heads_kv
     rows = group * problem.seq_q
-    lse_shape = (problem.heads_q, q.shape[0]) if varlen else q.shape[:-1]
+    out, lse = forward_outputs(q, problem)
     if batch == 0:  # packed, no sequence: nothing to launch
-        return q.new_zeros(q.shape), torch.full(lse_shape, float("-inf"), dtype=torch.float32, device=device)
-    out = torch.empty(q.shape, dtype=q.dtype, device=device)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=device)
+        return out, lse
     d_pad = problem.head_dim_padded
     o_part = torch.empty((batch, problem.heads_kv, splits, rows, d_pad), dtype=torch.float32, device=device)
     l_part = torch.empty((batch, problem.heads_kv, splits, rows), dtype=torch.float32, device=device)

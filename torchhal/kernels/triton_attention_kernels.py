@@ -574,19 +574,24 @@ def offsets_ok(
     return ok
 
 
+def forward_outputs(q: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """A forward's (out, lse), allocated unfilled: its kernels write every row (the packed rows
+    after the last sequence too). Packed without sequences nothing is launched: 0 and -inf."""
+    lse_shape = (problem.heads_q, q.shape[0]) if problem.varlen else q.shape[:-1]
+    if problem.varlen and problem.batch == 0:
+        out = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+        return out, torch.full(lse_shape, float("-inf"), device=q.device, dtype=torch.float32)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return out, torch.empty(lse_shape, device=q.device, dtype=torch.float32)
+
+
 def forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, problem: Problem, configs: LaunchConfigs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse), contiguous. Packed tokens outside every sequence read 0, lse -inf: the kernel
     writes them (`_fill_unowned_rows`), except without sequences, where nothing is launched."""
-    varlen, device = problem.varlen, q.device
-    lse_shape = (problem.heads_q, q.shape[0]) if varlen else q.shape[:-1]
-    if varlen and problem.batch == 0:
-        out = torch.zeros(q.shape, dtype=q.dtype, device=device)
-        lse = torch.full(lse_shape, float("-inf"), device=device, dtype=torch.float32)
-    else:
-        out = torch.empty(q.shape, dtype=q.dtype, device=device)
-        lse = torch.empty(lse_shape, device=device, dtype=torch.float32)
+    varlen = problem.varlen
+    out, lse = forward_outputs(q, problem)
     full_width = triton.cdiv(problem.seq_q, configs.forward.block_m) * problem.heads_q * problem.batch
     tile = configs.forward_for(full_width)
     cu_q, cu_k, flags = _common(problem, q)
