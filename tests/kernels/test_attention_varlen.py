@@ -59,11 +59,12 @@ def _offsets(lengths, dtype=torch.int32):
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=dtype)
 
 
-def _packed(lens_q, lens_k, heads_q, heads_kv, dim, spare_q=0):
-    """Packed q, k, v with `spare_q` query tokens after the last sequence (outside every sequence)."""
+def _packed(lens_q, lens_k, heads_q, heads_kv, dim, spare_q=0, spare_k=0):
+    """Packed q, k, v with `spare_q` query and `spare_k` key tokens after the last sequence
+    (outside every sequence)."""
     q = torch.randn(sum(lens_q) + spare_q, heads_q, dim)
-    k = torch.randn(sum(lens_k), heads_kv, dim)
-    v = torch.randn(sum(lens_k), heads_kv, dim)
+    k = torch.randn(sum(lens_k) + spare_k, heads_kv, dim)
+    v = torch.randn(sum(lens_k) + spare_k, heads_kv, dim)
     return q, k, v, _offsets(lens_q), _offsets(lens_k)
 
 
@@ -138,6 +139,27 @@ def test_the_kernel_writes_the_rows_after_the_last_sequence(ops, candidate, lens
     assert torch.count_nonzero(out[sum(lens_q) :]) == 0 and torch.isneginf(lse[:, sum(lens_q) :]).all()
     torch.testing.assert_close(out, expected_out, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, expected_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k", "spare_q", "spare_k"),
+    [([5, 0, 9], [7, 12, 0], 70, 40), ([1, 1], [0, 0], 3, 50), ([50, 3], [20, 33], 5, 200)],
+    ids=["sequences-without-queries-or-keys", "no-keys-at-all", "many-programs-long-tails"],
+)
+def test_the_backward_writes_every_gradient_row(ops, candidate, lens_q, lens_k, spare_q, spare_k):
+    """The Triton backward allocates dq, dk, dv unfilled: its kernels write the rows after the last
+    sequence (0) and the key rows of a sequence without queries (0), the dk/dv kernel launching one
+    key tile when max_seqlen_k is 0. NaN-filled new memory shows a row left unwritten."""
+    q, k, v, cu_q, cu_k = _packed(lens_q, lens_k, 4, 2, 16, spare_q=spare_q, spare_k=spare_k)
+    fixed = (cu_q, cu_k, max(lens_q), max(lens_k), True, None)
+    out, lse = attention_varlen.reference_forward(q, k, v, *fixed)
+    args = (torch.randn(q.shape), q, k, v, out, lse, *fixed)
+    backward = candidate(ops.hal, "attention_varlen_backward", "triton", *args)
+    with new_memory_as_nan():
+        grads = backward(*args)
+    expected = attention_varlen.reference_backward(*args)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_compile_fullgraph(plain_ops):

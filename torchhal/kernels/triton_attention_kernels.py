@@ -263,6 +263,19 @@ def _fwd_tiles(acc, l_i, m_i, q, K_base, V_base, k_strides, v_strides, offs_m, o
 
 
 @triton.jit
+def _zero_rows(Ptr, strides, b, h, first, n_rows, program, programs,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows [first, first + n_rows) of head h set to 0, shared out over `programs` programs (this
+    one is number `program`) in blocks of BLOCK rows; int64 rows, as a packed tail is not bounded
+    by max_seqlen."""
+    base = _tile_base(Ptr, strides, b, h, first)
+    offs_d = tl.arange(0, D_PAD)
+    zeros = tl.zeros([BLOCK, D_PAD], tl.float32)
+    for start in range(program * BLOCK, n_rows, programs * BLOCK):
+        _store_rows(base, zeros, tl.arange(0, BLOCK).to(tl.int64) + start, n_rows, strides, offs_d, HEAD_DIM)
+
+
+@triton.jit
 def _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, program, programs, n_batch, total_q,
                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """Packed rows after the last sequence belong to none: output 0, lse -inf, for head h. The
@@ -271,14 +284,11 @@ def _fill_unowned_rows(Out, LSE, CU_Q, o_strides, lse_strides, b, h, program, pr
     four launches)."""
     first = tl.load(CU_Q + n_batch)
     n_rows = total_q - first
-    O_base = _tile_base(Out, o_strides, b, h, first)
+    _zero_rows(Out, o_strides, b, h, first, n_rows, program, programs, HEAD_DIM, D_PAD, BLOCK_M)
     L_base = _tile_base(LSE, lse_strides, b, h, first)
-    offs_d = tl.arange(0, D_PAD)
-    zeros = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     no_keys = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for start in range(program * BLOCK_M, n_rows, programs * BLOCK_M):
-        rows = tl.arange(0, BLOCK_M).to(tl.int64) + start  # a tail is not bounded by max_seqlen_q
-        _store_rows(O_base, zeros, rows, n_rows, o_strides, offs_d, HEAD_DIM)
+        rows = tl.arange(0, BLOCK_M).to(tl.int64) + start
         tl.store(L_base + rows * lse_strides[2], no_keys, mask=rows < n_rows)
 
 
@@ -354,11 +364,11 @@ def _dq_tiles(dq, q, do, lse2, delta, K_base, V_base, k_strides, v_strides, offs
     return dq
 
 
-@triton.jit(do_not_specialize=_RUNTIME)
+@triton.jit(do_not_specialize=(*_RUNTIME, "n_batch", "total_q"))
 def _attn_bwd_dq_kernel(Q, K, V, Out, DO, LSE, Delta, DQ, CU_Q, CU_K,
                         q_strides, k_strides, v_strides, o_strides, do_strides, dq_strides, lse_strides,
                         group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right, head0, batch0,
-                        HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                        n_batch, total_q, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                         VARLEN: tl.constexpr, PRECISION: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
@@ -397,6 +407,11 @@ def _attn_bwd_dq_kernel(Q, K, V, Out, DO, LSE, Delta, DQ, CU_Q, CU_K,
                        BLOCK_N, HEAD_DIM, D_PAD, True, HAS_LEFT, HAS_RIGHT, PRECISION)
         DQ_base = _tile_base(DQ, dq_strides, b, h, q_start)
         _store_rows(DQ_base, dq * scale, offs_m, seq_q, dq_strides, offs_d, HEAD_DIM)
+    if VARLEN:
+        if b == 0:  # packed query rows after the last sequence: gradient 0
+            first = tl.load(CU_Q + n_batch)
+            _zero_rows(DQ, dq_strides, b, h, first, total_q - first, tl.program_id(0), tl.num_programs(0),
+                       HEAD_DIM, D_PAD, BLOCK_M)
 
 
 # ----- backward: dk and dv, summed over the query heads of each kv head
@@ -422,13 +437,13 @@ def _dkdv_tiles(dk, dv, k, v, Q_base, DO_base, LSE_row, Delta_row, q_strides, do
     return dk, dv
 
 
-@triton.jit(do_not_specialize=_RUNTIME)
+@triton.jit(do_not_specialize=(*_RUNTIME, "n_batch", "total_k"))
 def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
                           q_strides, k_strides, v_strides, do_strides, dk_strides, dv_strides, lse_strides,
                           group, dense_seq_q, dense_seq_k, qk_scale, scale, left, right, head0, batch0,
-                          HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                          VARLEN: tl.constexpr, PRECISION: tl.constexpr):
+                          n_batch, total_k, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                          HAS_RIGHT: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr):
     start_n = tl.program_id(0) * BLOCK_N
     hk = tl.program_id(1) + head0  # kv heads, sliced as the other kernels' query heads (`_grid_slices`)
     b = tl.program_id(2) + batch0
@@ -465,6 +480,12 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, Delta, DK, DV, CU_Q, CU_K,
         DV_base = _tile_base(DV, dv_strides, b, hk, k_start)
         _store_rows(DK_base, dk * scale, offs_n, seq_k, dk_strides, offs_d, HEAD_DIM)
         _store_rows(DV_base, dv, offs_n, seq_k, dv_strides, offs_d, HEAD_DIM)
+    if VARLEN:
+        if b == 0:  # packed key rows after the last sequence: gradients 0
+            first = tl.load(CU_K + n_batch)
+            n_rows, program, programs = total_k - first, tl.program_id(0), tl.num_programs(0)
+            _zero_rows(DK, dk_strides, b, hk, first, n_rows, program, programs, HEAD_DIM, D_PAD, BLOCK_N)
+            _zero_rows(DV, dv_strides, b, hk, first, n_rows, program, programs, HEAD_DIM, D_PAD, BLOCK_N)
 
 
 # ----- attention_varlen's offsets, checked on the device before the kernels read them
@@ -621,11 +642,13 @@ def backward(
     problem: Problem,
     configs: LaunchConfigs,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv), contiguous: the dq kernel (which also writes delta) first, then the dk/dv kernel."""
+    """(dq, dk, dv), contiguous: the dq kernel (which also writes delta) first, then the dk/dv kernel.
+    Their kernels write every row, packed rows after the last sequence too, so the gradients are
+    allocated unfilled (packed without sequences nothing is launched: zeros)."""
     varlen = problem.varlen
     lse = lse.contiguous()  # delta shares its strides; a no-op for the LSE the forwards return
     delta = torch.empty_like(lse)
-    alloc = torch.zeros if varlen else torch.empty
+    alloc = torch.zeros if varlen and problem.batch == 0 else torch.empty
     dq, dk, dv = (alloc(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     cu_q, cu_k, flags = _common(problem, q)
     scalars = (
@@ -642,15 +665,17 @@ def backward(
             _attn_bwd_dq_kernel[(triton.cdiv(problem.seq_q, dq_tile.block_m), heads, batches)](
                 q, k, v, out, grad_out, lse, delta, dq, cu_q, cu_k,
                 q_s, k_s, v_s, _strides(out, varlen), do_s, _strides(dq, varlen), lse_s, *scalars,
-                head0, batch0,
+                head0, batch0, problem.batch, q.shape[0],
                 BLOCK_M=dq_tile.block_m, BLOCK_N=dq_tile.block_n, num_warps=dq_tile.num_warps,
                 num_stages=dq_tile.num_stages, **flags,
             )  # fmt: skip
+        # at least one key tile: with max_seqlen_k 0 every packed key row is unowned, still written
+        key_tiles = max(1, triton.cdiv(problem.seq_k, kv_tile.block_n))
         for head0, heads, batch0, batches in _grid_slices(problem.heads_kv, problem.batch):
-            _attn_bwd_dkdv_kernel[(triton.cdiv(problem.seq_k, kv_tile.block_n), heads, batches)](
+            _attn_bwd_dkdv_kernel[(key_tiles, heads, batches)](
                 q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,
                 q_s, k_s, v_s, do_s, _strides(dk, varlen), _strides(dv, varlen), lse_s, *scalars,
-                head0, batch0,
+                head0, batch0, problem.batch, k.shape[0],
                 BLOCK_M=kv_tile.block_m, BLOCK_N=kv_tile.block_n, num_warps=kv_tile.num_warps,
                 num_stages=kv_tile.num_stages, **flags,
             )  # fmt: skip

@@ -191,6 +191,30 @@ def test_varlen_kernel_writes_the_rows_after_the_last_sequence(ops, candidate, l
     torch.testing.assert_close(lse, expected_lse, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k", "spare_k"),
+    [([700, 0, 1029, 1], [900, 2000, 0, 1], 3000), ([1] * 8, [0] * 8, 100)],
+    ids=["sequences-without-queries-or-keys", "no-keys-at-all"],
+)
+def test_varlen_backward_writes_every_gradient_row(ops, candidate, lens_q, lens_k, spare_k):
+    """dq, dk, dv are allocated unfilled; the backward's kernels write the rows after the last
+    sequence and the key rows of sequences without queries (0). Under deterministic algorithms new
+    memory is NaN, so a row left unwritten shows; the rest matches the reference."""
+    cu_q, cu_k = _offsets(lens_q), _offsets(lens_k)
+    q = torch.randn(sum(lens_q) + 37, 32, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k) + spare_k, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    fixed = (cu_q, cu_k, max(lens_q), max(lens_k), True, None)
+    out, lse = attention_varlen.reference_forward(q, k, v, *fixed)
+    args = (torch.randn_like(q), q, k, v, out, lse, *fixed)
+    backward = candidate(ops.hal, "attention_varlen_backward", "triton", *args)
+    with new_memory_as_nan():
+        grads = backward(*args)
+    expected = attention_varlen.reference_backward(*args)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, expected, strict=True):
+        assert not got.isnan().any(), f"{name}: rows left unwritten"
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
+
+
 def test_varlen_valid_offsets_pass_the_device_check(ops, check_op):
     """Random lengths (some 0), max_seqlen exactly the longest, tokens after the last sequence: the
     check queued before the kernels passes, and forward and gradients are within PyTorch's error."""
