@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The twenty-sixth session's GPU checks (wheels: ../shared/tools/device-wheels, then
+# benchmarks/build_device_wheels.sh; .whl_old/ holds the torchhal wheel of the session's start,
+# b8d5041). Every result goes to $OUT/raw, packed into $OUT/results.tgz at the end:
+#   bash benchmarks/gpu_session26.sh tests  # one GPU: the attention GPU tests of the varlen kernels
+#                                           # (the backward now writes every gradient row itself)
+#                                           # and of the split-KV kernel (the second review's
+#                                           # fixes), then attention_varlen's per-call cost of the
+#                                           # session-start and the new build, alternated, pinned
+#   bash benchmarks/gpu_session26.sh sweep  # one GPU: the split-KV kernel's slice count and key
+#                                           # tile swept at decoding shapes, beside SDPA
+set -uo pipefail
+phase=${1:?tests or sweep}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
+export PYTHONUNBUFFERED=1 TORCHHAL_CACHE_DIR=/tmp/cache PYTHONPATH=/tmp/site
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+RAW=$OUT/raw; mkdir -p "$RAW"
+pack() { tar czf "$OUT/results.tgz" -C "$OUT" raw && rm -rf "$RAW"; }
+if [ "$phase" = sweep ]; then
+  timeout 540 python3 benchmarks/sweep_decode_splits.py --out "$RAW/sweep_decode_splits.json" 2>&1 \
+    | tee "$RAW/sweep_decode_splits.log" | tail -12
+  pack; exit 0
+fi
+timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
+  tests/kernels/gpu/test_cuda_graphs_gpu.py -k "varlen or split_kv or graph or more_heads" 2>&1 \
+  | tee "$RAW/gpu_tests.log" | tail -4
+echo "gpu tests rc=${PIPESTATUS[0]}"
+cp -r /tmp/site /tmp/old
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
+for run in old_1 new_1 old_2 new_2 old_3 new_3; do
+  site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
+  PYTHONPATH=$site timeout 120 python3 benchmarks/bench_varlen_check.py --pin 3 --label "$run" \
+    --out "$RAW/varlen_$run.json" 2>&1 | tee "$RAW/varlen_$run.log" | tail -3
+done
+pack
