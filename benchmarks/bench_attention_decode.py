@@ -30,9 +30,11 @@ import torchhal
 from torchhal.hal_core.settings import Settings
 
 HEADS_Q, HEADS_KV, DIM = 32, 8, 128
-SHAPES = [  # (batch, query rows, cache length)
-    (1, 1, 1024), (1, 1, 8192), (1, 1, 32768), (1, 1, 131072),
+SHAPES = [  # (batch, query rows, cache length); 4 query heads per kv head, so 8 and 16 rows are 32
+    # and 64 rows of a kv head's group (the split-KV kernel's limit)
+    (1, 1, 1024), (1, 1, 4096), (1, 1, 8192), (1, 1, 32768), (1, 1, 131072),
     (8, 1, 8192), (8, 1, 32768), (32, 1, 4096), (32, 1, 16384), (4, 4, 32768),
+    (1, 8, 32768), (8, 16, 8192),
 ]  # fmt: skip
 
 

@@ -9,8 +9,11 @@
 #                                           # session-start and the new build, alternated, pinned
 #   bash benchmarks/gpu_session26.sh sweep  # one GPU: the split-KV kernel's slice count and key
 #                                           # tile swept at decoding shapes, beside SDPA
+#   bash benchmarks/gpu_session26.sh decode  # one GPU, with the slice rule the sweep chose: the
+#                                            # split-KV GPU tests, then attention at decoding shapes,
+#                                            # every candidate and ops.attention
 set -uo pipefail
-phase=${1:?tests or sweep}
+phase=${1:?tests, sweep or decode}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
@@ -21,6 +24,14 @@ pack() { tar czf "$OUT/results.tgz" -C "$OUT" raw && rm -rf "$RAW"; }
 if [ "$phase" = sweep ]; then
   timeout 540 python3 benchmarks/sweep_decode_splits.py --out "$RAW/sweep_decode_splits.json" 2>&1 \
     | tee "$RAW/sweep_decode_splits.log" | tail -12
+  pack; exit 0
+fi
+if [ "$phase" = decode ]; then
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
+    -k "split_kv" 2>&1 | tee "$RAW/gpu_tests_decode.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  timeout 360 python3 benchmarks/bench_attention_decode.py --out "$RAW/attention_decode.json" 2>&1 \
+    | tee "$RAW/attention_decode.log" | tail -16
   pack; exit 0
 fi
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \

@@ -129,9 +129,9 @@ def test_not_offered_past_its_query_tile(triton_hal):
 @pytest.mark.parametrize(
     ("units", "groups", "seq_k", "expected"),
     [
-        (132, 8, 131072, (64, 2048)),  # batch 1, 8 kv heads: 66 wanted, 64 of 32 whole tiles
-        (132, 256, 16384, (3, 5504)),  # batch 32 nearly fills the device alone
-        (132, 1024, 16384, (1, 16384)),  # more groups than programs wanted: one slice
+        (132, 8, 131072, (17, 7744)),  # batch 1, 8 kv heads: 17 wanted, of 121 whole tiles each
+        (132, 64, 16384, (3, 5504)),  # batch 8: 64 groups, 3 slices each
+        (132, 256, 16384, (1, 16384)),  # more groups than programs wanted: one slice
         (132, 8, 100, (2, 64)),  # never shorter than one tile: 2 tiles, 2 slices
         (1000, 1, 10**7, (DECODE_MAX_SPLITS, 39104)),  # at most DECODE_MAX_SPLITS
     ],

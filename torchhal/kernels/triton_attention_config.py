@@ -125,7 +125,10 @@ def _floor_power_of_2(n: int) -> int:
 # Split-KV decoding (`triton_attention_decode`): a few query rows per kv head against a long cache.
 DECODE_MAX_ROWS = 64  # query rows of one kv head's group (query heads x query length) in one tile
 DECODE_MAX_SPLITS = 256  # the combine pass reads every split's partial row
-DECODE_PROGRAMS_PER_UNIT = 4  # enough programs in flight per compute unit to keep memory busy
+# one program per compute unit keeps memory busy: each streams its slice through its stages of key
+# tiles; more programs cut the cache into shorter slices (a pipeline fill each) and hand the combine
+# pass more partials (an H100 swept 1, 2, 4 and 8: benchmarks.md, twenty-sixth session)
+DECODE_PROGRAMS_PER_UNIT = 1
 
 
 def decode_tile(caps: DeviceCapabilities, head_dim_padded: int, element_bytes: int, rows: int) -> TileConfig:
