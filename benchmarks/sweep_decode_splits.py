@@ -60,7 +60,7 @@ def sized(caps, batch: int, seq_k: int, block_n: int, ppu: int) -> tuple[int, in
     saved = config.DECODE_PROGRAMS_PER_UNIT
     config.DECODE_PROGRAMS_PER_UNIT = ppu
     try:
-        return config.decode_splits(caps, batch * HEADS_KV, seq_k, block_n)
+        return config.decode_splits(caps, batch * HEADS_KV * seq_k, seq_k, block_n)
     finally:
         config.DECODE_PROGRAMS_PER_UNIT = saved
 

@@ -127,20 +127,41 @@ def test_not_offered_past_its_query_tile(triton_hal):
 
 
 @pytest.mark.parametrize(
-    ("units", "groups", "seq_k", "expected"),
+    ("units", "work_keys", "seq_k", "expected"),
     [
-        (132, 8, 131072, (17, 7744)),  # batch 1, 8 kv heads: 17 wanted, of 121 whole tiles each
-        (132, 64, 16384, (3, 5504)),  # batch 8: 64 groups, 3 slices each
-        (132, 256, 16384, (1, 16384)),  # more groups than programs wanted: one slice
-        (132, 8, 100, (2, 64)),  # never shorter than one tile: 2 tiles, 2 slices
-        (1000, 1, 10**7, (DECODE_MAX_SPLITS, 39104)),  # at most DECODE_MAX_SPLITS
+        (132, 8 * 131072, 131072, (17, 8000)),  # batch 1, 8 kv heads: 132 programs' worth, 17 slices
+        (132, 64 * 32768, 32768, (3, 15936)),  # batch 8: two slices of a 132th of the work, and a tail
+        (132, 256 * 16384, 16384, (1, 16384)),  # more groups than compute units: one slice
+        (132, 8 * 130560, 65536, (9, 7936)),  # packed, 130,560 keys in all, the longest 65,536
+        (132, 8 * 100, 100, (2, 64)),  # never shorter than one tile: 2 tiles, 2 slices
+        (1000, 10**7, 10**7, (DECODE_MAX_SPLITS, 39104)),  # at most DECODE_MAX_SPLITS
     ],
 )
-def test_split_count_fills_the_device(units, groups, seq_k, expected):
-    """DECODE_PROGRAMS_PER_UNIT programs per compute unit, in whole key tiles, every slice with keys."""
-    splits, keys = decode_splits(fake_caps(compute_units=units), groups, seq_k, 64)
+def test_slices_share_the_work_over_the_device(units, work_keys, seq_k, expected):
+    """Slices of about work_keys / (DECODE_PROGRAMS_PER_UNIT x compute units) keys, in whole key
+    tiles, every slice with keys."""
+    splits, keys = decode_splits(fake_caps(compute_units=units), work_keys, seq_k, 64)
     assert (splits, keys) == expected
     assert keys % 64 == 0 and (splits - 1) * keys < seq_k <= splits * keys
+
+
+def test_keys_read_counts_packed_tokens_once():
+    """The work the slices share: every sequence's visible keys, dense; packed, no more than the
+    packed tokens (a batch of short caches is not max_seqlen_k keys each)."""
+    from torchhal.kernels import triton_attention_decode as decode
+    from torchhal.kernels.triton_attention_kernels import make_problem
+
+    q, k, _ = _qkv(3, 4, 2, 1, 50, 16)
+    dense = make_problem(q, k, seq_q=1, seq_k=50, batch=3, causal=True, scale=None, window=None)
+    assert decode.keys_read(dense, k, 50) == 150
+    q_packed, k_packed = torch.randn(3, 4, 16), torch.randn(70, 2, 16)
+    cu_q, cu_k = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 10, 60, 70])
+    packed = make_problem(
+        q_packed, k_packed, seq_q=1, seq_k=50, batch=3, causal=True, scale=None, window=None,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+    )  # fmt: skip
+    assert decode.keys_read(packed, k_packed, 50) == 70
+    assert decode.keys_read(packed, k_packed, 20) == 60  # a window's band: at most 20 a sequence
 
 
 def test_the_decode_signature_tells_decoding_from_prefill():

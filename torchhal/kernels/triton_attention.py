@@ -241,7 +241,8 @@ def bind_varlen_backward(
 def _bind_decode(caps: DeviceCapabilities, problem: Callable[..., Problem]) -> Callable[..., Any]:
     """An op's split-KV forward, (q, k, v, *its other arguments) -> (out, lse), for the dense and
     packed layouts alike (as `_bind_forward`), its key slices sized from the device's compute units
-    (`decode_splits`) over the keys the queries can see (`visible_keys`)."""
+    (`decode_splits`) over the keys the queries can see (`visible_keys`) and the keys all of them
+    read (`keys_read`)."""
     from torchhal.kernels import triton_attention_decode as decode
     from torchhal.kernels.triton_attention_config import TileConfig, decode_splits, decode_tile
 
@@ -257,7 +258,8 @@ def _bind_decode(caps: DeviceCapabilities, problem: Callable[..., Problem]) -> C
         if tile is None:
             tile = tiles[key] = decode_tile(caps, *key)
         keys = decode.visible_keys(made, tile.block_n)
-        splits, keys_per_split = decode_splits(caps, made.batch * made.heads_kv, keys, tile.block_n)
+        work = made.heads_kv * decode.keys_read(made, k, keys)
+        splits, keys_per_split = decode_splits(caps, work, keys, tile.block_n)
         return decode.forward(q, k, v, made, tile, splits, keys_per_split)
 
     return forward

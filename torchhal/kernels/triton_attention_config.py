@@ -125,9 +125,10 @@ def _floor_power_of_2(n: int) -> int:
 # Split-KV decoding (`triton_attention_decode`): a few query rows per kv head against a long cache.
 DECODE_MAX_ROWS = 64  # query rows of one kv head's group (query heads x query length) in one tile
 DECODE_MAX_SPLITS = 256  # the combine pass reads every split's partial row
-# one program per compute unit keeps memory busy: each streams its slice through its stages of key
-# tiles; more programs cut the cache into shorter slices (a pipeline fill each) and hand the combine
-# pass more partials (an H100 swept 1, 2, 4 and 8: benchmarks.md, twenty-sixth session)
+# one program's worth of keys per compute unit keeps memory busy: each streams its slice through
+# its stages of key tiles; more programs cut the cache into shorter slices (a pipeline fill each)
+# and hand the combine pass more partials (an H100 swept 1, 2, 4 and 8: benchmarks.md, twenty-sixth
+# session)
 DECODE_PROGRAMS_PER_UNIT = 1
 
 
@@ -149,13 +150,16 @@ def decode_tile(caps: DeviceCapabilities, head_dim_padded: int, element_bytes: i
     return TileConfig(rows, block_n, budget.warps(rows * d), stages)
 
 
-def decode_splits(caps: DeviceCapabilities, groups: int, seq_k: int, block_n: int) -> tuple[int, int]:
-    """(splits, keys per split) for `groups` (batch x kv heads) programs' worth of work over
-    `seq_k` keys: enough splits that the device holds DECODE_PROGRAMS_PER_UNIT programs per
-    compute unit, none shorter than one key tile, each a whole number of key tiles (a tile never
-    straddles two splits). One split where the groups alone fill the device."""
+def decode_splits(caps: DeviceCapabilities, work_keys: int, seq_k: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split) of a cache of `seq_k` keys when all groups (batch x kv heads)
+    together read `work_keys` keys: slices of about work_keys / (DECODE_PROGRAMS_PER_UNIT x compute
+    units) keys, so the work is shared evenly over the device however it divides into groups (a
+    packed sequence shorter than seq_k ends its slices early), each a whole number of key tiles (a
+    tile never straddles two slices), at most DECODE_MAX_SPLITS and at most seq_k's tiles. (A
+    count of slices per group instead left 64 groups' 3 equal slices, 192 programs, on 132 compute
+    units, and sized packed sequences by the longest alone.)"""
     tiles = max(1, -(-seq_k // block_n))
-    wanted = -(-DECODE_PROGRAMS_PER_UNIT * caps.compute_units // max(1, groups))
-    splits = max(1, min(wanted, tiles, DECODE_MAX_SPLITS))
-    tiles_per_split = -(-tiles // splits)
+    programs = DECODE_PROGRAMS_PER_UNIT * caps.compute_units
+    tiles_per_split = -(-work_keys // (programs * block_n))
+    tiles_per_split = min(tiles, max(1, tiles_per_split, -(-tiles // DECODE_MAX_SPLITS)))
     return -(-tiles // tiles_per_split), tiles_per_split * block_n

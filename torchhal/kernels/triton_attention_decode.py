@@ -209,6 +209,14 @@ def visible_keys(problem: Problem, block_n: int) -> int:
     return min(problem.seq_k, band)
 
 
+def keys_read(problem: Problem, k: torch.Tensor, visible: int) -> int:
+    """Keys one kv head reads over the whole batch, at most: `visible` per sequence (dense), or
+    packed, no more than the packed tokens (sequences of other lengths share them)."""
+    if problem.varlen:
+        return min(k.shape[0], problem.batch * visible)
+    return problem.batch * visible
+
+
 def query_tile_rows(heads_q: int, heads_kv: int, seq_q: int) -> int:
     """The split pass's query tile: every row of a kv head's group, a power of two, at least 16
     (tl.dot's smallest)."""
