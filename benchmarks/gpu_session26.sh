@@ -11,7 +11,8 @@
 #                                           # tile swept at decoding shapes, beside SDPA
 #   bash benchmarks/gpu_session26.sh decode  # one GPU, with the slice rule the sweep chose: the
 #                                            # split-KV GPU tests, then attention at decoding shapes,
-#                                            # every candidate and ops.attention
+#                                            # every candidate and ops.attention, with the new build
+#                                            # and then the session start's
 set -uo pipefail
 phase=${1:?tests, sweep or decode}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -30,8 +31,12 @@ if [ "$phase" = decode ]; then
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
     -k "split_kv" 2>&1 | tee "$RAW/gpu_tests_decode.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
-  timeout 360 python3 benchmarks/bench_attention_decode.py --out "$RAW/attention_decode.json" 2>&1 \
+  timeout 250 python3 benchmarks/bench_attention_decode.py --out "$RAW/attention_decode.json" 2>&1 \
     | tee "$RAW/attention_decode.log" | tail -16
+  cp -r /tmp/site /tmp/old  # the session start's build beside it, on the same GPU
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl
+  PYTHONPATH=/tmp/old timeout 250 python3 benchmarks/bench_attention_decode.py \
+    --out "$RAW/attention_decode_old.json" 2>&1 | tee "$RAW/attention_decode_old.log" | tail -16
   pack; exit 0
 fi
 timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
