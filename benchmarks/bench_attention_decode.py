@@ -6,7 +6,7 @@ selection; GPU time from CUDA graphs (triton.testing.do_bench_cudagraph), so the
 cost is not in it. Each row also gives the cache read rate (K and V bytes over the time) against
 a device copy measured in the same run (read + write bytes of a copy of K over its time).
 
-    python benchmarks/bench_attention_decode.py --out decode.json
+    python benchmarks/bench_attention_decode.py --out decode.json [--selection-timing graph]
 
 bf16, 32 query heads and 8 key/value heads (GQA, Llama-3-8B's), head dim 128, full attention (a
 single query row sees its whole cache; SDPA's causal mask is top-left aligned, so the op's
@@ -111,10 +111,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out")
+    parser.add_argument(
+        "--selection-timing",
+        choices=("eager", "graph"),
+        default="eager",
+        help="how ops.attention's measured selection times the candidates (TORCHHAL_SELECTION_TIMING)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as cache:  # nothing recalled from an earlier run
-        hal = torchhal.HardwareAbstractionLayer(settings=Settings(autotune="on", cache_dir=Path(cache)))
+        settings = Settings(autotune="on", cache_dir=Path(cache), selection_timing=args.selection_timing)
+        hal = torchhal.HardwareAbstractionLayer(settings=settings)
         torchhal.ops.set_default_hal(hal)
         rows = []
         for batch, query_rows, cache_len in SHAPES:
@@ -129,6 +136,7 @@ def main() -> None:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "selection_timing": args.selection_timing,
         "rows": rows,
         "varlen_rows": varlen_rows,
     }

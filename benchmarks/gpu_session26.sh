@@ -13,8 +13,12 @@
 #                                            # split-KV GPU tests, then attention at decoding shapes,
 #                                            # every candidate and ops.attention, with the new build
 #                                            # and then the session start's
+#   bash benchmarks/gpu_session26.sh graph  # one GPU: measured selection timing graph replays
+#                                           # (TORCHHAL_SELECTION_TIMING=graph): the adapter and kit
+#                                           # tests, the split-KV and graph tests, then the decoding
+#                                           # benchmark with graph-timed and eager-timed selection
 set -uo pipefail
-phase=${1:?tests, sweep or decode}
+phase=${1:?tests, sweep, decode or graph}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
@@ -25,6 +29,20 @@ pack() { tar czf "$OUT/results.tgz" -C "$OUT" raw && rm -rf "$RAW"; }
 if [ "$phase" = sweep ]; then
   timeout 540 python3 benchmarks/sweep_decode_splits.py --out "$RAW/sweep_decode_splits.json" 2>&1 \
     | tee "$RAW/sweep_decode_splits.log" | tail -12
+  pack; exit 0
+fi
+if [ "$phase" = graph ]; then
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu/test_nvidia_real.py \
+    tests/kernels/gpu/test_attention_gpu.py tests/kernels/gpu/test_cuda_graphs_gpu.py \
+    -k "nvidia_real or split_kv or graph" 2>&1 | tee "$RAW/gpu_tests_graph.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  timeout 120 python3 -m torchhal conformance nvidia --json > "$RAW/conformance_nvidia.json" 2> "$RAW/conformance.err"
+  echo "conformance rc=$?"; python3 -c "import json; r = json.load(open('$RAW/conformance_nvidia.json')); \
+print({k: v for k, v in r.items() if k != 'checks'}); print([c for c in r['checks'] if c['check'] == 'device.graphs'])"
+  for timing in graph eager; do
+    timeout 200 python3 benchmarks/bench_attention_decode.py --rounds 3 --selection-timing $timing \
+      --out "$RAW/attention_decode_$timing.json" 2>&1 | tee "$RAW/attention_decode_$timing.log" | tail -16
+  done
   pack; exit 0
 fi
 if [ "$phase" = decode ]; then

@@ -32,6 +32,7 @@ from torchhal.kernels import attention, linear_cross_entropy, rms_norm
 
 CPU_NOT_APPLICABLE = {  # what the CPU adapter does not have, so the kit must find not applicable
     "device.timer_events",  # no device-side timing events
+    "device.graphs",  # no graphs
     "dtype.tf32",
     "dtype.fp8_e4m3",
     "dtype.fp8_e5m2",
@@ -204,6 +205,22 @@ class EventsClaimedNotUsed(CPUAdapter):
     def discover(self) -> Sequence[DeviceCapabilities]:
         (host,) = super().discover()
         return [host.model_copy(update={"features": host.features | {Feature.DEVICE_EVENTS}})]
+
+
+class GraphsClaimedNotCaptured(CPUAdapter):
+    """Declares graphs but keeps the default graph_replay, which captures nothing."""
+
+    def discover(self) -> Sequence[DeviceCapabilities]:
+        (host,) = super().discover()
+        return [host.model_copy(update={"features": host.features | {Feature.GRAPHS}})]
+
+
+class StaleReplay(GraphsClaimedNotCaptured):
+    """Runs the work once at capture and replays nothing: a replay leaves the old result."""
+
+    def graph_replay(self, index, work):
+        work()
+        return lambda: None
 
 
 class UnknownBackend(CPUAdapter):

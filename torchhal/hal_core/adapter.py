@@ -116,6 +116,12 @@ class VendorAdapter(abc.ABC):
         """Device-side timer. The default synchronizes and reads the host clock."""
         return HostTimer(lambda: self.synchronize(index))
 
+    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
+        """The replay of `work`'s device work captured once as a graph: an adapter that declares
+        `Feature.GRAPHS` implements it (measured selection times replays under
+        `TORCHHAL_SELECTION_TIMING=graph`). The default captures nothing."""
+        raise NotImplementedError(f"adapter {self.name!r} captures no graphs")
+
     def allocate(
         self, index: int, torch_device: torch.device, shape: Sequence[int], dtype: torch.dtype
     ) -> torch.Tensor:

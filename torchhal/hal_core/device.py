@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from torchhal.hal_core.capabilities import DType
@@ -59,6 +59,11 @@ class Device:
 
     def timer(self) -> DeviceTimer:
         return self.adapter.timer(self.index)
+
+    def graph_replay(self, work: Callable[[], object]) -> Callable[[], None]:
+        """`work` captured as a device graph; the callable returned replays it
+        (`VendorAdapter.graph_replay`)."""
+        return self.adapter.graph_replay(self.index, work)
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Uninitialised memory on this device. A format torchhal tracks (`DType`: what devices

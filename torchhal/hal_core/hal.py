@@ -134,7 +134,12 @@ class HardwareAbstractionLayer:
         self.settings = settings if settings is not None else Settings.from_env()
         self._kernels = KernelRegistry(
             disabled=frozenset(self.settings.disable_kernels),
-            tuner=Tuner(self.settings.cache_dir, self.settings.autotune, code=self._kernel_code),
+            tuner=Tuner(
+                self.settings.cache_dir,
+                self.settings.autotune,
+                code=self._kernel_code,
+                timing=self.settings.selection_timing,
+            ),
         )
         self._extra_plugins = tuple(plugins)
         self._extra_adapters = tuple(adapters)

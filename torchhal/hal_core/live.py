@@ -70,6 +70,26 @@ class LiveProbe:
         event.record(module.current_stream(index))
         return event
 
+    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
+        """`work`'s device work captured once as a graph on device `index`, and the graph's replay
+        (torch.cuda's graphs: CUDA, and HIP on ROCm builds). Run once on a side stream first, as
+        capture requires (lazy initialisation and allocations stay out of the graph). A runtime
+        without torch graphs raises NotImplementedError."""
+        module = self._torch_device()
+        graph_type, capture = getattr(module, "CUDAGraph", None), getattr(module, "graph", None)
+        if graph_type is None or capture is None:
+            raise NotImplementedError(f"torch.{self.DEVICE_MODULE} captures no graphs")
+        with module.device(index):
+            side = module.Stream()
+            side.wait_stream(module.current_stream())
+            with module.stream(side):
+                work()
+            module.current_stream().wait_stream(side)
+            graph = graph_type()
+            with capture(graph):
+                work()
+        return graph.replay  # type: ignore[no-any-return]
+
 
 def record_probe(
     probe: Any,

@@ -10,6 +10,7 @@ Subclasses add their management library's readers and name the `LIBRARIES` defau
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -71,4 +72,9 @@ class RecordedProbe:
     def record_event(self, index: int) -> Any:
         raise UnsupportedError(
             f"recorded probe {self.source!r}: replays facts; device {index} records no events"
+        )
+
+    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
+        raise UnsupportedError(
+            f"recorded probe {self.source!r}: replays facts; device {index} captures no graphs"
         )

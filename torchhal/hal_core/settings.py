@@ -102,6 +102,10 @@ class Settings(BaseModel):
     autotune: Literal["off", "on", "auto"] = (
         "auto"  # measure valid candidates; auto: real event-timed devices
     )
+    # how measured selection times a candidate: "eager", calls back to back (what an eager caller
+    # pays: host launch cost included); "graph", replays of its calls captured as a device graph
+    # (what a caller replaying CUDA/HIP graphs pays: device time alone)
+    selection_timing: Literal["eager", "graph"] = "eager"
     otel_exporter: Literal["none", "console", "otlp", "memory"] | None = None
     log_level: Literal["debug", "info", "warning", "error", "critical"] = "warning"
     log_format: Literal["console", "json"] = "console"
@@ -151,7 +155,9 @@ class Settings(BaseModel):
         except RuntimeError as exc:  # '~user' unknown, or '~' without HOME or a user entry
             raise ValueError(f"'~' cannot be expanded ({exc}); give an absolute path") from None
 
-    @field_validator("log_level", "log_format", "otel_exporter", "autotune", mode="before")
+    @field_validator(
+        "log_level", "log_format", "otel_exporter", "autotune", "selection_timing", mode="before"
+    )
     @classmethod
     def _lower(cls, value: object) -> object:
         return value.lower() if isinstance(value, str) else value

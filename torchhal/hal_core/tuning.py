@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 log = telemetry.get_logger("torchhal.tuning")
 TuneMode = Literal["off", "on", "auto"]
+Timing = Literal["eager", "graph"]
 Winner = dict[str, Any]  # {"winner": qualified name, "contenders": the sorted names measured}
 BATCHES, CALLS_PER_BATCH = 3, 5
 # Triton's distribution goes by several names (PyTorch's CUDA, ROCm and XPU wheels pin their own)
@@ -37,10 +38,14 @@ class Tuner:
         cache_dir: Path | None,
         mode: TuneMode = "auto",
         code: Callable[[], dict[str, str]] = dict,
+        timing: Timing = "eager",
     ) -> None:
         """`code()`: the versions of the code behind the candidates (`code_versions`), asked once,
-        when winners are first read or written."""
+        when winners are first read or written. `timing`: what a candidate's time is (Settings'
+        `selection_timing`): calls back to back, or replays of them captured as a device graph."""
         self.mode = mode
+        self.timing = timing
+        self._eager_instead: set[str] = set()  # devices told once that they capture no graphs
         self._dir = None if cache_dir is None else cache_dir / "selections"
         self._code = code
         self._versions: dict[str, str] | None = None
@@ -56,7 +61,7 @@ class Tuner:
     def recall(self, device: Device, op: str, sig: Hashable, contenders: Iterable[str]) -> str | None:
         """The winner measured among exactly these contenders: a candidate added, enabled again
         or failing no longer since then may be faster, so another set is measured again."""
-        entry = self._table(device).get(_key(op, sig))
+        entry = self._table(device).get(self._key(device, op, sig))
         if entry is None or entry["contenders"] != sorted(contenders):
             return None
         winner: str = entry["winner"]
@@ -73,7 +78,7 @@ class Tuner:
 
         with self._lock:
             table = self._table(device)
-            table[_key(op, sig)] = {"winner": winner, "contenders": sorted(contenders)}
+            table[self._key(device, op, sig)] = {"winner": winner, "contenders": sorted(contenders)}
             path = self._path(device)
             if path is None:
                 return
@@ -94,15 +99,39 @@ class Tuner:
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> list[tuple[str, float]]:
-        """Milliseconds per call for each candidate, fastest first; one that raises gets inf."""
+        """Milliseconds per call for each candidate, fastest first; one that raises gets inf. Under
+        graph timing on a device that captures graphs, replays of each candidate's calls are
+        timed, and one that cannot be captured gets inf too (a caller's graph would fail with it)."""
+        per_call = _ms_per_replay if self._graphs(device) else _ms_per_call
         timings = []
         for name, fn in candidates:
             try:
-                timings.append((name, _ms_per_call(device, fn, args, kwargs)))
+                timings.append((name, per_call(device, fn, args, kwargs)))
             except Exception as exc:
                 log.warning("candidate raised while being measured", candidate=name, error=repr(exc))
                 timings.append((name, math.inf))
         return sorted(timings, key=lambda t: t[1])
+
+    def _graphs(self, device: Device) -> bool:
+        """Whether candidates are timed as graph replays on `device`: graph timing asked and the
+        device declares graphs. Asked of a device without them, timing is eager (logged once per
+        device, counted each measurement)."""
+        if self.timing != "graph":
+            return False
+        if Feature.GRAPHS in device.capabilities.features:
+            return True
+        telemetry.count("torchhal.tuning.graph_timing_unavailable")
+        if device.id not in self._eager_instead:
+            self._eager_instead.add(device.id)
+            log.warning("graph timing asked; the device captures no graphs: eager timing", device=device.id)
+        return False
+
+    def _key(self, device: Device, op: str, sig: Hashable) -> str:
+        """A winner's key in the table: graph-timed winners apart from eager ones (the two orders
+        differ where host launch cost decides)."""
+        key = f"{op}|{sig!r}"
+        graphs = self.timing == "graph" and Feature.GRAPHS in device.capabilities.features
+        return f"{key}|graph" if graphs else key
 
     def _table(self, device: Device) -> dict[str, Winner]:
         from torchhal.hal_core.profile import fingerprint
@@ -199,10 +228,6 @@ def _is_winner(entry: Any) -> bool:
     )
 
 
-def _key(op: str, sig: Hashable) -> str:
-    return f"{op}|{sig!r}"
-
-
 def _ms_per_call(
     device: Device, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> float:
@@ -213,5 +238,22 @@ def _ms_per_call(
         start = timer.mark()
         for _ in range(CALLS_PER_BATCH):
             fn(*args, **kwargs)
+        best = min(best, timer.elapsed_ms(start, timer.mark()) / CALLS_PER_BATCH)
+    return best
+
+
+def _ms_per_replay(
+    device: Device, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> float:
+    """Milliseconds per call of `fn` replayed from a device graph of CALLS_PER_BATCH calls. Each
+    timed replay follows an untimed one, so the device is busy when the start mark is recorded and
+    the host's launch of the replay stays out of the figure."""
+    replay = device.graph_replay(lambda: [fn(*args, **kwargs) for _ in range(CALLS_PER_BATCH)])
+    timer = device.timer()
+    best = math.inf
+    for _ in range(BATCHES):
+        replay()
+        start = timer.mark()
+        replay()
         best = min(best, timer.elapsed_ms(start, timer.mark()) / CALLS_PER_BATCH)
     return best

@@ -235,3 +235,32 @@ def check_timer_events(ctx: AdapterUnderTest) -> str:
         return f"{type(timer).__name__}"
 
     return each_device(with_events, one)
+
+
+GRAPH_ELEMENTS = 4096
+
+
+def check_graphs(ctx: AdapterUnderTest) -> str:
+    """A device declaring graphs captures work once and each replay recomputes it on the inputs'
+    new values (measured selection times replays under TORCHHAL_SELECTION_TIMING=graph)."""
+    import torch
+
+    with_graphs = [d for d in ctx.devices() if Feature.GRAPHS in d.capabilities.features]
+    if not with_graphs:
+        raise NotApplicable("no device declares the graphs feature")
+
+    def one(device: Device) -> str:
+        if DType.FP32 not in device.capabilities.dtypes:
+            raise NotApplicable("the device declares graphs but not fp32, in which the check computes")
+        x = device.to_device(torch.randn(GRAPH_ELEMENTS))
+        out = device.empty((GRAPH_ELEMENTS,), torch.float32)
+        replay = device.graph_replay(lambda: torch.mul(x, 2.0, out=out))
+        fresh = torch.randn(GRAPH_ELEMENTS)
+        device.copy_(x, fresh)
+        replay()
+        device.synchronize()
+        if not torch_equal(out, fresh * 2.0):
+            raise CheckFailed("a replay did not recompute the captured x * 2 on x's new values")
+        return "captured x * 2, replayed on new values"
+
+    return each_device(with_graphs, one)

@@ -118,6 +118,12 @@ _FIXED = (
         checks_device.check_timer_events,
     ),
     Check(
+        "device.graphs",
+        "devices with the graphs feature capture work and replay it on new values",
+        False,
+        checks_device.check_graphs,
+    ),
+    Check(
         "collectives.backend",
         "collective_backend() is a backend torch.distributed has",
         True,

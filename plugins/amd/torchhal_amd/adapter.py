@@ -8,7 +8,7 @@ HIP's WGP counting to compute units, amdsmi readings to health and xGMI links.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchhal.hal_core import (
@@ -234,6 +234,9 @@ class AmdAdapter(VendorAdapter):
 
     def timer(self, index: int) -> DeviceTimer:
         return EventTimer(lambda: self.runtime_probe.record_event(index))
+
+    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
+        return self.runtime_probe.graph_replay(index, work)  # type: ignore[no-any-return]
 
 
 def _link_type(facts: dict[str, Any]) -> LinkType | None:

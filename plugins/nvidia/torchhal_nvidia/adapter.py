@@ -7,7 +7,7 @@ NVML readings to health, links to a topology, device names to datasheet peaks.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torchhal.hal_core import (
@@ -230,6 +230,9 @@ class NvidiaAdapter(VendorAdapter):
 
     def timer(self, index: int) -> DeviceTimer:
         return EventTimer(lambda: self.runtime_probe.record_event(index))
+
+    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
+        return self.runtime_probe.graph_replay(index, work)  # type: ignore[no-any-return]
 
 
 def _dtypes(cc: tuple[int, int]) -> frozenset[DType]:
