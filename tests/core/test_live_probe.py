@@ -79,3 +79,18 @@ def test_live_probe_reads_the_named_torch_module(monkeypatch, peer_query):
     # a torch release without the peer query reports no peer access rather than failing
     assert probe.can_access_peer(0, 1) is peer_query
     assert probe.can_access_peer(1, 0) is False
+
+
+def test_a_module_without_graph_queries_captures_none(monkeypatch):
+    """A device module without is_current_stream_capturing is never capturing; one without
+    CUDAGraph and graph cannot capture: NotImplementedError, which measured selection's graph
+    timing relies on the graphs feature to avoid."""
+    monkeypatch.setattr(torch, "standin", _DeviceModule(peer_query=False), raising=False)
+
+    class StandinProbe(LiveProbe):
+        DEVICE_MODULE = "standin"
+
+    probe = StandinProbe()
+    assert probe.capturing(0) is False
+    with pytest.raises(NotImplementedError, match=r"torch\.standin captures no graphs"):
+        probe.graph_replay(0, lambda: None)

@@ -44,6 +44,10 @@ class GraphAdapter(FakeAdapter):
     def __init__(self, graphs: bool = True) -> None:
         features = {Feature.GRAPHS} if graphs else set()
         super().__init__([fake_caps(features=frozenset(features))])
+        self.in_capture = False  # a caller's graph capture under way on the device's stream
+
+    def capturing(self, index):
+        return self.in_capture
 
     def graph_replay(self, index, work):
         recorded: list[float] = []
@@ -146,3 +150,28 @@ def test_the_setting_reads_its_variable(settings):
     assert Settings.from_env({}).selection_timing == "eager"
     with pytest.raises(Exception, match="TORCHHAL_SELECTION_TIMING='replay'"):
         Settings.from_env({"TORCHHAL_SELECTION_TIMING": "replay"})
+
+
+@pytest.mark.parametrize("timing", ["eager", "graph"])
+def test_selection_inside_a_callers_capture_measures_nothing_until_after_it(settings, tmp_path, timing):
+    """The first call of a signature inside a caller's graph capture: timing would synchronise and
+    invalidate the capture. The candidates go in priority order for that call, uncached and
+    unmemoised, so the first call after the capture measures them."""
+    import torch
+
+    hal = _hal(settings, tmp_path, timing)
+    adapter = hal.device("acme:0").adapter
+    x = torch.randn(4, 4)
+    before = telemetry.counts().get("torchhal.kernel.unmeasured_in_capture,op=timing_probe", 0)
+    adapter.in_capture = True
+    try:
+        for _ in range(2):
+            during = hal.kernels.select(OP, hal.device("acme:0"), x)
+            assert during.provisional and during.timings_ms == ()
+            assert during.candidate.qualified_name == HOST_HEAVY  # the higher priority
+            torch.testing.assert_close(hal.kernels.call(OP, hal.device("acme:0"), x), x * 2)
+    finally:
+        adapter.in_capture = False
+    assert telemetry.counts()["torchhal.kernel.unmeasured_in_capture,op=timing_probe"] == before + 4
+    after = hal.kernels.select(OP, hal.device("acme:0"), x)
+    assert not after.provisional and dict(after.timings_ms).keys() == {HOST_HEAVY, DEVICE_HEAVY}

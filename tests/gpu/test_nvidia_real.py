@@ -149,3 +149,32 @@ def test_graph_timed_selection_picks_what_a_graph_replays_fastest(tmp_path):
     assert times["torchhal/triton_decode"] < 0.6 * times["nvidia/sdpa_flash"], times
     (saved,) = (tmp_path / "selections").glob("*.json")
     assert all(key.endswith("|graph") for key in json.loads(saved.read_text())["winners"])
+
+
+def test_a_first_call_inside_a_callers_capture_selects_without_timing(tmp_path):
+    """Selection meets a signature first inside the caller's graph capture: timing there would
+    synchronise and invalidate the capture. The capture succeeds with the priority candidate, its
+    replay computes the op, and the first call after it measures."""
+    import torchhal
+    from torchhal.hal_core.settings import Settings
+    from torchhal.kernels import attention
+
+    q, k, v = (torch.randn(1, 4, 256, 64, device="cuda:0", dtype=torch.bfloat16) for _ in range(3))
+    warm = HardwareAbstractionLayer(settings=Settings(autotune="on", cache_dir=tmp_path / "warm"))
+    warm.kernels.call("attention", warm.device("cuda:0"), q, k, v, False, None, None)  # kernels compiled
+    hal = HardwareAbstractionLayer(settings=Settings(autotune="on", cache_dir=tmp_path / "fresh"))
+    torchhal.ops.set_default_hal(hal)
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(graph):
+            out = torchhal.ops.attention(q, k, v)
+        fresh = torch.randn_like(q)
+        q.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = attention.reference(fresh.float(), k.float(), v.float()).to(torch.bfloat16)
+        torch.testing.assert_close(out, expected, rtol=2e-2, atol=2e-2)
+        after = hal.kernels.select("attention", hal.device("cuda:0"), q, k, v, False, None, None)
+        assert not after.provisional and len(after.timings_ms) > 1
+    finally:
+        torchhal.ops.set_default_hal(None)

@@ -116,6 +116,11 @@ class VendorAdapter(abc.ABC):
         """Device-side timer. The default synchronizes and reads the host clock."""
         return HostTimer(lambda: self.synchronize(index))
 
+    def capturing(self, index: int) -> bool:
+        """Whether device `index`'s current stream is capturing a graph: measured selection then
+        times nothing (a synchronisation would invalidate the capture). The default: never."""
+        return False
+
     def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
         """The replay of `work`'s device work captured once as a graph: an adapter that declares
         `Feature.GRAPHS` implements it (measured selection times replays under

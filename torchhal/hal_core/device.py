@@ -60,6 +60,10 @@ class Device:
     def timer(self) -> DeviceTimer:
         return self.adapter.timer(self.index)
 
+    def capturing(self) -> bool:
+        """Whether this device's current stream is capturing a graph (`VendorAdapter.capturing`)."""
+        return self.adapter.capturing(self.index)
+
     def graph_replay(self, work: Callable[[], object]) -> Callable[[], None]:
         """`work` captured as a device graph; the callable returned replays it
         (`VendorAdapter.graph_replay`)."""

@@ -154,6 +154,9 @@ class Selection:
     rejected: tuple[Rejection, ...]
     fn: Callable[..., Any]  # the candidate's callable, bound to the device when it has `bind`
     timings_ms: tuple[tuple[str, float], ...] = ()  # when chosen by measurement, fastest first
+    # chosen by priority while the device's stream captured a graph, where timing would break the
+    # capture: neither cached nor memoised, so a call after the capture measures
+    provisional: bool = False
 
     def explain(self) -> str:
         lines = [f"{self.op} on {self.device} for {self.signature}: {self.candidate.qualified_name}"]
@@ -319,7 +322,7 @@ class KernelRegistry:
             device = locate(op, args[0] if args else None)
             sig = opdef.signature(*args)
             selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args)
-            if key is not None and seen is not None and opdef.memoizes(args):
+            if key is not None and seen is not None and opdef.memoizes(args) and not selection.provisional:
                 seen.remember(key, route, args, (device, selection))
         else:
             device, selection = hit
@@ -398,8 +401,14 @@ class KernelRegistry:
             valid, rejected = self._judge_all(op, device, candidates, sig, failed)
             timings: tuple[tuple[str, float], ...] = ()
             remembered: str | None = None
+            provisional = False
             if len(valid) > 1 and args is not None and self.tuner is not None and self.tuner.wants(device):
-                valid, timings, remembered = self._by_measurement(op, device, sig, valid, args, kwargs or {})
+                if device.capturing():
+                    provisional = _unmeasured_in_capture(op, device)
+                else:
+                    valid, timings, remembered = self._by_measurement(
+                        op, device, sig, valid, args, kwargs or {}
+                    )
             while True:
                 chosen, rest = valid[0], tuple(valid[1:])
                 try:
@@ -416,13 +425,13 @@ class KernelRegistry:
                 )
                 for c in rest
             ]
-            selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected), fn, timings)
+            selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected), fn, timings, provisional)
             span.set_attribute("torchhal.kernel.candidate", chosen.qualified_name)
             span.set_attribute("torchhal.kernel.rejected", [str(r) for r in rejected])
         log.debug(
             "kernel selected", op=op, device=device.id, signature=str(sig), candidate=chosen.qualified_name
         )
-        if store:
+        if store and not provisional:
             self._store(selection, candidates)
         return selection
 
@@ -652,6 +661,25 @@ def _seen(value: object) -> str:
     shortened repr (a list of tensors passed by mistake printed whole, 14,000 characters)."""
     text = repr(value)
     return text if len(text) <= 80 else f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+_warned_in_capture: set[tuple[str, str]] = set()
+
+
+def _unmeasured_in_capture(op: str, device: Device) -> bool:
+    """Selection met a device whose stream is capturing a graph (the first call of a signature
+    inside a caller's capture): timing there would synchronise and invalidate the capture, so the
+    candidates go in priority order, for this call only (counted; logged once per op and device)."""
+    telemetry.count("torchhal.kernel.unmeasured_in_capture", op=op)
+    if (op, device.id) not in _warned_in_capture:
+        _warned_in_capture.add((op, device.id))
+        log.warning(
+            "kernel selection during a graph capture: candidates not measured, priority order "
+            "until a call outside the capture measures them",
+            op=op,
+            device=device.id,
+        )
+    return True
 
 
 def _outranked(

@@ -70,6 +70,16 @@ class LiveProbe:
         event.record(module.current_stream(index))
         return event
 
+    def capturing(self, index: int) -> bool:
+        """Whether device `index`'s current stream is capturing a graph (a runtime without the
+        query captures none)."""
+        module = self._torch_device()
+        query = getattr(module, "is_current_stream_capturing", None)
+        if query is None:
+            return False
+        with module.device(index):
+            return bool(query())
+
     def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
         """`work`'s device work captured once as a graph on device `index`, and the graph's replay
         (torch.cuda's graphs: CUDA, and HIP on ROCm builds). Run once on a side stream first, as

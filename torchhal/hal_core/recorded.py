@@ -74,6 +74,10 @@ class RecordedProbe:
             f"recorded probe {self.source!r}: replays facts; device {index} records no events"
         )
 
+    def capturing(self, index: int) -> bool:
+        """A replay of facts runs nothing, so captures nothing."""
+        return False
+
     def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
         raise UnsupportedError(
             f"recorded probe {self.source!r}: replays facts; device {index} captures no graphs"

@@ -235,6 +235,9 @@ class AmdAdapter(VendorAdapter):
     def timer(self, index: int) -> DeviceTimer:
         return EventTimer(lambda: self.runtime_probe.record_event(index))
 
+    def capturing(self, index: int) -> bool:
+        return self.runtime_probe.capturing(index)  # type: ignore[no-any-return]
+
     def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
         return self.runtime_probe.graph_replay(index, work)  # type: ignore[no-any-return]
 

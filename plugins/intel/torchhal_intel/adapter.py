@@ -144,3 +144,6 @@ class IntelAdapter(VendorAdapter):
 
     def timer(self, index: int) -> DeviceTimer:
         return EventTimer(lambda: self.runtime_probe.record_event(index))
+
+    def capturing(self, index: int) -> bool:
+        return self.runtime_probe.capturing(index)  # type: ignore[no-any-return]
