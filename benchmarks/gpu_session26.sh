@@ -17,8 +17,10 @@
 #                                           # (TORCHHAL_SELECTION_TIMING=graph): the adapter and kit
 #                                           # tests, the split-KV and graph tests, then the decoding
 #                                           # benchmark with graph-timed and eager-timed selection
+#   bash benchmarks/gpu_session26.sh capture  # one GPU: a capture whose first op call selects, with
+#                                             # the new build's tests and the probe on both builds
 set -uo pipefail
-phase=${1:?tests, sweep, decode or graph}
+phase=${1:?tests, sweep, decode, graph or capture}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
@@ -29,6 +31,18 @@ pack() { tar czf "$OUT/results.tgz" -C "$OUT" raw && rm -rf "$RAW"; }
 if [ "$phase" = sweep ]; then
   timeout 540 python3 benchmarks/sweep_decode_splits.py --out "$RAW/sweep_decode_splits.json" 2>&1 \
     | tee "$RAW/sweep_decode_splits.log" | tail -12
+  pack; exit 0
+fi
+if [ "$phase" = capture ]; then
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu/test_nvidia_real.py \
+    tests/kernels/gpu/test_cuda_graphs_gpu.py 2>&1 | tee "$RAW/gpu_tests_capture.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  cp -r /tmp/site /tmp/old
+  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl
+  for build in site old; do
+    echo "probe $build: $(PYTHONPATH=/tmp/$build timeout 120 python3 benchmarks/probe_capture_selection.py 2>&1 | tail -1)" \
+      | tee -a "$RAW/probe_capture.log"
+  done
   pack; exit 0
 fi
 if [ "$phase" = graph ]; then
