@@ -21,13 +21,7 @@
 #                                             # the new build's tests and the probe on both builds
 set -uo pipefail
 phase=${1:?tests, sweep, decode, graph or capture}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-rm -rf torchhal  # the installed wheels, not the checkout, as a user has them
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>/dev/null || exit 1
-export PYTHONUNBUFFERED=1 TORCHHAL_CACHE_DIR=/tmp/cache PYTHONPATH=/tmp/site
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-RAW=$OUT/raw; mkdir -p "$RAW"
-pack() { tar czf "$OUT/results.tgz" -C "$OUT" raw && rm -rf "$RAW"; }
+source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = sweep ]; then
   timeout 540 python3 benchmarks/sweep_decode_splits.py --out "$RAW/sweep_decode_splits.json" 2>&1 \
     | tee "$RAW/sweep_decode_splits.log" | tail -12
@@ -37,8 +31,7 @@ if [ "$phase" = capture ]; then
   timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu/test_nvidia_real.py \
     tests/kernels/gpu/test_cuda_graphs_gpu.py 2>&1 | tee "$RAW/gpu_tests_capture.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
-  cp -r /tmp/site /tmp/old
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl
+  install_old_build
   for build in site old; do
     echo "probe $build: $(PYTHONPATH=/tmp/$build timeout 120 python3 benchmarks/probe_capture_selection.py 2>&1 | tail -1)" \
       | tee -a "$RAW/probe_capture.log"
@@ -65,8 +58,7 @@ if [ "$phase" = decode ]; then
   echo "gpu tests rc=${PIPESTATUS[0]}"
   timeout 250 python3 benchmarks/bench_attention_decode.py --out "$RAW/attention_decode.json" 2>&1 \
     | tee "$RAW/attention_decode.log" | tail -16
-  cp -r /tmp/site /tmp/old  # the session start's build beside it, on the same GPU
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl
+  install_old_build  # the session start's build beside it, on the same GPU
   PYTHONPATH=/tmp/old timeout 250 python3 benchmarks/bench_attention_decode.py \
     --out "$RAW/attention_decode_old.json" 2>&1 | tee "$RAW/attention_decode_old.log" | tail -16
   pack; exit 0
@@ -75,8 +67,7 @@ timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gp
   tests/kernels/gpu/test_cuda_graphs_gpu.py -k "varlen or split_kv or graph or more_heads" 2>&1 \
   | tee "$RAW/gpu_tests.log" | tail -4
 echo "gpu tests rc=${PIPESTATUS[0]}"
-cp -r /tmp/site /tmp/old
-python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
+install_old_build
 for run in old_1 new_1 old_2 new_2 old_3 new_3; do
   site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
   PYTHONPATH=$site timeout 120 python3 benchmarks/bench_varlen_check.py --pin 3 --label "$run" \

@@ -4,7 +4,9 @@ replay what those answered)."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -94,3 +96,59 @@ def test_a_module_without_graph_queries_captures_none(monkeypatch):
     assert probe.capturing(0) is False
     with pytest.raises(NotImplementedError, match=r"torch\.standin captures no graphs"):
         probe.graph_replay(0, lambda: None)
+
+
+class _Stream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+class _GraphModule:
+    """A device module with graphs whose capture fails at its end, as torch's does when the
+    captured work synchronised: its context leaves its own stream current."""
+
+    def __init__(self) -> None:
+        self.current = self.caller = _Stream()
+        self.captured_on: list[object] = []
+
+    def device(self, index: int) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def current_stream(self) -> _Stream:
+        return self.current
+
+    def set_stream(self, stream: _Stream) -> None:
+        self.current = stream
+
+    Stream = _Stream
+
+    @contextlib.contextmanager
+    def stream(self, stream: _Stream) -> Iterator[None]:
+        saved, self.current = self.current, stream
+        yield
+        self.current = saved
+
+    class XGraph:
+        def replay(self) -> None:
+            pass
+
+    @contextlib.contextmanager
+    def graph(self, graph: object, stream: _Stream) -> Iterator[None]:
+        self.captured_on.append(stream)
+        self.current = stream  # torch enters its stream context, then capture_end raises
+        yield
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_restores_the_callers_stream(monkeypatch):
+    module = _GraphModule()
+    monkeypatch.setattr(torch, "standin", module, raising=False)
+
+    class StandinProbe(LiveProbe):
+        DEVICE_MODULE = "standin"
+        GRAPH_CLASS = "XGraph"
+
+    with pytest.raises(RuntimeError, match="capturing"):
+        StandinProbe().graph_replay(0, lambda: None)
+    assert module.current is module.caller
+    assert module.captured_on and module.captured_on[0] is not module.caller  # on its own side stream

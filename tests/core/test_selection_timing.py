@@ -175,3 +175,21 @@ def test_selection_inside_a_callers_capture_measures_nothing_until_after_it(sett
     assert telemetry.counts()["torchhal.kernel.unmeasured_in_capture,op=timing_probe"] == before + 4
     after = hal.kernels.select(OP, hal.device("acme:0"), x)
     assert not after.provisional and dict(after.timings_ms).keys() == {HOST_HEAVY, DEVICE_HEAVY}
+
+
+def test_inside_a_capture_a_remembered_winner_is_used(settings, tmp_path):
+    """Recalling a winner reads a file, which a capture allows: the graph gets the measured
+    winner, and that selection is cached like any other."""
+    import torch
+
+    measured = _select(_hal(settings, tmp_path, "eager"))
+    assert measured.candidate.qualified_name == DEVICE_HEAVY and measured.timings_ms
+    hal = _hal(settings, tmp_path, "eager")
+    adapter = hal.device("acme:0").adapter
+    adapter.in_capture = True
+    try:
+        during = _select(hal)
+    finally:
+        adapter.in_capture = False
+    assert during.candidate.qualified_name == DEVICE_HEAVY and not during.provisional
+    assert hal.kernels.select(OP, hal.device("acme:0"), torch.randn(4, 4)) is during

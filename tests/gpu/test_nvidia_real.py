@@ -128,6 +128,28 @@ def test_graph_replay_recomputes_on_new_inputs(hal):
     torch.testing.assert_close(out, fresh @ b)
 
 
+def test_graph_replay_captures_on_the_device_it_is_asked_for(hal):
+    """torch's default capture stream belongs to the device current at the first capture: a
+    later capture of work on another GPU captured nothing. Each device captures on a stream of
+    its own, whichever device is current."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    for index in (0, 1, 0):
+        device = hal.device(f"cuda:{index}")
+        a = torch.randn(256, 256, device=f"cuda:{index}")
+        out = torch.empty_like(a)
+        replay = device.graph_replay(lambda a=a, out=out: torch.mul(a, 3.0, out=out))
+        fresh = torch.randn_like(a)
+        a.copy_(fresh)
+        replay()
+        torch.cuda.synchronize(index)
+        torch.testing.assert_close(out, fresh * 3.0)
+
+
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability(0) != (9, 0),
+    reason="the kernels' relative speeds asserted are an H100/H200's",
+)
 def test_graph_timed_selection_picks_what_a_graph_replays_fastest(tmp_path):
     """8 query rows per head against a 32k cache: per call back to back (eager timing) the split-KV
     kernel's two Triton launches cost more host time than its 54 µs on the GPU, and SDPA's flash

@@ -403,12 +403,9 @@ class KernelRegistry:
             remembered: str | None = None
             provisional = False
             if len(valid) > 1 and args is not None and self.tuner is not None and self.tuner.wants(device):
-                if device.capturing():
-                    provisional = _unmeasured_in_capture(op, device)
-                else:
-                    valid, timings, remembered = self._by_measurement(
-                        op, device, sig, valid, args, kwargs or {}
-                    )
+                valid, timings, remembered, provisional = self._by_measurement(
+                    op, device, sig, valid, args, kwargs or {}
+                )
             while True:
                 chosen, rest = valid[0], tuple(valid[1:])
                 try:
@@ -492,20 +489,25 @@ class KernelRegistry:
         valid: list[Candidate],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-    ) -> tuple[list[Candidate], tuple[tuple[str, float], ...], str | None]:
+    ) -> tuple[list[Candidate], tuple[tuple[str, float], ...], str | None, bool]:
         """Valid candidates reordered fastest first (priority order breaks ties and failures), the
-        timings, and the winner remembered from an earlier measurement of these same contenders
-        (its timings are not kept). The reference is the ground truth, not a contender: it stays
-        last, unmeasured (it may materialise what the fast kernels avoid, e.g. a seq² score matrix)."""
+        timings, the winner remembered from an earlier measurement of these same contenders (its
+        timings are not kept), and whether the order is provisional: the device's stream captures
+        a graph, where timing would synchronise and invalidate the capture, and nothing was
+        remembered (`_unmeasured_in_capture`). The reference is the ground truth, not a contender:
+        it stays last, unmeasured (it may materialise what the fast kernels avoid, e.g. a seq²
+        score matrix)."""
         assert self.tuner is not None
         contenders = [c for c in valid if c.name != REFERENCE]
         if len(contenders) < 2:
-            return valid, (), None
+            return valid, (), None, False
         by_name = {c.qualified_name: c for c in contenders}
         remembered = self.tuner.recall(device, op, sig, by_name)
         if remembered in by_name:
             order = [by_name[remembered]] + [c for c in valid if c.qualified_name != remembered]
-            return order, (), remembered
+            return order, (), remembered, False
+        if device.capturing():
+            return valid, (), None, _unmeasured_in_capture(op, device)
         caps = device.capabilities
         timings = self.tuner.measure(
             device, [(c.qualified_name, _bound_or_raiser(c, caps)) for c in contenders], args, kwargs
@@ -514,7 +516,7 @@ class KernelRegistry:
         if measured:  # one that raised is not beaten for good: the next process measures again
             self.tuner.remember(device, op, sig, measured[0], measured)
         order = [by_name[name] for name in measured]
-        return order + [c for c in valid if c not in order], tuple(timings), None
+        return order + [c for c in valid if c not in order], tuple(timings), None, False
 
     def _judge(self, cand: Candidate, caps: DeviceCapabilities, sig: Hashable) -> Unsupported | None:
         if cand.name in self.disabled or cand.qualified_name in self.disabled:

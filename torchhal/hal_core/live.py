@@ -33,6 +33,10 @@ def torch_properties(props: object) -> dict[str, Any]:
 
 class LiveProbe:
     DEVICE_MODULE: ClassVar[str]  # the torch attribute this vendor's runtime answers through
+    GRAPH_CLASS: ClassVar[str | None] = None  # its graph class (CUDAGraph, XPUGraph); None: no graphs
+    # "thread_local": other threads' unsafe calls stay legal during a capture (torch.xpu.graph
+    # takes no mode: None)
+    CAPTURE_ERROR_MODE: ClassVar[str | None] = None
 
     def _torch_device(self) -> Any:
         import torch
@@ -82,22 +86,31 @@ class LiveProbe:
 
     def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
         """`work`'s device work captured once as a graph on device `index`, and the graph's replay
-        (torch.cuda's graphs: CUDA, and HIP on ROCm builds). Run once on a side stream first, as
-        capture requires (lazy initialisation and allocations stay out of the graph). A runtime
-        without torch graphs raises NotImplementedError."""
+        (`GRAPH_CLASS` of the device module: torch.cuda's CUDA graphs, HIP on ROCm builds;
+        torch.xpu's). Run once on a side stream first, as capture requires (lazy initialisation
+        stays out of the graph), then captured on that stream, on device `index` whichever device
+        is current (torch's default capture stream belongs to the device current at its first
+        capture), in `CAPTURE_ERROR_MODE`. A capture that fails leaves torch's capture stream
+        current: the caller's is restored. A runtime without graphs raises NotImplementedError.
+        torch's capture synchronises the device and empties its allocator's cache first."""
         module = self._torch_device()
-        graph_type, capture = getattr(module, "CUDAGraph", None), getattr(module, "graph", None)
+        graph_type = getattr(module, self.GRAPH_CLASS, None) if self.GRAPH_CLASS else None
+        capture = getattr(module, "graph", None)
         if graph_type is None or capture is None:
             raise NotImplementedError(f"torch.{self.DEVICE_MODULE} captures no graphs")
         with module.device(index):
+            caller = module.current_stream()
             side = module.Stream()
-            side.wait_stream(module.current_stream())
+            side.wait_stream(caller)
             with module.stream(side):
                 work()
-            module.current_stream().wait_stream(side)
             graph = graph_type()
-            with capture(graph):
-                work()
+            mode = {} if self.CAPTURE_ERROR_MODE is None else {"capture_error_mode": self.CAPTURE_ERROR_MODE}
+            try:
+                with capture(graph, stream=side, **mode):
+                    work()
+            finally:
+                module.set_stream(caller)
         return graph.replay  # type: ignore[no-any-return]
 
 

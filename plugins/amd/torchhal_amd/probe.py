@@ -34,6 +34,8 @@ class RocmProbe(LiveProbe):
     """Live facts from torch.cuda on a ROCm build of torch, and from amdsmi (optional)."""
 
     DEVICE_MODULE = "cuda"  # ROCm builds of torch answer through torch.cuda
+    GRAPH_CLASS = "CUDAGraph"  # HIP graphs
+    CAPTURE_ERROR_MODE = "thread_local"
 
     def __init__(self) -> None:
         self._smi: Any = None

@@ -8,7 +8,7 @@ so health is UNKNOWN and the topology lists devices without links, each said so.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torchhal.hal_core import (
@@ -147,3 +147,6 @@ class IntelAdapter(VendorAdapter):
 
     def capturing(self, index: int) -> bool:
         return self.runtime_probe.capturing(index)  # type: ignore[no-any-return]
+
+    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
+        return self.runtime_probe.graph_replay(index, work)  # type: ignore[no-any-return]

@@ -21,6 +21,7 @@ class XpuProbe(LiveProbe):
     """Live facts from torch.xpu."""
 
     DEVICE_MODULE = "xpu"
+    GRAPH_CLASS = "XPUGraph"  # torch.xpu.graph takes no capture_error_mode
 
     def runtime(self) -> dict[str, Any]:
         """How torch was built; reads no device."""

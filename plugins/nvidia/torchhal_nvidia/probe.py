@@ -27,6 +27,8 @@ class CudaProbe(LiveProbe):
     """Live facts from torch.cuda, NVML (optional, imported on first use) and nvidia-smi."""
 
     DEVICE_MODULE = "cuda"
+    GRAPH_CLASS = "CUDAGraph"
+    CAPTURE_ERROR_MODE = "thread_local"
 
     def __init__(self) -> None:
         self._nvml: Any = None
