@@ -19,12 +19,26 @@
 #                                           # benchmark with graph-timed and eager-timed selection
 #   bash benchmarks/gpu_session26.sh capture  # one GPU: a capture whose first op call selects, with
 #                                             # the new build's tests and the probe on both builds
+#   bash benchmarks/gpu_session26.sh review  # two GPUs, after the review's fixes to graph capture:
+#                                            # the adapter, graph and split-KV GPU tests, the kit on
+#                                            # both GPUs, the capture probe
 set -uo pipefail
-phase=${1:?tests, sweep, decode, graph or capture}
+phase=${1:?tests, sweep, decode, graph, capture or review}
 source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = sweep ]; then
   timeout 540 python3 benchmarks/sweep_decode_splits.py --out "$RAW/sweep_decode_splits.json" 2>&1 \
     | tee "$RAW/sweep_decode_splits.log" | tail -12
+  pack; exit 0
+fi
+if [ "$phase" = review ]; then
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/gpu/test_nvidia_real.py \
+    tests/kernels/gpu/test_cuda_graphs_gpu.py tests/kernels/gpu/test_attention_gpu.py -k "nvidia_real or graph or split_kv" \
+    2>&1 | tee "$RAW/gpu_tests_review.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  timeout 150 python3 -m torchhal conformance nvidia --json > "$RAW/conformance_nvidia.json" 2> "$RAW/conformance.err"
+  echo "conformance rc=$?"; python3 -c "import json; r = json.load(open('$RAW/conformance_nvidia.json')); \
+print(r['summary']); print([c for c in r['checks'] if c['check'] == 'device.graphs'])"
+  timeout 120 python3 benchmarks/probe_capture_selection.py 2>&1 | tee "$RAW/probe_capture.log" | tail -1
   pack; exit 0
 fi
 if [ "$phase" = capture ]; then

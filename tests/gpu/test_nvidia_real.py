@@ -200,3 +200,33 @@ def test_a_first_call_inside_a_callers_capture_selects_without_timing(tmp_path):
         assert not after.provisional and len(after.timings_ms) > 1
     finally:
         torchhal.ops.set_default_hal(None)
+
+
+def test_an_uncapturable_candidate_leaves_the_callers_stream_and_later_captures_whole(tmp_path):
+    """Under graph timing a candidate that reads a value back on the host cannot be captured: it
+    measures inf, the caller's current stream is the one it had, and a later capture works."""
+    from torchhal.hal_core.settings import Settings
+    from torchhal.kernels import rms_norm
+
+    def host_sync(x, weight, eps=1e-6):
+        float(x.sum().item())  # illegal while capturing
+        return rms_norm.reference(x, weight, eps)
+
+    env = {
+        "TORCHHAL_CACHE_DIR": str(tmp_path),
+        "TORCHHAL_AUTOTUNE": "on",
+        "TORCHHAL_SELECTION_TIMING": "graph",
+    }
+    hal = HardwareAbstractionLayer(settings=Settings.from_env(env))
+    hal.kernels.register("rms_norm", "host_sync", host_sync, provider="test", priority=1000)
+    x, w = torch.randn(64, 256, device="cuda:0"), torch.randn(256, device="cuda:0")
+    before = torch.cuda.current_stream(0)
+    selection = hal.kernels.select("rms_norm", hal.device("cuda:0"), x, w)
+    assert torch.cuda.current_stream(0) == before
+    times = dict(selection.timings_ms)
+    assert times["test/host_sync"] == float("inf") and selection.candidate.name != "host_sync", times
+    out = torch.empty_like(x)
+    replay = hal.device("cuda:0").graph_replay(lambda: out.copy_(x * 2))
+    replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, x * 2)
