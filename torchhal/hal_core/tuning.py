@@ -112,14 +112,16 @@ class Tuner:
                 timings.append((name, math.inf))
         return sorted(timings, key=lambda t: t[1])
 
-    def _graphs(self, device: Device) -> bool:
+    def _graph_timed(self, device: Device) -> bool:
         """Whether candidates are timed as graph replays on `device`: graph timing asked and the
-        device declares graphs. Asked of a device without them, timing is eager (logged once per
-        device, counted each measurement)."""
-        if self.timing != "graph":
-            return False
-        if Feature.GRAPHS in device.capabilities.features:
-            return True
+        device declares graphs."""
+        return self.timing == "graph" and Feature.GRAPHS in device.capabilities.features
+
+    def _graphs(self, device: Device) -> bool:
+        """`_graph_timed`, saying so where graph timing was asked of a device without graphs,
+        which is timed eagerly instead (logged once per device, counted each measurement)."""
+        if self._graph_timed(device) or self.timing != "graph":
+            return self._graph_timed(device)
         telemetry.count("torchhal.tuning.graph_timing_unavailable")
         if device.id not in self._eager_instead:
             self._eager_instead.add(device.id)
@@ -130,8 +132,7 @@ class Tuner:
         """A winner's key in the table: graph-timed winners apart from eager ones (the two orders
         differ where host launch cost decides)."""
         key = f"{op}|{sig!r}"
-        graphs = self.timing == "graph" and Feature.GRAPHS in device.capabilities.features
-        return f"{key}|graph" if graphs else key
+        return f"{key}|graph" if self._graph_timed(device) else key
 
     def _table(self, device: Device) -> dict[str, Winner]:
         from torchhal.hal_core.profile import fingerprint
