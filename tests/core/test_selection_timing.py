@@ -168,6 +168,7 @@ def test_selection_inside_a_callers_capture_measures_nothing_until_after_it(sett
         for _ in range(2):
             during = hal.kernels.select(OP, hal.device("acme:0"), x)
             assert during.provisional and during.timings_ms == ()
+            assert "provisional: priority order" in during.explain()
             assert during.candidate.qualified_name == HOST_HEAVY  # the higher priority
             torch.testing.assert_close(hal.kernels.call(OP, hal.device("acme:0"), x), x * 2)
     finally:

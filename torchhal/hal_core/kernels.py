@@ -161,6 +161,8 @@ class Selection:
     def explain(self) -> str:
         lines = [f"{self.op} on {self.device} for {self.signature}: {self.candidate.qualified_name}"]
         lines += [f"  measured {name}: {ms:.4g} ms" for name, ms in self.timings_ms]
+        if self.provisional:
+            lines.append("  provisional: priority order, chosen while the device captured a graph")
         lines += [f"  rejected {r}" for r in self.rejected]
         return "\n".join(lines)
 
