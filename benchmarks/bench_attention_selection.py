@@ -1,7 +1,7 @@
 """`torchhal.ops.attention` with measured selection against every candidate it could have chosen.
 
 Usage: python benchmarks/bench_attention_selection.py [--modes forward training]
-       [--seqlens 512 ... 16384] [--head-dims 64 128] [--out FILE]
+       [--seqlens 512 ... 16384] [--head-dims 64 128] [--selection-timing eager|graph] [--out FILE]
 
 FlashAttention's sweep (bf16, batch x seqlen = 16k tokens, hidden 2048, head dim 64 and 128, causal
 and full). A HAL with measured selection on (its winners cached in a fresh temporary directory, so
@@ -188,11 +188,18 @@ def main() -> None:
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--out")
+    parser.add_argument(
+        "--selection-timing",
+        choices=("eager", "graph"),
+        default="eager",
+        help="how measured selection times the candidates (TORCHHAL_SELECTION_TIMING)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     row_of = {"forward": forward_row, "training": training_row}
     with tempfile.TemporaryDirectory() as cache:
-        hal = torchhal.HardwareAbstractionLayer(settings=Settings(autotune="on", cache_dir=Path(cache)))
+        settings = Settings(autotune="on", cache_dir=Path(cache), selection_timing=args.selection_timing)
+        hal = torchhal.HardwareAbstractionLayer(settings=settings)
         torchhal.ops.set_default_hal(hal)
         caps = hal.device_for_tensor(torch.empty(0, device="cuda")).capabilities
         rows = []
@@ -213,6 +220,7 @@ def main() -> None:
         "device": caps.model_dump(mode="json"),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "selection_timing": args.selection_timing,
         "rows": rows,
         "min_ratio": {m: min(r["ratio_vs_fastest"] for r in rows if r["mode"] == m) for m in args.modes},
         "target": TARGET,

@@ -22,12 +22,19 @@
 #   bash benchmarks/gpu_session26.sh review  # two GPUs, after the review's fixes to graph capture:
 #                                            # the adapter, graph and split-KV GPU tests, the kit on
 #                                            # both GPUs, the capture probe
+#   bash benchmarks/gpu_session26.sh selection  # one GPU: ops.attention's selection at
+#                                               # FlashAttention's shapes with graph timing
 set -uo pipefail
-phase=${1:?tests, sweep, decode, graph, capture or review}
+phase=${1:?tests, sweep, decode, graph, capture, review or selection}
 source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = sweep ]; then
   timeout 540 python3 benchmarks/sweep_decode_splits.py --out "$RAW/sweep_decode_splits.json" 2>&1 \
     | tee "$RAW/sweep_decode_splits.log" | tail -12
+  pack; exit 0
+fi
+if [ "$phase" = selection ]; then
+  timeout 560 python3 benchmarks/bench_attention_selection.py --rounds 5 --selection-timing graph \
+    --out "$RAW/attention_selection_graph.json" 2>&1 | tee "$RAW/attention_selection_graph.log" | tail -3
   pack; exit 0
 fi
 if [ "$phase" = review ]; then
