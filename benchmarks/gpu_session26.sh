@@ -24,8 +24,10 @@
 #                                            # both GPUs, the capture probe
 #   bash benchmarks/gpu_session26.sh selection  # one GPU: ops.attention's selection at
 #                                               # FlashAttention's shapes with graph timing
+#   bash benchmarks/gpu_session26.sh selection2  # one GPU: the same from 4k tokens a sequence,
+#                                                # graph and eager timing in one run
 set -uo pipefail
-phase=${1:?tests, sweep, decode, graph, capture, review or selection}
+phase=${1:?tests, sweep, decode, graph, capture, review, selection or selection2}
 source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = sweep ]; then
   timeout 540 python3 benchmarks/sweep_decode_splits.py --out "$RAW/sweep_decode_splits.json" 2>&1 \
@@ -35,6 +37,14 @@ fi
 if [ "$phase" = selection ]; then
   timeout 560 python3 benchmarks/bench_attention_selection.py --rounds 5 --selection-timing graph \
     --out "$RAW/attention_selection_graph.json" 2>&1 | tee "$RAW/attention_selection_graph.log" | tail -3
+  pack; exit 0
+fi
+if [ "$phase" = selection2 ]; then
+  for timing in graph eager; do
+    timeout 280 python3 benchmarks/bench_attention_selection.py --rounds 5 --seqlens 4096 8192 16384 \
+      --selection-timing $timing --out "$RAW/attention_selection_$timing.json" 2>&1 \
+      | tee "$RAW/attention_selection_$timing.log" | tail -2
+  done
   pack; exit 0
 fi
 if [ "$phase" = review ]; then
