@@ -5,7 +5,14 @@ torchhal's subsystems (kernels, distributed, evaluation, inference).
 """
 
 from torchhal.hal_core import telemetry
-from torchhal.hal_core.adapter import HAL_API_VERSION, DeviceTimer, EventTimer, HostTimer, VendorAdapter
+from torchhal.hal_core.adapter import (
+    HAL_API_VERSION,
+    DeviceTimer,
+    EventTimer,
+    HostTimer,
+    ProbedAdapter,
+    VendorAdapter,
+)
 from torchhal.hal_core.capabilities import (
     SCHEMA_VERSION,
     CollectiveBandwidth,
@@ -73,6 +80,7 @@ __all__ = [
     "NoDeviceMatchesError",
     "PluginError",
     "ProbeResult",
+    "ProbedAdapter",
     "RecordedProbe",
     "RejectionReason",
     "Selection",

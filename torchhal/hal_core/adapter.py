@@ -193,3 +193,24 @@ def attribute_problems(adapter: object) -> list[tuple[str, str]]:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+class ProbedAdapter(VendorAdapter):
+    """An adapter whose device actions are its runtime probe's (`runtime_probe`: a `LiveProbe`
+    over a torch device module, or a `RecordedProbe`, which refuses them): synchronisation,
+    timing events, and graph capture. The vendor adapters share these rather than each
+    forwarding them."""
+
+    runtime_probe: Any
+
+    def synchronize(self, index: int) -> None:
+        self.runtime_probe.synchronize(index)
+
+    def timer(self, index: int) -> DeviceTimer:
+        return EventTimer(lambda: self.runtime_probe.record_event(index))
+
+    def capturing(self, index: int) -> bool:
+        return bool(self.runtime_probe.capturing(index))
+
+    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
+        return self.runtime_probe.graph_replay(index, work)  # type: ignore[no-any-return]

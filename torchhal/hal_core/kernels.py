@@ -496,7 +496,7 @@ class KernelRegistry:
         timings, the winner remembered from an earlier measurement of these same contenders (its
         timings are not kept), and whether the order is provisional: the device's stream captures
         a graph, where timing would synchronise and invalidate the capture, and nothing was
-        remembered (`_unmeasured_in_capture`). The reference is the ground truth, not a contender:
+        remembered (`_say_unmeasured_in_capture`). The reference is the ground truth, not a contender:
         it stays last, unmeasured (it may materialise what the fast kernels avoid, e.g. a seq²
         score matrix)."""
         assert self.tuner is not None
@@ -509,7 +509,8 @@ class KernelRegistry:
             order = [by_name[remembered]] + [c for c in valid if c.qualified_name != remembered]
             return order, (), remembered, False
         if device.capturing():
-            return valid, (), None, _unmeasured_in_capture(op, device)
+            _say_unmeasured_in_capture(op, device)
+            return valid, (), None, True
         caps = device.capabilities
         timings = self.tuner.measure(
             device, [(c.qualified_name, _bound_or_raiser(c, caps)) for c in contenders], args, kwargs
@@ -670,7 +671,7 @@ def _seen(value: object) -> str:
 _warned_in_capture: set[tuple[str, str]] = set()
 
 
-def _unmeasured_in_capture(op: str, device: Device) -> bool:
+def _say_unmeasured_in_capture(op: str, device: Device) -> None:
     """Selection met a device whose stream is capturing a graph (the first call of a signature
     inside a caller's capture): timing there would synchronise and invalidate the capture, so the
     candidates go in priority order, for this call only (counted; logged once per op and device)."""
@@ -683,7 +684,6 @@ def _unmeasured_in_capture(op: str, device: Device) -> bool:
             op=op,
             device=device.id,
         )
-    return True
 
 
 def _outranked(

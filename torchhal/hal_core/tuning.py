@@ -120,12 +120,15 @@ class Tuner:
     def _graphs(self, device: Device) -> bool:
         """`_graph_timed`, saying so where graph timing was asked of a device without graphs,
         which is timed eagerly instead (logged once per device, counted each measurement)."""
-        if self._graph_timed(device) or self.timing != "graph":
-            return self._graph_timed(device)
-        telemetry.count("torchhal.tuning.graph_timing_unavailable")
-        if device.id not in self._eager_instead:
-            self._eager_instead.add(device.id)
-            log.warning("graph timing asked; the device captures no graphs: eager timing", device=device.id)
+        if self._graph_timed(device):
+            return True
+        if self.timing == "graph":
+            telemetry.count("torchhal.tuning.graph_timing_unavailable")
+            if device.id not in self._eager_instead:
+                self._eager_instead.add(device.id)
+                log.warning(
+                    "graph timing asked; the device captures no graphs: eager timing", device=device.id
+                )
         return False
 
     def _key(self, device: Device, op: str, sig: Hashable) -> str:

@@ -8,24 +8,22 @@ HIP's WGP counting to compute units, amdsmi readings to health and xGMI links.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torchhal.hal_core import (
     DeviceCapabilities,
-    DeviceTimer,
     DType,
-    EventTimer,
     Feature,
     HealthReport,
     HealthStatus,
     Link,
     LinkType,
     MemoryInfo,
+    ProbedAdapter,
     ProbeResult,
     Topology,
     UnsupportedError,
-    VendorAdapter,
     telemetry,
 )
 
@@ -71,7 +69,7 @@ class GfxTarget:
         return frozenset(dtypes)
 
 
-class AmdAdapter(VendorAdapter):
+class AmdAdapter(ProbedAdapter):
     name = "amd"
     vendor = "amd"
     priority = 100
@@ -153,9 +151,6 @@ class AmdAdapter(VendorAdapter):
             return 2 * count
         return count
 
-    def synchronize(self, index: int) -> None:
-        self.runtime_probe.synchronize(index)
-
     def memory_info(self, index: int) -> MemoryInfo:
         memory = self.runtime_probe.memory(index)
         return MemoryInfo(
@@ -231,15 +226,6 @@ class AmdAdapter(VendorAdapter):
 
     def collective_backend(self) -> str:
         return "nccl"
-
-    def timer(self, index: int) -> DeviceTimer:
-        return EventTimer(lambda: self.runtime_probe.record_event(index))
-
-    def capturing(self, index: int) -> bool:
-        return self.runtime_probe.capturing(index)  # type: ignore[no-any-return]
-
-    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
-        return self.runtime_probe.graph_replay(index, work)  # type: ignore[no-any-return]
 
 
 def _link_type(facts: dict[str, Any]) -> LinkType | None:

@@ -8,21 +8,19 @@ so health is UNKNOWN and the topology lists devices without links, each said so.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from torchhal.hal_core import (
     DeviceCapabilities,
-    DeviceTimer,
     DType,
-    EventTimer,
     Feature,
     HealthReport,
     HealthStatus,
     MemoryInfo,
+    ProbedAdapter,
     ProbeResult,
     Topology,
-    VendorAdapter,
     telemetry,
 )
 
@@ -52,7 +50,7 @@ def architecture(props: dict[str, Any]) -> str:
     return f"intel-gpu-{device_id:#06x}" if device_id is not None else "intel-gpu"
 
 
-class IntelAdapter(VendorAdapter):
+class IntelAdapter(ProbedAdapter):
     name = "intel"
     vendor = "intel"
     priority = 90
@@ -122,9 +120,6 @@ class IntelAdapter(VendorAdapter):
             driver_version=props.get("driver_version"),
         )
 
-    def synchronize(self, index: int) -> None:
-        self.runtime_probe.synchronize(index)
-
     def memory_info(self, index: int) -> MemoryInfo:
         memory = self.runtime_probe.memory(index)
         return MemoryInfo(
@@ -141,12 +136,3 @@ class IntelAdapter(VendorAdapter):
 
     def collective_backend(self) -> str:
         return "xccl"
-
-    def timer(self, index: int) -> DeviceTimer:
-        return EventTimer(lambda: self.runtime_probe.record_event(index))
-
-    def capturing(self, index: int) -> bool:
-        return self.runtime_probe.capturing(index)  # type: ignore[no-any-return]
-
-    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
-        return self.runtime_probe.graph_replay(index, work)  # type: ignore[no-any-return]

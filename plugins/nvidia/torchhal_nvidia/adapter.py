@@ -7,23 +7,21 @@ NVML readings to health, links to a topology, device names to datasheet peaks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torchhal.hal_core import (
     DeviceCapabilities,
-    DeviceTimer,
     DType,
-    EventTimer,
     Feature,
     HealthReport,
     HealthStatus,
     KernelRegistry,
     Link,
     MemoryInfo,
+    ProbedAdapter,
     ProbeResult,
     Topology,
-    VendorAdapter,
     telemetry,
 )
 
@@ -42,7 +40,7 @@ SDPA_ATTENTION_FROM = (8, 0)  # PyTorch's flash and cuDNN attention kernels need
 CUDNN_ATTENTION_VERSION = 90000  # cuDNN 9: the fused attention graphs SDPA's cuDNN backend builds
 
 
-class NvidiaAdapter(VendorAdapter):
+class NvidiaAdapter(ProbedAdapter):
     name = "nvidia"
     vendor = "nvidia"
     priority = 100
@@ -129,9 +127,6 @@ class NvidiaAdapter(VendorAdapter):
             pci_bus_id=management.get("pci_bus_id") or topology.torch_bus_id(props),
             driver_version=nvml.get("driver_version"),
         )
-
-    def synchronize(self, index: int) -> None:
-        self.runtime_probe.synchronize(index)
 
     def memory_info(self, index: int) -> MemoryInfo:
         memory = self.runtime_probe.memory(index)
@@ -227,15 +222,6 @@ class NvidiaAdapter(VendorAdapter):
 
     def collective_backend(self) -> str:
         return "nccl"
-
-    def timer(self, index: int) -> DeviceTimer:
-        return EventTimer(lambda: self.runtime_probe.record_event(index))
-
-    def capturing(self, index: int) -> bool:
-        return self.runtime_probe.capturing(index)  # type: ignore[no-any-return]
-
-    def graph_replay(self, index: int, work: Callable[[], object]) -> Callable[[], None]:
-        return self.runtime_probe.graph_replay(index, work)  # type: ignore[no-any-return]
 
 
 def _dtypes(cc: tuple[int, int]) -> frozenset[DType]:
