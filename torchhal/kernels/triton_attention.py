@@ -9,7 +9,7 @@ any strides and return contiguous tensors.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -100,91 +100,55 @@ class _Configs:
     """Launch configurations of one device, made once per (padded head dim, element size)."""
 
     def __init__(self, caps: DeviceCapabilities) -> None:
-        self._caps = caps
+        from torchhal.kernels.triton_attention_config import launch_configs
+
+        self._make = functools.partial(launch_configs, caps)
         self._made: dict[tuple[int, int], LaunchConfigs] = {}
 
-    def of(self, q: torch.Tensor) -> LaunchConfigs:
-        from torchhal.kernels.triton_attention_config import launch_configs
-        from torchhal.kernels.triton_attention_kernels import padded_head_dim
-
-        key = (padded_head_dim(q.shape[-1]), q.element_size())
+    def of(self, q: torch.Tensor, head_dim_padded: int) -> LaunchConfigs:
+        key = (head_dim_padded, q.element_size())
         configs = self._made.get(key)
         if configs is None:
-            configs = self._made[key] = launch_configs(self._caps, *key)
+            configs = self._made[key] = self._make(*key)
         return configs
 
 
-def _dense(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    causal: bool = False,
-    scale: float | None = None,
-    window: Sequence[int] | None = None,
-) -> Problem:
-    """attention's problem from q, k and its arguments after v."""
-    from torchhal.kernels.triton_attention_kernels import make_problem
+def _problem(packed_op: str | None) -> Callable[..., Problem]:
+    """What makes an op's problem of (q, k, *its arguments after v): attention's (None), or the
+    packed op `packed_op`'s. Imports the kernels: called when a candidate is bound."""
+    from torchhal.kernels import triton_attention_kernels as kernels
 
-    band = None if window is None else (int(window[0]), int(window[1]))
-    return make_problem(
-        q, k, seq_q=q.shape[2], seq_k=k.shape[2], batch=q.shape[0], causal=causal, scale=scale, window=band
-    )
-
-
-def _packed(
-    op: str,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    causal: bool = False,
-    scale: float | None = None,
-) -> Problem:
-    """attention_varlen's problem from q, k and its arguments after v, once `check_offsets` has
-    queued the check of the offset rule the kernels trust (their grid covers max_seqlen rows per
-    sequence): two launches, no sync, once per offset tensors. The kernels read sequence b's
-    offsets at `CU + b`, so strided offsets (a column of a table, `cu[::2]`) are copied
-    contiguous: batch + 1 integers, no sync."""
-    from torchhal.kernels.attention_varlen import check_offsets  # it imports this module
-    from torchhal.kernels.triton_attention_kernels import make_problem, offsets_ok
-
-    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
-    check_offsets(
-        op, q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
-        lambda: offsets_ok(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k),
-    )  # fmt: skip
-    return make_problem(
-        q, k, seq_q=max_seqlen_q, seq_k=max_seqlen_k, batch=cu_q.shape[0] - 1, causal=causal, scale=scale,
-        window=None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-    )  # fmt: skip
+    if packed_op is None:
+        return kernels.dense_problem
+    return functools.partial(kernels.packed_problem, packed_op)
 
 
 def _bind_forward(
-    caps: DeviceCapabilities, problem: Callable[..., Problem]
+    caps: DeviceCapabilities, packed_op: str | None
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """An op's forward, (q, k, v, *its other arguments) -> (out, lse): one launch for the dense and
-    packed layouts, which differ only in the problem `problem` makes of those arguments."""
+    packed layouts, which differ only in the problem `_problem(packed_op)` makes of those arguments."""
     from torchhal.kernels import triton_attention_kernels as kernels
 
-    configs = _Configs(caps)
+    configs, problem = _Configs(caps), _problem(packed_op)
 
     def forward(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return kernels.forward(q, k, v, problem(q, k, *args, **kwargs), configs.of(q))
+        made = problem(q, k, *args, **kwargs)
+        return kernels.forward(q, k, v, made, configs.of(q, made.head_dim_padded))
 
     return forward
 
 
 def _bind_backward(
-    caps: DeviceCapabilities, problem: Callable[..., Problem]
+    caps: DeviceCapabilities, packed_op: str | None
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """An op's backward, (grad_out, q, k, v, out, lse, *its other arguments) -> (dq, dk, dv), as
     `_bind_forward` launches the forward."""
     from torchhal.kernels import triton_attention_kernels as kernels
 
-    configs = _Configs(caps)
+    configs, problem = _Configs(caps), _problem(packed_op)
 
     def backward(
         grad_out: torch.Tensor,
@@ -196,7 +160,8 @@ def _bind_backward(
         *args: Any,
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return kernels.backward(grad_out, q, k, v, out, lse, problem(q, k, *args, **kwargs), configs.of(q))
+        made = problem(q, k, *args, **kwargs)
+        return kernels.backward(grad_out, q, k, v, out, lse, made, configs.of(q, made.head_dim_padded))
 
     return backward
 
@@ -210,7 +175,7 @@ def _output_only(forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> C
 
 def bind_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """attention_forward: (out, lse) for dense (batch, heads, seq, dim) tensors."""
-    return _bind_forward(caps, _dense)
+    return _bind_forward(caps, None)
 
 
 def bind_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
@@ -220,25 +185,25 @@ def bind_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
 
 def bind_backward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """attention_backward: (dq, dk, dv) from the output gradient and the forward's out and lse."""
-    return _bind_backward(caps, _dense)
+    return _bind_backward(caps, None)
 
 
 def bind_varlen_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """attention_varlen_forward: (out, lse) for packed (tokens, heads, dim) tensors."""
-    return _bind_forward(caps, functools.partial(_packed, "attention_varlen_forward"))
+    return _bind_forward(caps, "attention_varlen_forward")
 
 
 def bind_varlen(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
-    return _output_only(_bind_forward(caps, functools.partial(_packed, "attention_varlen")))
+    return _output_only(_bind_forward(caps, "attention_varlen"))
 
 
 def bind_varlen_backward(
     caps: DeviceCapabilities,
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    return _bind_backward(caps, functools.partial(_packed, "attention_varlen_backward"))
+    return _bind_backward(caps, "attention_varlen_backward")
 
 
-def _bind_decode(caps: DeviceCapabilities, problem: Callable[..., Problem]) -> Callable[..., Any]:
+def _bind_decode(caps: DeviceCapabilities, packed_op: str | None) -> Callable[..., Any]:
     """An op's split-KV forward, (q, k, v, *its other arguments) -> (out, lse), for the dense and
     packed layouts alike (as `_bind_forward`), its key slices sized from the device's compute units
     (`decode_splits`) over the keys the queries can see (`visible_keys`) and the keys all of them
@@ -246,6 +211,7 @@ def _bind_decode(caps: DeviceCapabilities, problem: Callable[..., Problem]) -> C
     from torchhal.kernels import triton_attention_decode as decode
     from torchhal.kernels.triton_attention_config import TileConfig, decode_splits, decode_tile
 
+    problem = _problem(packed_op)
     tiles: dict[tuple[int, int, int], TileConfig] = {}
 
     def forward(
@@ -267,7 +233,7 @@ def _bind_decode(caps: DeviceCapabilities, problem: Callable[..., Problem]) -> C
 
 def bind_decode_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """attention_forward by split-KV: (out, lse) for dense tensors with few query rows per kv head."""
-    return _bind_decode(caps, _dense)
+    return _bind_decode(caps, None)
 
 
 def bind_decode_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
@@ -278,8 +244,8 @@ def bind_decode_attention(caps: DeviceCapabilities) -> Callable[..., torch.Tenso
 def bind_decode_varlen_forward(caps: DeviceCapabilities) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """attention_varlen_forward by split-KV: packed sequences of a few query rows each (decoding
     steps of a batch of sequences with caches of their own lengths)."""
-    return _bind_decode(caps, functools.partial(_packed, "attention_varlen_forward"))
+    return _bind_decode(caps, "attention_varlen_forward")
 
 
 def bind_decode_varlen(caps: DeviceCapabilities) -> Callable[..., torch.Tensor]:
-    return _output_only(_bind_decode(caps, functools.partial(_packed, "attention_varlen")))
+    return _output_only(_bind_decode(caps, "attention_varlen"))

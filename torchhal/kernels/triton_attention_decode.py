@@ -42,6 +42,7 @@ from torchhal.kernels.triton_attention_kernels import (
     _tile_base,
     forward_outputs,
 )
+from torchhal.kernels.triton_rows import next_power_of_2
 
 COMBINE_SPLITS = 16  # slices the combine pass reads per step
 
@@ -50,7 +51,7 @@ COMBINE_SPLITS = 16  # slices the combine pass reads per step
 
 @triton.jit(do_not_specialize=("group", "seq_q", "seq_k", "heads_kv", "splits", "left", "right",
                                "keys_per_split"))
-def _split_kernel(Q, K, V, O_part, L_part, CU_Q, CU_K, q_strides, k_strides, v_strides,
+def _split_kernel(Q, K, V, Part, CU_Q, CU_K, q_strides, k_strides, v_strides,
                   group, seq_q, seq_k, heads_kv, splits, q_sign, qk_scale, left, right, keys_per_split,
                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -58,7 +59,8 @@ def _split_kernel(Q, K, V, O_part, L_part, CU_Q, CU_K, q_strides, k_strides, v_s
     """One slice of one kv head's keys of sequence b against all its group's query rows: row r is
     query head hk * group + r // seq_q at position r % seq_q (seq_q: max_seqlen_q when VARLEN,
     where a shorter sequence leaves rows empty). Writes the slice's normalised output and
-    log2-sum-exp (-inf where its keys are all out of the rows' sight)."""
+    log2-sum-exp (-inf where its keys are all out of the rows' sight) into `Part`: every slice's
+    output rows (D_PAD wide), then every slice's log2-sum-exps."""
     pid = tl.program_id(0)
     split = pid % splits
     hk = (pid // splits) % heads_kv
@@ -99,12 +101,13 @@ def _split_kernel(Q, K, V, O_part, L_part, CU_Q, CU_K, q_strides, k_strides, v_s
     l_safe = tl.where(empty, 1.0, l_i)
     part = pid.to(tl.int64) * n_rows + rows  # (b, hk, split) flattened, as pid is, then the row
     keep = rows < n_rows
-    tl.store(O_part + part[:, None] * D_PAD + offs_d[None, :], acc / l_safe[:, None], mask=keep[:, None])
+    L_part = Part + tl.num_programs(0).to(tl.int64) * n_rows * D_PAD
+    tl.store(Part + part[:, None] * D_PAD + offs_d[None, :], acc / l_safe[:, None], mask=keep[:, None])
     tl.store(L_part + part, tl.where(empty, float("-inf"), m_i + tl.math.log2(l_safe)), mask=keep)
 
 
 @triton.jit(do_not_specialize=("group", "seq_q", "heads_kv", "splits", "n_batch", "total_q"))
-def _combine_kernel(O_part, L_part, Out, LSE, CU_Q, o_strides, lse_strides, group, seq_q, heads_kv, splits,
+def _combine_kernel(Part, Out, LSE, CU_Q, o_strides, lse_strides, group, seq_q, heads_kv, splits,
                     n_batch, total_q, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS: tl.constexpr,
                     VARLEN: tl.constexpr):
     """One query row: its slices weighted by exp2(their log2-sum-exp - the largest); output 0 and
@@ -112,6 +115,7 @@ def _combine_kernel(O_part, L_part, Out, LSE, CU_Q, o_strides, lse_strides, grou
     after the last sequence (`_fill_unowned_rows`)."""
     pid = tl.program_id(0)
     n_rows = group * seq_q
+    L_part = Part + (n_batch * heads_kv * splits).to(tl.int64) * n_rows * D_PAD  # as the split pass lays it
     r = pid % n_rows
     hk = (pid // n_rows) % heads_kv
     b = pid // (n_rows * heads_kv)
@@ -136,7 +140,7 @@ def _combine_kernel(O_part, L_part, Out, LSE, CU_Q, o_strides, lse_strides, grou
     for s0 in range(0, splits, SPLITS):
         s = s0 + offs_s
         w = tl.math.exp2(tl.load(L_part + first + s * n_rows, mask=s < splits, other=float("-inf")) - m_use)
-        o = tl.load(O_part + (first + s * n_rows)[:, None] * D_PAD + offs_d[None, :],
+        o = tl.load(Part + (first + s * n_rows)[:, None] * D_PAD + offs_d[None, :],
                     mask=(s < splits)[:, None], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
         weights += w
@@ -178,12 +182,14 @@ def forward(
     if batch == 0:  # packed, no sequence: nothing to launch
         return out, lse
     d_pad = problem.head_dim_padded
-    o_part = torch.empty((batch, problem.heads_kv, splits, rows, d_pad), dtype=torch.float32, device=device)
-    l_part = torch.empty((batch, problem.heads_kv, splits, rows), dtype=torch.float32, device=device)
+    # every slice's fp32 output rows, then their log2-sum-exps: one allocation
+    part = torch.empty(
+        batch * problem.heads_kv * splits * rows * (d_pad + 1), dtype=torch.float32, device=device
+    )
     cu_q, cu_k, flags = _common(problem, q)
     with _on_device_of(q):
         _split_kernel[(splits * problem.heads_kv * batch,)](
-            q, k, v, o_part, l_part, cu_q, cu_k,
+            q, k, v, part, cu_q, cu_k,
             _strides(q, varlen), _strides(k, varlen), _strides(v, varlen),
             group, problem.seq_q, problem.seq_k, problem.heads_kv, splits,
             math.copysign(1.0, problem.scale), abs(problem.scale) * LOG2E,
@@ -192,7 +198,7 @@ def forward(
             num_stages=tile.num_stages, **flags,
         )  # fmt: skip
         _combine_kernel[(rows * problem.heads_kv * batch,)](
-            o_part, l_part, out, lse, cu_q, _strides(out, varlen), _row_strides(lse, varlen),
+            part, out, lse, cu_q, _strides(out, varlen), _row_strides(lse, varlen),
             group, problem.seq_q, problem.heads_kv, splits, batch, q.shape[0],
             HEAD_DIM=problem.head_dim, D_PAD=d_pad, SPLITS=COMBINE_SPLITS, VARLEN=varlen, num_warps=1,
         )  # fmt: skip
@@ -220,4 +226,4 @@ def keys_read(problem: Problem, k: torch.Tensor, visible: int) -> int:
 def query_tile_rows(heads_q: int, heads_kv: int, seq_q: int) -> int:
     """The split pass's query tile: every row of a kv head's group, a power of two, at least 16
     (tl.dot's smallest)."""
-    return max(16, triton.next_power_of_2(heads_q // heads_kv * seq_q))
+    return max(16, next_power_of_2(heads_q // heads_kv * seq_q))

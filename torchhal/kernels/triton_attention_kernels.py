@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from torchhal.kernels import triton_attention_interpreter
+from torchhal.kernels.attention_varlen import check_offsets
 from torchhal.kernels.triton_attention_config import LaunchConfigs
+from torchhal.kernels.triton_rows import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -41,9 +44,9 @@ if triton_attention_interpreter.needs_fix():
     triton_attention_interpreter.apply()
 
 
-@dataclass(frozen=True, slots=True)
-class Problem:
-    """Sizes and masking rule shared by forward and backward launches."""
+class Problem(NamedTuple):
+    """Sizes and masking rule shared by forward and backward launches (a NamedTuple: made on every
+    call, where a frozen dataclass's field-by-field init cost ~2 µs more)."""
 
     batch: int
     heads_q: int
@@ -69,7 +72,7 @@ class Problem:
 
 
 def padded_head_dim(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, next_power_of_2(head_dim))
 
 
 def make_problem(
@@ -595,6 +598,47 @@ def offsets_ok(
     return ok
 
 
+def dense_problem(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    window: Sequence[int] | None = None,
+) -> Problem:
+    """attention's problem from q, k and its arguments after v."""
+    band = None if window is None else (int(window[0]), int(window[1]))
+    return make_problem(
+        q, k, seq_q=q.shape[2], seq_k=k.shape[2], batch=q.shape[0], causal=causal, scale=scale, window=band
+    )
+
+
+def packed_problem(
+    op: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool = False,
+    scale: float | None = None,
+) -> Problem:
+    """attention_varlen's problem from q, k and its arguments after v, once `check_offsets` has
+    queued the check of the offset rule the kernels trust (their grid covers max_seqlen rows per
+    sequence): two launches, no sync, once per offset tensors. The kernels read sequence b's
+    offsets at `CU + b`, so strided offsets (a column of a table, `cu[::2]`) are copied
+    contiguous: batch + 1 integers, no sync."""
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    check_offsets(
+        op, q, k, cu_q, cu_k, max_seqlen_q, max_seqlen_k,
+        lambda: offsets_ok(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k),
+    )  # fmt: skip
+    return make_problem(
+        q, k, seq_q=max_seqlen_q, seq_k=max_seqlen_k, batch=cu_q.shape[0] - 1, causal=causal, scale=scale,
+        window=None, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+    )  # fmt: skip
+
+
 def forward_outputs(q: torch.Tensor, problem: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """A forward's (out, lse), allocated unfilled: its kernels write every row (the packed rows
     after the last sequence too). Packed without sequences nothing is launched: 0 and -inf."""
@@ -613,13 +657,13 @@ def forward(
     writes them (`_fill_unowned_rows`), except without sequences, where nothing is launched."""
     varlen = problem.varlen
     out, lse = forward_outputs(q, problem)
-    full_width = triton.cdiv(problem.seq_q, configs.forward.block_m) * problem.heads_q * problem.batch
+    full_width = cdiv(problem.seq_q, configs.forward.block_m) * problem.heads_q * problem.batch
     tile = configs.forward_for(full_width)
     cu_q, cu_k, flags = _common(problem, q)
     reverse_m = problem.has_right and not problem.has_left
     with _on_device_of(q):
         for head0, heads, batch0, batches in _grid_slices(problem.heads_q, problem.batch):
-            _attn_fwd_kernel[(triton.cdiv(problem.seq_q, tile.block_m), heads, batches)](
+            _attn_fwd_kernel[(cdiv(problem.seq_q, tile.block_m), heads, batches)](
                 q, k, v, out, lse, cu_q, cu_k,
                 _strides(q, varlen), _strides(k, varlen), _strides(v, varlen), _strides(out, varlen),
                 _row_strides(lse, varlen),
@@ -662,7 +706,7 @@ def backward(
         # every dq launch first: the dk/dv launch of a kv head reads the delta rows of all its query
         # heads, which may lie in several dq launches
         for head0, heads, batch0, batches in _grid_slices(problem.heads_q, problem.batch):
-            _attn_bwd_dq_kernel[(triton.cdiv(problem.seq_q, dq_tile.block_m), heads, batches)](
+            _attn_bwd_dq_kernel[(cdiv(problem.seq_q, dq_tile.block_m), heads, batches)](
                 q, k, v, out, grad_out, lse, delta, dq, cu_q, cu_k,
                 q_s, k_s, v_s, _strides(out, varlen), do_s, _strides(dq, varlen), lse_s, *scalars,
                 head0, batch0, problem.batch, q.shape[0],
@@ -670,7 +714,7 @@ def backward(
                 num_stages=dq_tile.num_stages, **flags,
             )  # fmt: skip
         # at least one key tile: with max_seqlen_k 0 every packed key row is unowned, still written
-        key_tiles = max(1, triton.cdiv(problem.seq_k, kv_tile.block_n))
+        key_tiles = max(1, cdiv(problem.seq_k, kv_tile.block_n))
         for head0, heads, batch0, batches in _grid_slices(problem.heads_kv, problem.batch):
             _attn_bwd_dkdv_kernel[(key_tiles, heads, batches)](
                 q, k, v, grad_out, lse, delta, dk, dv, cu_q, cu_k,

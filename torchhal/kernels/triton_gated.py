@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from torchhal.kernels.swiglu import GELU_C, GELU_K
-from torchhal.kernels.triton_rows import ELEMENTWISE_TILE, GATED_FORWARD_TILE, RowLaunch, row_stride
+from torchhal.kernels.triton_rows import ELEMENTWISE_TILE, GATED_FORWARD_TILE, RowLaunch, cdiv, row_stride
 
 SILU = 0
 GELU_TANH = 1
@@ -76,7 +76,7 @@ def _gated_bwd(
 def _grid(launch: RowLaunch, x: torch.Tensor, tile: tuple[int, int]) -> tuple[tuple[int], int, int]:
     cols = x.shape[-1]
     block, warps = launch.elementwise(cols, x.element_size(), tile)
-    return ((x.numel() // cols) * triton.cdiv(cols, block),), block, warps
+    return ((x.numel() // cols) * cdiv(cols, block),), block, warps
 
 
 def gated_forward(launch: RowLaunch, op: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from torchhal.kernels.rope import output_like
-from torchhal.kernels.triton_rows import ROPE_THREADS, RowLaunch, next_power_of_2
+from torchhal.kernels.triton_rows import ROPE_THREADS, RowLaunch, cdiv, next_power_of_2
 
 TILE_ELEMENTS = 8192  # heads x half-dim elements per half per program
 
@@ -126,7 +126,7 @@ def rope(
     half = dim // 2
     block_d = next_power_of_2(half)
     block_hq, block_hk = (min(next_power_of_2(h), max(1, TILE_ELEMENTS // block_d)) for h in (n_qh, n_kh))
-    head_tiles = max(triton.cdiv(n_qh, block_hq), triton.cdiv(n_kh, block_hk))
+    head_tiles = max(cdiv(n_qh, block_hq), cdiv(n_kh, block_hk))
     _rope[(batch * seq, head_tiles)](
         q, k, cos4, sin4, qo, ko,
         q.stride(0), q.stride(1), q.stride(2), q.stride(3),

@@ -106,8 +106,15 @@ def row_stride(t: torch.Tensor) -> int | None:
     return t.shape[-1] if stride is None else stride
 
 
+# Host-side integer helpers. triton.next_power_of_2 and triton.cdiv are ConstexprFunctions that
+# unwrap their arguments and read Triton's knobs on every call: ~3 µs each on a 2-core VM, several
+# per attention call (benchmarks.md, twenty-seventh session); these are plain integer math.
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 @functools.cache

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The twenty-seventh session's GPU checks (wheels: ../shared/tools/device-wheels, then
+# benchmarks/build_device_wheels.sh; .whl_old/ holds the torchhal wheel of the session's start,
+# 1732923). Every result goes to $OUT/raw, packed into $OUT/results.tgz at the end:
+#   bash benchmarks/gpu_session27.sh host   # one GPU: where an eager attention call at a decoding
+#                                           # shape spends its host time, layer by layer
+#   bash benchmarks/gpu_session27.sh tests  # one GPU: the attention, RoPE and activation GPU tests
+#                                           # (host-side launch arithmetic, one partials buffer)
+#   bash benchmarks/gpu_session27.sh ab     # one GPU: the host time of the session start's build
+#                                           # and the new one (sdpa, ops, bound), alternated, the new
+#                                           # build's inner layers, then attention at decoding shapes
+#                                           # with eager-timed selection, both builds
+set -uo pipefail
+phase=${1:?host, tests or ab}
+source "$(dirname "$0")/gpu_setup.sh"
+if [ "$phase" = host ]; then
+  for cache in 1024 8192; do
+    timeout 200 python3 benchmarks/profile_attention_host.py --cache $cache --out "$RAW/host_$cache.json" \
+      --profile-out "$RAW/host_profile_$cache.txt" > "$RAW/host_$cache.log" 2>&1
+    echo "cache $cache rc=$?"; tail -2 "$RAW/host_$cache.log"
+  done
+  pack; exit 0
+fi
+if [ "$phase" = tests ]; then
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
+    tests/kernels/gpu/test_rope_gpu.py tests/kernels/gpu/test_activations_gpu.py \
+    tests/kernels/gpu/test_cuda_graphs_gpu.py 2>&1 | tee "$RAW/gpu_tests.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  pack; exit 0
+fi
+install_old_build
+for run in old_1 new_1 old_2 new_2; do
+  site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
+  PYTHONPATH=$site timeout 100 python3 benchmarks/profile_attention_host.py --outer --out "$RAW/host_$run.json" \
+    --profile-out "$RAW/host_profile_$run.txt" > "$RAW/host_$run.log" 2>&1
+  echo "$run rc=$?"; tail -2 "$RAW/host_$run.log"
+done
+timeout 100 python3 benchmarks/profile_attention_host.py --rounds 5 --out "$RAW/host_layers_new.json" \
+  > "$RAW/host_layers_new.log" 2>&1
+echo "layers rc=$?"; tail -2 "$RAW/host_layers_new.log"
+for build in site old; do
+  PYTHONPATH=/tmp/$build timeout 170 python3 benchmarks/bench_attention_decode.py --rounds 3 \
+    --selection-timing eager --out "$RAW/attention_decode_eager_$build.json" 2>&1 \
+    | tee "$RAW/attention_decode_eager_$build.log" | tail -15
+done
+pack
