@@ -4,8 +4,9 @@
 # 1732923). Every result goes to $OUT/raw, packed into $OUT/results.tgz at the end:
 #   bash benchmarks/gpu_session27.sh host   # one GPU: where an eager attention call at a decoding
 #                                           # shape spends its host time, layer by layer
-#   bash benchmarks/gpu_session27.sh tests  # one GPU: the attention, RoPE and activation GPU tests
-#                                           # (host-side launch arithmetic, one partials buffer)
+#   bash benchmarks/gpu_session27.sh tests  # one GPU: the attention, RoPE, activation and CUDA-graph
+#                                           # GPU tests but the shape sweep (host-side launch
+#                                           # arithmetic, one partials buffer)
 #   bash benchmarks/gpu_session27.sh ab     # one GPU: the host time of the session start's build
 #                                           # and the new one (sdpa, ops, bound), alternated, the new
 #                                           # build's inner layers, then attention at decoding shapes
@@ -22,9 +23,11 @@ if [ "$phase" = host ]; then
   pack; exit 0
 fi
 if [ "$phase" = tests ]; then
-  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
+  # -k: the FlashAttention shape sweep (480 tests) alone outlasts a call; its first 226 passed on
+  # these wheels (session27-2026-11-27/tests_sweep_part.log)
+  timeout 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
     tests/kernels/gpu/test_rope_gpu.py tests/kernels/gpu/test_activations_gpu.py \
-    tests/kernels/gpu/test_cuda_graphs_gpu.py 2>&1 | tee "$RAW/gpu_tests.log" | tail -4
+    tests/kernels/gpu/test_cuda_graphs_gpu.py -k "not shape_sweep" 2>&1 | tee "$RAW/gpu_tests.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
   pack; exit 0
 fi
