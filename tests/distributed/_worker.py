@@ -82,9 +82,9 @@ class State:
 
 
 def adamw(params) -> torch.optim.AdamW:
-    """Every run's optimizer. eps 1e-4, not 1e-8: Adam's step g / (|g| + eps) turns a gradient
-    element that cancels to ~eps into a ratio whose fp32 rounding error (the data-parallel
-    all-reduce sums in another order than the whole batch) grows by |g| / eps. Emulated in one
+    """Every run's optimizer. eps 1e-4, not 1e-8: Adam's step g / (|g| + eps) multiplies the fp32
+    rounding error of a gradient element (the data-parallel all-reduce sums in another order than
+    the whole batch) by up to ~1 / eps where the element cancels to about eps. Emulated in one
     process (two half-batch gradients averaged against the whole batch's, this scenario's model,
     seeds 0-399): with eps 1e-8 three seeds moved a weight past the checks' tolerance (atol 1e-6)
     after three steps, as seed 833628371 did here (1.5e-5); with 1e-4 none did, the worst 4.6e-7."""

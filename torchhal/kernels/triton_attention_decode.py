@@ -182,7 +182,9 @@ def forward(
     if batch == 0:  # packed, no sequence: nothing to launch
         return out, lse
     d_pad = problem.head_dim_padded
-    # every slice's fp32 output rows, then their log2-sum-exps: one allocation
+    # every slice's fp32 output rows, then their log2-sum-exps: one allocation. The split grid is
+    # 1-D, splits x heads_kv x batch programs; both kernels find the log2-sum-exps after that
+    # many programs' rows (the split pass from its grid, the combine pass from those three)
     part = torch.empty(
         batch * problem.heads_kv * splits * rows * (d_pad + 1), dtype=torch.float32, device=device
     )
