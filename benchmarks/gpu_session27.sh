@@ -7,12 +7,13 @@
 #   bash benchmarks/gpu_session27.sh tests  # one GPU: the attention, RoPE, activation and CUDA-graph
 #                                           # GPU tests but the shape sweep (host-side launch
 #                                           # arithmetic, one partials buffer)
+#   bash benchmarks/gpu_session27.sh sweep  # one GPU: the attention shape sweep's fp16 half
 #   bash benchmarks/gpu_session27.sh ab     # one GPU: the host time of the session start's build
 #                                           # and the new one (sdpa, ops, bound), alternated, the new
 #                                           # build's inner layers, then attention at decoding shapes
 #                                           # with eager-timed selection, both builds
 set -uo pipefail
-phase=${1:?host, tests or ab}
+phase=${1:?host, tests, sweep or ab}
 source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = host ]; then
   for cache in 1024 8192; do
@@ -20,6 +21,12 @@ if [ "$phase" = host ]; then
       --profile-out "$RAW/host_profile_$cache.txt" > "$RAW/host_$cache.log" 2>&1
     echo "cache $cache rc=$?"; tail -2 "$RAW/host_$cache.log"
   done
+  pack; exit 0
+fi
+if [ "$phase" = sweep ]; then  # the shape sweep's fp16 half (its bf16 rows up to 2048x2048 d80 ran in `tests`' first call)
+  timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
+    -k "shape_sweep and dtype1" 2>&1 | tee "$RAW/gpu_tests_sweep_fp16.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
   pack; exit 0
 fi
 if [ "$phase" = tests ]; then
