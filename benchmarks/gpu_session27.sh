@@ -8,12 +8,14 @@
 #                                           # GPU tests but the shape sweep (host-side launch
 #                                           # arithmetic, one partials buffer)
 #   bash benchmarks/gpu_session27.sh sweep  # one GPU: the attention shape sweep's fp16 half
+#   bash benchmarks/gpu_session27.sh ckpt   # one GPU: the activation-checkpointing GPU tests, new
+#                                           # build, then the keyword-dropout ones on the old one
 #   bash benchmarks/gpu_session27.sh ab     # one GPU: the host time of the session start's build
 #                                           # and the new one (sdpa, ops, bound), alternated, the new
 #                                           # build's inner layers, then attention at decoding shapes
 #                                           # with eager-timed selection, both builds
 set -uo pipefail
-phase=${1:?host, tests, sweep or ab}
+phase=${1:?host, tests, sweep, ckpt or ab}
 source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = host ]; then
   for cache in 1024 8192; do
@@ -27,6 +29,15 @@ if [ "$phase" = sweep ]; then  # the shape sweep's fp16 half (its bf16 rows up t
   timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_attention_gpu.py \
     -k "shape_sweep and dtype1" 2>&1 | tee "$RAW/gpu_tests_sweep_fp16.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
+  pack; exit 0
+fi
+if [ "$phase" = ckpt ]; then  # a checkpointed block's dropout with its tensor inside a keyword tuple
+  timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_checkpointing_gpu.py \
+    2>&1 | tee "$RAW/gpu_tests_checkpointing.log" | tail -3
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  install_old_build  # the session start's build: its nested case should fail
+  PYTHONPATH=/tmp/old timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+    tests/kernels/gpu/test_checkpointing_gpu.py -k keyword 2>&1 | tee "$RAW/gpu_tests_checkpointing_old.log" | tail -3
   pack; exit 0
 fi
 if [ "$phase" = tests ]; then

@@ -158,8 +158,9 @@ class CheckpointedForward:
     - the recompute runs under the `hal.use` block of the forward (`keeping_use`): autograd runs
       it on a GPU's own thread, where that block is not active;
     - without grad (evaluation, generation) the forward runs as it is: nothing would be recomputed;
-    - tensors passed by keyword reach torch's checkpoint positionally: it restores the random
-      state (dropout) of the devices of its positional tensors only;
+    - keyword arguments reach torch's checkpoint positionally: it restores the random state
+      (dropout) of the devices of the tensors in its positional arguments only (nested ones, as a
+      Llama layer's `position_embeddings=(cos, sin)`, included);
     - a KV cache passed to the block (`CACHE_ARGUMENTS`, `use_cache`) is dropped, as transformers
       drops it under its own checkpointing: the recompute would append the keys again (logged
       once per block class, counted)."""
@@ -175,16 +176,12 @@ class CheckpointedForward:
         from torch.utils.checkpoint import checkpoint
 
         _drop_cache(block, kwargs)
-        tensors = [name for name, value in kwargs.items() if isinstance(value, torch.Tensor)]
-        others = {name: value for name, value in kwargs.items() if name not in tensors}
-        positional = len(args)
+        names, positional = list(kwargs), len(args)
 
         def run(*values: Any) -> Any:
-            return forward(
-                *values[:positional], **others, **dict(zip(tensors, values[positional:], strict=True))
-            )
+            return forward(*values[:positional], **dict(zip(names, values[positional:], strict=True)))
 
-        return checkpoint(keeping_use(run), *args, *(kwargs[name] for name in tensors), use_reentrant=False)
+        return checkpoint(keeping_use(run), *args, *kwargs.values(), use_reentrant=False)
 
 
 def _drop_cache(block: nn.Module, kwargs: dict[str, Any]) -> None:

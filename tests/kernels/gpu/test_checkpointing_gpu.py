@@ -68,19 +68,23 @@ def test_a_patched_llamas_gradient_checkpointing_recomputes_on_the_hal_of_the_fo
 
 
 class KeywordDropout(torch.nn.Module):
-    """A block with dropout whose tensor comes by keyword, as many transformer blocks take theirs."""
+    """A block with dropout whose tensor comes by keyword, as many transformer blocks take theirs
+    (alone, or inside a tuple, as a Llama layer's `position_embeddings`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear, self.dropout = torch.nn.Linear(512, 512), torch.nn.Dropout(0.5)
 
-    def forward(self, *, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.dropout(self.linear(hidden)))
+    def forward(self, *, hidden: torch.Tensor | tuple[torch.Tensor]) -> torch.Tensor:
+        x = hidden[0] if isinstance(hidden, tuple) else hidden
+        return torch.tanh(self.dropout(self.linear(x)))
 
 
-def test_a_checkpointed_blocks_dropout_recomputes_with_its_mask_when_its_tensor_comes_by_keyword():
-    """torch's checkpoint restores the random state of the devices of its positional tensors only:
-    bound into the function, a keyword tensor's GPU drew another mask in the recompute."""
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_checkpointed_blocks_dropout_recomputes_with_its_mask_when_its_tensor_comes_by_keyword(nested):
+    """torch's checkpoint restores the random state of the devices of the tensors in its positional
+    arguments only: bound into the function, a keyword tensor's GPU drew another mask in the
+    recompute (a tensor in a tuple did until the twenty-seventh session)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from torchhal.distributed.prepare import CheckpointedForward
@@ -93,6 +97,6 @@ def test_a_checkpointed_blocks_dropout_recomputes_with_its_mask_when_its_tensor_
     grad = torch.randn(64, 512, device="cuda")
     for model in (plain, block):
         torch.cuda.manual_seed(7)
-        model(hidden=x).backward(grad)
+        model(hidden=(x,) if nested else x).backward(grad)
     for (name, p), q in zip(plain.named_parameters(), block.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, msg=lambda m, name=name: f"{name}: {m}")
