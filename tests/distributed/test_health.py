@@ -206,3 +206,42 @@ def test_bad_arguments(tmp_path):
         HealthMonitor(store, rank=3, world_size=2)
     with pytest.raises(InvalidArgumentError, match="straggler_factor must be > 1, got 1"):
         HealthMonitor(store, rank=0, world_size=1, straggler_factor=1)
+
+
+class BlockingStore(dist.Store):
+    """A store whose `set` waits for `release` once `block` is set: a slow or unreachable store."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.data: dict[str, bytes] = {}
+        self.block, self.release = False, threading.Event()
+
+    def set(self, key, value) -> None:
+        if self.block:
+            self.release.wait()
+        self.data[key] = value if isinstance(value, bytes) else value.encode()
+
+    def get(self, key) -> bytes:
+        return self.data[key]
+
+    def check(self, keys) -> bool:
+        return all(k in self.data for k in keys)
+
+
+def test_a_thread_still_in_a_store_call_after_stop_is_said_and_waited_for_again():
+    """stop() joined the thread for four intervals and then forgot it, silently, while it sat in a
+    store call."""
+    store = BlockingStore()
+    monitor = HealthMonitor(store, rank=0, world_size=1, interval=INTERVAL, deadline=DEADLINE).start()
+    store.block = True
+    time.sleep(3 * INTERVAL)  # the thread's next beat now waits in the store
+    telemetry.configure(log_level="warning", log_stream=(stream := io.StringIO()))
+    before = telemetry.counts().get("torchhal.health.thread_outlived_stop", 0)
+    monitor.stop()
+    assert telemetry.counts().get("torchhal.health.thread_outlived_stop", 0) == before + 1
+    assert "still in a store call after stop()" in stream.getvalue()
+    assert monitor._thread is not None and monitor._thread.is_alive()
+    store.release.set()
+    monitor.stop()  # waits for it again: the store call returns, the thread ends
+    assert telemetry.counts().get("torchhal.health.thread_outlived_stop", 0) == before + 1
+    assert monitor._thread is None

@@ -135,10 +135,24 @@ class HealthMonitor:
         return self
 
     def stop(self) -> None:
+        """Stop beating, waiting four intervals for the thread. A thread still inside a store call
+        after that (a slow or unreachable store) is logged and counted, not forgotten: a later
+        `stop()` waits for it again. As a daemon it ends with its store call or with the process."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.interval * 4)
-            self._thread = None
+        thread = self._thread
+        if thread is None:
+            return
+        waited = self.interval * 4
+        thread.join(timeout=waited)
+        if thread.is_alive():
+            telemetry.count("torchhal.health.thread_outlived_stop")
+            log.warning(
+                "health monitor: its thread is still in a store call after stop() waited for it",
+                rank=self.rank,
+                waited_s=waited,
+            )
+            return
+        self._thread = None
 
     def __enter__(self) -> HealthMonitor:
         return self.start()
