@@ -28,7 +28,7 @@ if [ "$phase" = checks ]; then
 elif [ "$phase" = final ]; then
   export PYTHONPATH=/tmp/site
   timeout 200 python3 -m pytest -q -m "gpu or not gpu" -p no:cacheprovider tests/gpu tests/plugins \
-    tests/core/test_guards.py tests/core/test_sweep18_guards.py tests/core/test_hal.py 2>&1 | tee "$OUT/gpu_tests_final.log" | tail -4
+    tests/core/test_guards.py tests/core/test_memo_guards.py tests/core/test_hal.py 2>&1 | tee "$OUT/gpu_tests_final.log" | tail -4
   cp -r /tmp/site /tmp/old
   python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/old .whl_old/torchhal-*.whl 2>/dev/null || exit 1
   bash benchmarks/dispatch_ab.sh

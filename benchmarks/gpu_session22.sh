@@ -31,10 +31,10 @@ print("FSDPModule.reset_iter_state", hasattr(FSDPModule, "reset_iter_state"))
 print("FSDPModule.set_reduce_scatter_unused_params", hasattr(FSDPModule, "set_reduce_scatter_unused_params"))
 print("Reducer._reset_state", hasattr(Reducer, "_reset_state"), "_check_reducer_finalized", hasattr(Reducer, "_check_reducer_finalized"))
 PY
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_stopped_after_backward22.py \
-  tests/distributed/test_fsdp_batch_norm22.py tests/distributed/test_grad_accumulation.py \
-  tests/distributed/test_buffer_watch22.py tests/distributed/test_prepare_sweep22.py \
-  tests/distributed/test_accumulation_memory20.py tests/distributed/test_multiprocess.py \
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_stopped_after_backward.py \
+  tests/distributed/test_fsdp_batch_norm.py tests/distributed/test_grad_accumulation.py \
+  tests/distributed/test_buffer_watch.py tests/distributed/test_prepare_architectures.py \
+  tests/distributed/test_accumulation_memory.py tests/distributed/test_multiprocess.py \
   2>&1 | tee "$OUT/cpu_tests_torch_image.log" | tail -6
 echo "cpu tests on the image's torch rc=${PIPESTATUS[0]}"
 [ "$phase" = final ] || exit 0

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from torchhal_simasic.adapter import SimASICAdapter
 from torchhal_simasic.spec import parse_spec
 
-from tests.core.test_sweep19b_profile_fit import _largest_fitting_n
+from tests.core.test_profile_fits_free_memory import _largest_fitting_n
 from tests.simasic.tiny import TINY
 from torchhal import DeviceRequirements, HardwareAbstractionLayer
 from torchhal.hal_core import DType, InvalidArgumentError, MemoryInfo, telemetry

@@ -6,7 +6,7 @@ DDP and FSDP2 with gradient_accumulation_steps=k against k=1 on the concatenated
 each counting its gradient reductions; a rank short mid-accumulation; a checkpoint of each
 rank's (different) data position, resumed to the exact remaining batches; and a step stopped
 after a micro-batch ran forward, which leaves each rank's BatchNorm statistics as the completed
-steps left them. The scenario "memory20" (run by test_accumulation_memory20.py): under DDP,
+steps left them. The scenario "micro_batch_memory" (run by test_accumulation_memory.py): under DDP,
 FSDP2 and an explicit grad_sync, a step holds one micro-batch at a time; a rank whose batches
 run out at any micro-batch of a step stops both ranks within seconds, naming it, with that
 step's gradients dropped (FSDP2's unsharded ones too), so a later `train` call matches a run
@@ -272,11 +272,11 @@ w.SCENARIOS["accumulate"] = [
     check_fsdp_accumulation_matches_concatenated_batches_and_reduces_once_per_step,
     check_a_rank_short_mid_accumulation_stops_every_rank_naming_it,
     check_a_checkpoint_resumes_each_ranks_data_where_it_stopped,
-]  # and (below, after the helpers it shares with "memory20") a stopped step's buffers
+]  # and (below, after the helpers it shares with "micro_batch_memory") a stopped step's buffers
 
-# -- scenario "memory20" (twentieth session): a step holds one micro-batch; ranks that run out --
+# -- scenario "micro_batch_memory": a step holds one micro-batch; ranks that run out --
 
-ROWS = 4  # rows of a micro-batch in the "memory20" scenario
+ROWS = 4  # rows of a micro-batch in the "micro_batch_memory" scenario
 KINDS = ("ddp", "fsdp", "sync")  # "sync": a local model with an explicit grad_sync (hetero's way)
 
 
@@ -621,7 +621,7 @@ def check_ranks_an_error_left_apart_are_told_so_when_they_train_again(state: Any
         dist.barrier()
 
 
-w.SCENARIOS["memory20"] = [
+w.SCENARIOS["micro_batch_memory"] = [
     check_init,
     check_one_micro_batch_is_held_at_a_time,
     check_a_rank_out_of_batches_at_any_micro_batch_stops_both_and_drops_the_step,

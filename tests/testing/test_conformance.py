@@ -161,7 +161,7 @@ def test_a_check_past_its_time_limit_fails_naming_the_call_and_the_run_goes_on()
 def test_a_check_interrupted_raises_the_interrupt_in_the_callers_thread() -> None:
     """A check ending in a BaseException left no outcome in its thread, which the kit took for a
     timeout and then failed looking up the finished thread's frame (a bare KeyError).
-    KeyboardInterrupt stops the run; SystemExit fails the check (test_sweep19_conformance)."""
+    KeyboardInterrupt stops the run; SystemExit fails the check (test_kit_exits_and_hangs)."""
     from torchhal.testing.suite import Check, ConformanceSuite
 
     def interrupt(ctx: object) -> str:
