@@ -12,7 +12,7 @@ import functools
 import inspect
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
@@ -109,13 +109,14 @@ def prepare(
         _check_optimizer_covers(optimizer, names)
     device = ctx.device.torch_device
     moved = [n for n, p in model.named_parameters() if p.device != device]
-    model.to(device)
-    if moved:
-        log.info("model moved to its rank's device", device=ctx.device.id, parameters=len(moved))
+    placement = Placement.of(model)
     sharded = 0
-    for block in checkpointed:  # before DDP or FSDP: their hooks stay outside the recompute
-        block.forward = CheckpointedForward(block)
     try:
+        model.to(device)  # may run out of device memory halfway
+        if moved:
+            log.info("model moved to its rank's device", device=ctx.device.id, parameters=len(moved))
+        for block in checkpointed:  # before DDP or FSDP: their hooks stay outside the recompute
+            block.forward = CheckpointedForward(block)
         with telemetry.span("torchhal.distributed.prepare", strategy=strategy, policy=policy.name):
             if strategy == "ddp":
                 wrapped: nn.Module = _ddp(model, ctx, options)
@@ -126,11 +127,84 @@ def prepare(
             opt = _optimizer_for(wrapped, optimizer, names, resharded=strategy == "fsdp")
     except BaseException:
         for block in checkpointed:  # a corrected retry finds the blocks as they were
-            del block.forward
+            vars(block).pop("forward", None)
+        _put_back(model, placement, strategy)
         raise
     prepared = Prepared(wrapped, opt, policy, policy.grad_scaler(), strategy, sharded, len(checkpointed))
     log.info("model prepared", rank=ctx.rank, device=ctx.device.id, **prepared.report())
     return prepared
+
+
+class Placement(NamedTuple):
+    """A model's tensors as they were before `prepare` moved them: each module's parameters (the
+    objects, with their data and gradients) and buffers. Kept, not copied, so putting them back
+    costs nothing and is exact."""
+
+    parameters: list[tuple[nn.Module, str, nn.Parameter, torch.Tensor, torch.Tensor | None]]
+    buffers: list[tuple[nn.Module, str, torch.Tensor]]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> Placement:
+        parameters = [
+            (module, name, p, p.data, None if p.grad is None else p.grad.data)
+            for module in model.modules()
+            for name, p in module._parameters.items()
+            if p is not None
+        ]
+        buffers = [
+            (module, name, buffer)
+            for module in model.modules()
+            for name, buffer in module._buffers.items()
+            if buffer is not None
+        ]
+        return cls(parameters, buffers)
+
+    def restore(self) -> int:
+        """Put every tensor back; returns how many parameters and buffers had moved. A move sets a
+        parameter's data in place, or (where the tensor types differ) puts a new Parameter in
+        its module: both are undone."""
+        moved: set[int] = set()
+        for module, name, param, data, grad in self.parameters:
+            current = module._parameters.get(name)
+            if current is not param or param.device != data.device:
+                moved.add(id(param))
+            if param.device != data.device:
+                param.data = data
+            if grad is not None and param.grad is not None and param.grad.device != grad.device:
+                param.grad.data = grad
+            module._parameters[name] = param
+        for module, name, buffer in self.buffers:
+            current = module._buffers.get(name)
+            if current is not buffer:
+                moved.add(id(buffer))
+            module._buffers[name] = buffer
+        return len(moved)
+
+
+def _put_back(model: nn.Module, placement: Placement, strategy: str) -> None:
+    """After a failed prepare: the model's tensors where they were (a move that ran out of device
+    memory halfway, a DDP wrap or optimizer factory that raised), unless FSDP2 already sharded a
+    module, which cannot be undone: then say so, as the caller's model must be made again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    sharded = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        log.error(
+            "prepare failed after FSDP2 sharded part of the model, which cannot be undone: make the "
+            "model again before retrying",
+            strategy=strategy,
+            sharded_modules=len(sharded),
+            first=sharded[:3],
+        )
+        telemetry.count("torchhal.distributed.prepare_failed_sharded")
+        return
+    moved = placement.restore()
+    if moved:
+        log.warning(
+            "prepare failed: the model's tensors were put back where they were",
+            strategy=strategy,
+            tensors=moved,
+        )
 
 
 def transformer_blocks(
