@@ -207,6 +207,43 @@ def test_several_chunks_and_vocab_blocks(triton_hal, vocab, reduction):
         _assert_within(f"gradient of {name}", g, s, t, 3.0)
 
 
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize(
+    ("vocab", "masked"),
+    [(VOCAB, slice(3, 40, 7)), (2100, slice(0, 2048))],
+    ids=["some-classes", "a-whole-block"],
+)
+def test_masked_vocabulary_is_finite_where_torch_is(triton_hal, vocab, masked, label_smoothing):
+    """A bias of -inf on some classes (padded or banned vocabulary entries), targets elsewhere: torch's
+    loss is finite without smoothing (+inf with it, every masked class then weighing in) and its
+    gradients finite; the kernel made 0 x -inf (NaN) of the smoothing term, and NaN of the online
+    sum while a whole vocabulary block (2048 fp32 columns here) was -inf."""
+    from torchhal.kernels import triton_cross_entropy
+
+    hidden, weight, _, bias = _inputs(tokens=13, vocab=vocab)
+    bias[masked] = float("-inf")
+    allowed = torch.ones(vocab, dtype=torch.bool)
+    allowed[masked] = False
+    target = allowed.nonzero().flatten()[torch.randint(0, int(allowed.sum()), (13,))]
+    kwargs = {"ignore_index": -100, "label_smoothing": label_smoothing, "reduction": "sum"}
+    args = (hidden, weight, target, bias)
+    grad_loss = torch.randn(())
+    out = triton_cross_entropy.linear_cross_entropy_forward(SMALL_CHUNKS, *args, **kwargs)
+    context = lce.AUTOGRAD.context((*args, *kwargs.values()), out)
+    got = triton_cross_entropy.linear_cross_entropy_backward(SMALL_CHUNKS, grad_loss, *context)
+    loss_only = triton_cross_entropy.linear_cross_entropy(SMALL_CHUNKS, *args, **kwargs)
+    want, want_grads = _run(
+        lambda h, w, t, b, **kw: F.cross_entropy(F.linear(h, w, b), t, **kw), *args, torch.float32, grad_loss,
+        **kwargs,
+    )  # fmt: skip
+    assert bool(want.isfinite()) is (label_smoothing == 0.0)
+    for loss in (out[0], loss_only):
+        torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-4)  # equal infinities compare equal
+    for name, g, w in zip(("hidden", "weight", "bias"), got, want_grads, strict=True):
+        assert w.isfinite().all() and g.isfinite().all(), name
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_ignored_tokens_and_custom_ignore_index(fused):
     hidden, weight, target, bias = _inputs(ignored=0.5)
     target[target == -100] = 7  # class 7 itself is ignored: torch's ignore_index may be a valid class

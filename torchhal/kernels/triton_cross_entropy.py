@@ -71,13 +71,17 @@ def _cross_entropy_rows(
         mask = cols < n_cols
         x = tl.load(base + cols, mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
-        d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        # while every logit so far is -inf (a masked vocabulary block), shift by 0: exp(-inf - -inf) is NaN
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        d = d * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         total += tl.sum(tl.where(mask, x, 0.0), axis=0)
         m = m_new
     lse = m + tl.log(d)
     x_target = tl.load(base + tl.where(in_range, target, 0)).to(tl.float32)
     uniform = smoothing / n_cols
-    loss = lse - (1.0 - smoothing) * x_target - uniform * total
+    # without smoothing the sum of logits has no weight, and a -inf logit must not make 0 * -inf
+    smoothed = tl.where(smoothing == 0.0, 0.0, uniform * total)
+    loss = lse - (1.0 - smoothing) * x_target - smoothed
     loss = tl.where(kept, tl.where(in_range, loss, float("nan")), 0.0)
     tl.store(LOSS + row, loss)
     if WRITE_GRAD:
