@@ -17,18 +17,23 @@ what makes a checkpoint safe to resume from after a crash:
 - only the newest `keep` checkpoints are kept, and checkpoints of later steps than one just
   committed (a run resumed from an earlier step) are set aside, so a crash never resumes the
   abandoned timeline.
-`step` is the number of optimizer steps completed: resume with `train(first_step=step)`. The
-directory must be storage every rank sees (DCP's file writer and the commit both assume it).
+`step` is the number of optimizer steps completed: resume with `train(first_step=step)`. An
+optimizer that has not stepped is saved as fresh (torch's `get_state_dict` would make its state by
+stepping it at learning rate 0: Adam's step count, Rprop's step sizes and any step hook would move)
+and loads as fresh. The directory must be storage every rank sees (DCP's file writer and the
+commit both assume it).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
 import random
 import re
 import shutil
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
@@ -39,7 +44,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchhal.hal_core import ConfigurationError, InvalidArgumentError, TorchHALError, telemetry
@@ -57,6 +68,7 @@ FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.step_(\d+)\.tmp$")
 _SUPERSEDED = re.compile(r"^superseded_step_(\d+)_by_(\d+)$")
+_REPLACED_DIR = re.compile(r"^\.step_(\d+)\.replaced$")
 
 
 class CheckpointError(TorchHALError, RuntimeError):
@@ -141,7 +153,7 @@ class Checkpointer:
         self.rank = dist.get_rank() if self._group is not None else 0
         self.world_size = dist.get_world_size() if self._group is not None else 1
         self._alone = self._group is None  # no process group: DCP reads and writes in this process only
-        self._pending: tuple[int, Path, Future[Any]] | None = None
+        self._pending: tuple[int, Path, Future[Any], list[int]] | None = None
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -166,6 +178,7 @@ class Checkpointer:
             raise InvalidArgumentError(f"Checkpointer.save: step must be >= 0, got {step}")
         data_state = None if data is None else _serialised_data_state(data)
         self.wait()
+        self._check_every_rank_passes_data(data is not None)
         tmp = self.directory / f".step_{step}.tmp"
         if self.rank == 0 and tmp.exists():
             log.warning("stale temporary checkpoint removed", path=str(tmp))
@@ -175,13 +188,18 @@ class Checkpointer:
         torch.save(rng_state(self.device), tmp / f"rng_rank{self.rank}.pt")
         if data_state is not None:
             (tmp / _data_file(self.rank)).write_bytes(data_state)
-        state = _training_state(model, optimizer, scaler, step)
+        state = _training_state(model, optimizer, scaler, step, fresh=not optimizer.state)
+        groups = [len(group["params"]) for group in optimizer.param_groups]
         with telemetry.span("torchhal.checkpoint.save", step=step, blocking=blocking, rank=self.rank):
             if blocking:
-                dcp.save(state, checkpoint_id=tmp, process_group=self._group, no_dist=self._alone)
-                return self._commit(step, tmp)
-            future = dcp.async_save(state, checkpoint_id=tmp, process_group=self._group, no_dist=self._alone)
-            self._pending = (step, tmp, _as_future(future))
+                with _dcp_errors("save of step", step, tmp):
+                    dcp.save(state, checkpoint_id=tmp, process_group=self._group, no_dist=self._alone)
+                return self._commit(step, tmp, groups)
+            with _dcp_errors("save of step", step, tmp):
+                future = dcp.async_save(
+                    state, checkpoint_id=tmp, process_group=self._group, no_dist=self._alone
+                )
+            self._pending = (step, tmp, _as_future(future), groups)
         log.info("async checkpoint staged", step=step, rank=self.rank)
         return None
 
@@ -189,26 +207,45 @@ class Checkpointer:
         """Finish and commit the async save in flight, if any."""
         if self._pending is None:
             return None
-        step, tmp, future = self._pending
+        step, tmp, future, groups = self._pending
         self._pending = None
         try:
             future.result()
-        except Exception as exc:
-            raise CheckpointError(f"async checkpoint of step {step} into {tmp} failed: {exc}") from exc
-        return self._commit(step, tmp)
+        except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is no Exception
+            raise CheckpointError(
+                f"async checkpoint of step {step} into {tmp} failed: {_reason(exc)}"
+            ) from exc
+        return self._commit(step, tmp, groups)
 
-    def _commit(self, step: int, tmp: Path) -> CheckpointInfo:
+    def _check_every_rank_passes_data(self, mine: bool) -> None:
+        """`data=` on some ranks only would commit a checkpoint no `load(data=...)` can resume:
+        refused on every rank, before anything is written."""
+        if self._group is None:
+            return
+        passed: list[Any] = [None] * self.world_size
+        dist.all_gather_object(passed, mine, group=self._group)
+        if any(passed) and not all(passed):
+            with_data = [rank for rank, given in enumerate(passed) if given]
+            raise InvalidArgumentError(
+                f"Checkpointer.save: data= was given on rank(s) {with_data} of {self.world_size}; "
+                "every rank passes its own data loader, or none does"
+            )
+
+    def _commit(self, step: int, tmp: Path, groups: list[int]) -> CheckpointInfo:
         """After every rank wrote its files: manifest last, rename into place, prune old steps."""
         self._barrier()
         final = step_dir(self.directory, step)
         if self.rank == 0:
             files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
-            meta = {"format": FORMAT_VERSION, "step": step, "world_size": self.world_size, "files": files}
+            meta = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "world_size": self.world_size,
+                "files": files,
+                "optimizer_groups": groups,
+            }
             (tmp / MANIFEST).write_text(json.dumps(meta, indent=1, sort_keys=True))
-            if final.exists():
-                log.warning("existing checkpoint of the same step replaced", path=str(final))
-                shutil.rmtree(final)
-            tmp.rename(final)
+            _rename_replacing(tmp, final)
             self._prune(step)
         self._barrier()
         log.info("checkpoint committed", step=step, path=str(final), rank=self.rank)
@@ -257,6 +294,9 @@ class Checkpointer:
             if match and int(match.group(1)) < newest:
                 shutil.rmtree(child)
                 log.info("abandoned temporary checkpoint removed", path=str(child))
+            elif _REPLACED_DIR.match(child.name):  # a commit that stopped between its renames
+                shutil.rmtree(child)
+                log.info("replaced checkpoint left by an interrupted commit removed", path=str(child))
 
     # -- load ----------------------------------------------------------------------------------
 
@@ -271,9 +311,13 @@ class Checkpointer:
     ) -> CheckpointInfo | None:
         """Restore the newest valid checkpoint (or `path`) into `model`, `optimizer`, `scaler`, the
         RNGs and this rank's data loader `data`; None when there is none. Rank 0 chooses, so every
-        rank loads the same step. With `data`, a checkpoint without this rank's loader state (saved
-        without `data`, or by another world size) is refused before anything is loaded; without
-        it, a saved loader state is left unused (logged and counted)."""
+        rank loads the same step. Refused before anything is loaded: a checkpoint of another
+        model (keys, shapes), of another optimizer layout (parameter groups), without this rank's
+        loader state when `data` is given (saved without it, or by another world size), without a
+        scaler state when `scaler` is. A saved loader or scaler state that load is not given is
+        left unused (logged and counted), as are RNG states of another world size or device type.
+        A loader that refuses its state, or a DCP load that fails, leaves the loader and a fresh
+        optimizer as they were."""
         if data is not None:
             _check_stateful(data, "Checkpointer.load")
         self.wait()
@@ -289,22 +333,61 @@ class Checkpointer:
         data_state = self._data_state(info, data)
         # before get_state_dict steps a fresh optimizer
         wants_scaler = scaler is not None and bool(scaler.state_dict())  # a disabled scaler has none
-        _check_fits(info.path, get_model_state_dict(model), scaler=wants_scaler)
-        state = _training_state(model, optimizer, scaler, info.step)
-        with telemetry.span("torchhal.checkpoint.load", step=info.step, rank=self.rank):
-            dcp.load(state, checkpoint_id=info.path, process_group=self._group, no_dist=self._alone)
-            set_state_dict(
-                model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-            )
+        metadata = dcp.FileSystemReader(info.path).read_metadata().state_dict_metadata
+        _check_fits(info.path, metadata, get_model_state_dict(model), scaler=wants_scaler)
+        _check_optimizer_groups(info.path, metadata, optimizer)
+        rng = self._rng_to_restore(info)
+        loader_before = None if data is None else data.state_dict()
+        if data is not None:
+            data.load_state_dict(data_state)  # first: a loader that refuses its state finds all as it was
+        fresh_before = not optimizer.state
+        try:
+            state = self._load_training_state(info, metadata, model, optimizer, scaler)
+        except BaseException:
+            if fresh_before:  # get_state_dict stepped it at learning rate 0 to make its state
+                optimizer.state.clear()
+            if data is not None:
+                data.load_state_dict(loader_before)
+            raise
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
-        if int(state["step"]) != info.step:
-            raise CheckpointError(f"checkpoint {info.path}: holds step {state['step']}, manifest {info.step}")
-        self._restore_rng(info)
-        if data is not None:
-            data.load_state_dict(data_state)
+        elif any(key.startswith("scaler.") for key in metadata):
+            log.warning(
+                "gradient scaler state not restored: load got no scaler=, so a fresh scaler starts at "
+                "its initial scale, not where the checkpoint left it",
+                path=str(info.path),
+                rank=self.rank,
+            )
+            telemetry.count("torchhal.checkpoint.scaler_not_restored")
+        if rng is not None:
+            set_rng_state(rng, self.device)
         log.info("checkpoint loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
         return info
+
+    def _load_training_state(
+        self,
+        info: CheckpointInfo,
+        metadata: Mapping[str, Any],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None,
+    ) -> dict[str, Any]:
+        """DCP's load into the model and optimizer; an optimizer saved fresh is made fresh."""
+        fresh = FRESH_OPTIMIZER in metadata
+        state = _training_state(model, optimizer, scaler, info.step, fresh=fresh)
+        with telemetry.span("torchhal.checkpoint.load", step=info.step, rank=self.rank):
+            with _dcp_errors("load of", info.step, info.path):
+                dcp.load(state, checkpoint_id=info.path, process_group=self._group, no_dist=self._alone)
+            if fresh:
+                set_model_state_dict(model, state["model"])
+                optimizer.state.clear()
+            else:
+                set_state_dict(
+                    model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+                )
+        if int(state["step"]) != info.step:
+            raise CheckpointError(f"checkpoint {info.path}: holds step {state['step']}, manifest {info.step}")
+        return state
 
     def _data_state(self, info: CheckpointInfo, data: Stateful | None) -> Any:
         """This rank's saved loader state for `data`, read before anything is loaded. The decision
@@ -335,18 +418,33 @@ class Checkpointer:
             )
         return torch.load(info.path / _data_file(self.rank), weights_only=True)
 
-    def _restore_rng(self, info: CheckpointInfo) -> None:
+    def _rng_to_restore(self, info: CheckpointInfo) -> dict[str, Any] | None:
+        """This rank's saved RNG states, read before anything is loaded; None (logged, counted)
+        where they cannot apply: another world size, or another device type (a checkpoint of a
+        GPU run resumed on the host: its host generators alone would leave the run's random
+        stream half restored)."""
         file = info.path / f"rng_rank{self.rank}.pt"
-        if info.world_size != self.world_size or not file.is_file():
-            log.warning(
-                "RNG states not restored: the checkpoint was saved at another world size",
-                saved_world_size=info.world_size,
-                world_size=self.world_size,
-                rank=self.rank,
-            )
-            telemetry.count("torchhal.checkpoint.rng_not_restored")
-            return
-        set_rng_state(torch.load(file, weights_only=True), self.device)
+        saved = torch.load(file, weights_only=True) if file.is_file() else None
+        here = self.device.torch_device.type if self.device is not None else "cpu"
+        saved_type = saved.get("device_type", "cpu") if saved is not None else None
+        if info.world_size == self.world_size and saved is not None and saved_type == here:
+            return saved
+        why = (
+            "another world size"
+            if info.world_size != self.world_size or saved is None
+            else "another device type"
+        )
+        log.warning(
+            f"RNG states not restored: the checkpoint was saved at {why}",
+            path=str(info.path),
+            saved_world_size=info.world_size,
+            world_size=self.world_size,
+            saved_device_type=saved_type,
+            device_type=here,
+            rank=self.rank,
+        )
+        telemetry.count("torchhal.checkpoint.rng_not_restored")
+        return None
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -438,17 +536,101 @@ def _serialised_data_state(data: Stateful) -> bytes:
     return buffer.getvalue()
 
 
+FRESH_OPTIMIZER = "optimizer_fresh"
+"""The key a checkpoint of an optimizer that had not stepped holds instead of its state."""
+
+
 def _training_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None, step: int
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: torch.amp.GradScaler | None,
+    step: int,
+    *,
+    fresh: bool,
 ) -> dict[str, Any]:
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optim_state, "step": step}
+    """What DCP saves or loads. A `fresh` optimizer (saved before its first step) has no state in
+    the checkpoint: torch's get_state_dict would make it by stepping the optimizer (at learning
+    rate 0, with zero gradients), which moves Adam's step count and Rprop's step sizes and runs
+    every step hook."""
+    state: dict[str, Any] = {"step": step}
+    if fresh:
+        state["model"], state[FRESH_OPTIMIZER] = get_model_state_dict(model), True
+    else:
+        state["model"], state["optimizer"] = get_state_dict(model, optimizer)
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     return state
 
 
-def _check_fits(path: Path, model_state: dict[str, Any], *, scaler: bool) -> None:
+def _check_optimizer_groups(
+    path: Path, metadata: Mapping[str, Any], optimizer: torch.optim.Optimizer
+) -> None:
+    """Refuse a checkpoint of another parameter-group layout, as Optimizer.load_state_dict does:
+    DCP would give every group the saved first group's hyperparameters, silently (the biases of a
+    decay/no-decay split then decayed, at the weights' learning rate)."""
+    here = [len(group["params"]) for group in optimizer.param_groups]
+    saved = _manifest(path).get("optimizer_groups")
+    if saved is None:  # checkpoints before the manifest listed them: the group count from DCP's keys
+        indices = {int(m.group(1)) for key in metadata if (m := _GROUP_KEY.match(key))}
+        if not indices or len(indices) == len(here):
+            return
+        saved = [f"{len(indices)} groups"]
+    if saved != here:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the optimizer: its parameter groups hold {saved} "
+            f"parameters, the optimizer's {here}; make the optimizer with the groups it was saved with"
+        )
+
+
+_GROUP_KEY = re.compile(r"^optimizer\.param_groups\.(\d+)\.")
+
+
+def _manifest(path: Path) -> dict[str, Any]:
+    return dict(json.loads((path / MANIFEST).read_text()))
+
+
+def _rename_replacing(tmp: Path, final: Path) -> None:
+    """Rename `tmp` to `final`; an existing `final` (the same step saved again) is moved aside
+    first and deleted only once the new one is in place, so a failed rename keeps it."""
+    if not final.exists():
+        tmp.rename(final)
+        return
+    old = final.with_name(f".{final.name}.replaced")
+    if old.exists():
+        shutil.rmtree(old)
+    final.rename(old)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        old.rename(final)
+        raise
+    shutil.rmtree(old)
+    log.warning("existing checkpoint of the same step replaced", path=str(final))
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for an error: DCP's CheckpointException as the ranks that failed and their errors."""
+    if isinstance(exc, CheckpointException):
+        errors = "; ".join(
+            f"rank {rank}: {_reason(failure[0])}" for rank, failure in sorted(exc.failures.items())
+        )
+        return errors or "DCP reported no rank's error"
+    return f"{type(exc).__name__}: {exc}".splitlines()[0]
+
+
+@contextlib.contextmanager
+def _dcp_errors(what: str, step: int, path: Path) -> Iterator[None]:
+    """DCP's CheckpointException (a BaseException, which `except Exception` misses) as a
+    CheckpointError naming the step, the path and each failing rank's error."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise CheckpointError(f"checkpoint {what} {step} at {path} failed: {_reason(exc)}") from exc
+
+
+def _check_fits(
+    path: Path, metadata: Mapping[str, Any], model_state: dict[str, Any], *, scaler: bool
+) -> None:
     """Refuse a checkpoint of another model before anything is loaded, naming the keys and shapes
     that differ. DCP loads only the keys the model asks for, so a checkpoint holding more (a bigger
     model) would load in part, silently; a shape mismatch was DCP's traceback inside another, as
@@ -456,7 +638,6 @@ def _check_fits(path: Path, model_state: dict[str, Any], *, scaler: bool) -> Non
     rank refuses alike."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     if scaler and not any(key.startswith("scaler.") for key in metadata):
         raise CheckpointError(
             f"checkpoint {path} holds no gradient scaler state (saved without scaler=); load without "
