@@ -115,6 +115,36 @@ def test_loss_and_gradients_within_pytorch_error(fused, dtype, vocab, bias, kwar
         _assert_within(name if i == 0 else f"gradient of {name}", g, s, t, 2.0 if i == 0 else 3.0)
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_a_masked_vocabulary_tail_is_finite_where_torch_is(fused, smoothing):
+    """A vocabulary padded to a multiple of 128 with its padding masked by a -inf bias (the first
+    classes too, so whole vocabulary blocks are -inf): finite loss and gradients without smoothing,
+    +inf loss and finite gradients with it, as torch gives; the kernels gave NaN."""
+    dtype, vocab = torch.bfloat16, 32768
+    hidden, weight, _, b = _inputs(1024, 1024, vocab, dtype, bias=True)
+    b[:8192] = float("-inf")
+    b[32000:] = float("-inf")
+    target = torch.randint(8192, 32000, (1024,), device="cuda")
+    args = lce.public_arguments(hidden, weight, target, b, -100, smoothing, "sum")
+    assert (
+        fused.hal.kernels.select(lce.OP, fused.hal.device_for_tensor(hidden), *args).candidate.name
+        == "triton"
+    )
+    grad_loss = torch.rand((), device="cuda") + 0.5
+    got = _run(fused, hidden, weight, target, b, dtype, grad_loss, label_smoothing=smoothing, reduction="sum")
+    want = _run(
+        eager, hidden, weight, target, b, torch.float32, grad_loss, label_smoothing=smoothing, reduction="sum"
+    )
+    assert bool(want[0].isfinite()) is (smoothing == 0.0)
+    if smoothing == 0.0:
+        torch.testing.assert_close(got[0].float(), want[0], rtol=2e-2, atol=1.0)
+    else:
+        assert got[0].item() == want[0].item() == float("inf")
+    for name, g, w in zip(("hidden", "weight", "bias"), got[1:], want[1:], strict=True):
+        assert w.isfinite().all() and g.isfinite().all(), name
+        torch.testing.assert_close(g.float(), w, rtol=5e-2, atol=2e-2, msg=name)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 def test_reduction_none_per_token_gradients(fused, dtype):
     hidden, weight, target, b = _inputs(2048, 1024, 50257, dtype, bias=True, ignored=0.3)

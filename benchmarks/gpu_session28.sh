@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The twenty-eighth session's GPU checks (wheels: ../shared/tools/device-wheels, then
+# benchmarks/build_device_wheels.sh; .whl_old/ holds the torchhal wheel of the session's start,
+# 6a37dee). Every result goes to $OUT/raw, packed into $OUT/results.tgz at the end:
+#   bash benchmarks/gpu_session28.sh tests  # one GPU: prepare's failure on a GPU (a real out-of-memory
+#                                           # move), the fused cross-entropy's GPU tests (a masked
+#                                           # vocabulary among them), the old build's masked case,
+#                                           # then the fused loss at vocab 128256, old and new builds
+#                                           # alternated (the online sum's shift added a select)
+set -uo pipefail
+phase=${1:?tests}
+source "$(dirname "$0")/gpu_setup.sh"
+if [ "$phase" = tests ]; then
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/distributed/gpu/test_prepare_gpu.py \
+    tests/kernels/gpu/test_linear_cross_entropy_gpu.py 2>&1 | tee "$RAW/gpu_tests.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  install_old_build  # the session start's kernels: the masked case should fail
+  PYTHONPATH=/tmp/old timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+    tests/kernels/gpu/test_linear_cross_entropy_gpu.py -k masked 2>&1 | tee "$RAW/gpu_tests_old.log" | tail -3
+  for run in old_1 new_1 old_2 new_2; do
+    site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
+    PYTHONPATH=$site timeout 120 python3 benchmarks/bench_cross_entropy.py --vocabs 128256 --budget-s 1 \
+      --out "$RAW/lce_$run.json" > "$RAW/lce_$run.log" 2>&1
+    echo "$run rc=$?"; tail -4 "$RAW/lce_$run.log"
+  done
+  pack; exit 0
+fi
+echo "unknown phase $phase" >&2; exit 2
