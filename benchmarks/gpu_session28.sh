@@ -11,15 +11,15 @@ set -uo pipefail
 phase=${1:?tests}
 source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = tests ]; then
-  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/distributed/gpu/test_prepare_gpu.py \
+  timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/distributed/gpu/test_prepare_gpu.py \
     tests/kernels/gpu/test_linear_cross_entropy_gpu.py 2>&1 | tee "$RAW/gpu_tests.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
   install_old_build  # the session start's kernels: the masked case should fail
-  PYTHONPATH=/tmp/old timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
+  PYTHONPATH=/tmp/old timeout 60 python3 -m pytest -q -m gpu -p no:cacheprovider -rs \
     tests/kernels/gpu/test_linear_cross_entropy_gpu.py -k masked 2>&1 | tee "$RAW/gpu_tests_old.log" | tail -3
   for run in old_1 new_1 old_2 new_2; do
     site=/tmp/${run%_*}; [ "$site" = /tmp/new ] && site=/tmp/site
-    PYTHONPATH=$site timeout 120 python3 benchmarks/bench_cross_entropy.py --vocabs 128256 --budget-s 1 \
+    PYTHONPATH=$site timeout 75 python3 benchmarks/bench_cross_entropy.py --vocabs 128256 --budget-s 1 \
       --out "$RAW/lce_$run.json" > "$RAW/lce_$run.log" 2>&1
     echo "$run rc=$?"; tail -4 "$RAW/lce_$run.log"
   done
