@@ -187,3 +187,22 @@ def test_strided_statistics_go_to_the_reference(ops):
         strict=True,
     ):
         torch.testing.assert_close(got, want)
+
+
+def test_a_vmap_call_falls_back_without_demoting_the_kernel_for_plain_calls(monkeypatch):
+    """Under torch.func.vmap the tensors have no storage and the Triton kernel cannot run: the call
+    falls back (logged, counted) but demotes nothing, since the signature does not tell batched
+    tensors from plain ones: a demotion sent every later plain call of it to the reference."""
+    import torchhal.ops
+
+    from .conftest import make_hal
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    hal = make_hal(interpret=True)  # its own: the session HALs' guard fails any fallback
+    cpu = hal.device("cpu")
+    (weight, bias), x = _params(16), torch.randn(3, 8, 16)
+    with hal.use(cpu):
+        batched = torch.func.vmap(lambda rows: torchhal.ops.layer_norm(rows, weight, bias))(x)
+    torch.testing.assert_close(batched, torch.nn.functional.layer_norm(x, (16,), weight, bias))
+    assert hal.kernels.fallback_counts == {"layer_norm:torchhal/triton": 1}
+    assert hal.kernels.select("layer_norm", cpu, x[0], weight, bias, 1e-5).candidate.name == "triton"

@@ -543,7 +543,10 @@ class KernelRegistry:
         demote the ones that raised for this signature (cached, counted). When every candidate
         raises, the arguments are the likely cause: none that raised is demoted or counted, and
         KernelFailedError says what each raised. Bad arguments and exhausted memory are raised as
-        they are (see `_not_a_kernel_fault`)."""
+        they are (see `_not_a_kernel_fault`). Where an argument is a tensor without storage (under
+        torch.func's vmap or grad, a kernel that reads memory cannot run), the fallback is logged
+        and counted but demotes nothing: the signature does not tell those tensors from plain ones,
+        and a demotion would send every later plain call to the fallback too."""
         failures = [exc]
         try:
             if _not_a_kernel_fault(exc):
@@ -583,7 +586,8 @@ class KernelRegistry:
                     continue
                 for name in raised:
                     self._count_fallback(op, name)
-                self._store(current, candidates)
+                if all(_has_storage(a) for a in args):
+                    self._store(current, candidates)
                 return result
         finally:
             # an error raised from here holds this frame in its traceback, and this frame held the
@@ -723,6 +727,19 @@ def _bound_or_raiser(candidate: Candidate, caps: DeviceCapabilities) -> Callable
             raise error
 
         return raiser
+
+
+def _has_storage(value: object) -> bool:
+    """False for a tensor whose memory cannot be read (torch.func's batched and grad wrappers)."""
+    import torch
+
+    if not isinstance(value, torch.Tensor):
+        return True
+    try:
+        value.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 def _not_a_kernel_fault(exc: Exception) -> bool:
