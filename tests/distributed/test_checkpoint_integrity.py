@@ -176,3 +176,43 @@ def test_rng_states_of_another_device_type_are_not_restored_and_the_rest_loads(t
     assert Checkpointer(tmp_path).load(other, adam).step == 1
     assert telemetry.counts().get(key, 0) == before + 1 and torch.equal(torch.get_rng_state(), generator)
     assert_same(params(other), params(model))
+
+
+def warmup(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 6))
+
+
+def test_a_resume_mid_warmup_continues_the_schedule_as_an_uninterrupted_run(tmp_path):
+    def train(model, optimizer, scheduler, steps):
+        for _ in range(steps):
+            step(model, optimizer)
+            scheduler.step()
+
+    model, optimizer = make(1)
+    scheduler = warmup(optimizer)
+    torch.manual_seed(11)
+    train(model, optimizer, scheduler, 3)
+    Checkpointer(tmp_path).save(3, model, optimizer, scheduler=scheduler)
+    train(model, optimizer, scheduler, 4)
+    resumed, resumed_optimizer = make(2)
+    resumed_scheduler = warmup(resumed_optimizer)
+    assert Checkpointer(tmp_path).load(resumed, resumed_optimizer, scheduler=resumed_scheduler).step == 3
+    train(resumed, resumed_optimizer, resumed_scheduler, 4)  # the RNG was restored to step 3's too
+    assert_same(params(resumed), params(model))
+    assert resumed_scheduler.get_last_lr() == scheduler.get_last_lr()
+
+
+def test_a_scheduler_asked_of_a_checkpoint_without_one_is_refused_and_one_not_asked_is_counted(tmp_path):
+    model, optimizer = make(1)
+    step(model, optimizer)
+    Checkpointer(tmp_path / "without").save(1, model, optimizer)
+    other, other_optimizer = make(2)
+    before = params(other)
+    with pytest.raises(CheckpointError, match="holds no learning-rate scheduler state"):
+        Checkpointer(tmp_path / "without").load(other, other_optimizer, scheduler=warmup(other_optimizer))
+    assert_same(params(other), before)
+    Checkpointer(tmp_path / "with").save(1, model, optimizer, scheduler=warmup(optimizer))
+    key = "torchhal.checkpoint.scheduler_not_restored"
+    count = telemetry.counts().get(key, 0)
+    Checkpointer(tmp_path / "with").load(other, other_optimizer)
+    assert telemetry.counts().get(key, 0) == count + 1

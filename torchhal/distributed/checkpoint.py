@@ -14,6 +14,8 @@ what makes a checkpoint safe to resume from after a crash:
 - each rank's data loader state (`data=`: an object with `state_dict`/`load_state_dict`, as
   torchdata's StatefulDataLoader) in `data_rank<r>.pt`, so a resumed run continues its epoch
   where it stopped, every rank from its own position;
+- the learning-rate scheduler's state (`scheduler=`, the same on every rank) in `scheduler.pt`, so
+  a resumed run continues its warm-up and decay instead of starting them again;
 - only the newest `keep` checkpoints are kept, and checkpoints of later steps than one just
   committed (a run resumed from an earlier step) are set aside, so a crash never resumes the
   abandoned timeline.
@@ -167,16 +169,23 @@ class Checkpointer:
         *,
         scaler: torch.amp.GradScaler | None = None,
         data: Stateful | None = None,
+        scheduler: Stateful | None = None,
         blocking: bool = True,
     ) -> CheckpointInfo | None:
         """Checkpoint the state after `step` optimizer steps. `blocking=False` uses `dcp.async_save`:
         the state is staged now and written in the background; the next `save`, `wait` or `load`
         commits it. Returns the committed checkpoint (None while an async save is in flight).
         `data` is this rank's data loader, whose `state_dict()` is saved for this rank (every
-        rank passes its own, or none does)."""
+        rank passes its own, or none does); `scheduler` the learning-rate scheduler (rank 0's
+        state is saved: every rank steps the same one)."""
         if step < 0:
             raise InvalidArgumentError(f"Checkpointer.save: step must be >= 0, got {step}")
-        data_state = None if data is None else _serialised_data_state(data)
+        data_state = (
+            None if data is None else _serialised_state(data, "data", "torchdata's StatefulDataLoader")
+        )
+        scheduler_state = (
+            None if scheduler is None else _serialised_state(scheduler, "scheduler", "torch's LRScheduler")
+        )
         self.wait()
         self._check_every_rank_passes_data(data is not None)
         tmp = self.directory / f".step_{step}.tmp"
@@ -188,6 +197,8 @@ class Checkpointer:
         torch.save(rng_state(self.device), tmp / f"rng_rank{self.rank}.pt")
         if data_state is not None:
             (tmp / _data_file(self.rank)).write_bytes(data_state)
+        if scheduler_state is not None and self.rank == 0:
+            (tmp / SCHEDULER_FILE).write_bytes(scheduler_state)
         state = _training_state(model, optimizer, scaler, step, fresh=not optimizer.state)
         groups = [len(group["params"]) for group in optimizer.param_groups]
         with telemetry.span("torchhal.checkpoint.save", step=step, blocking=blocking, rank=self.rank):
@@ -307,19 +318,23 @@ class Checkpointer:
         *,
         scaler: torch.amp.GradScaler | None = None,
         data: Stateful | None = None,
+        scheduler: Stateful | None = None,
         path: Path | str | None = None,
     ) -> CheckpointInfo | None:
         """Restore the newest valid checkpoint (or `path`) into `model`, `optimizer`, `scaler`, the
-        RNGs and this rank's data loader `data`; None when there is none. Rank 0 chooses, so every
+        RNGs, this rank's data loader `data` and the learning-rate `scheduler`; None when there is
+        none. Rank 0 chooses, so every
         rank loads the same step. Refused before anything is loaded: a checkpoint of another
         model (keys, shapes), of another optimizer layout (parameter groups), without this rank's
         loader state when `data` is given (saved without it, or by another world size), without a
-        scaler state when `scaler` is. A saved loader or scaler state that load is not given is
-        left unused (logged and counted), as are RNG states of another world size or device type.
-        A loader that refuses its state, or a DCP load that fails, leaves the loader and a fresh
-        optimizer as they were."""
+        scaler or scheduler state when `scaler` or `scheduler` is. A saved loader, scaler or
+        scheduler state that load is not given is left unused (logged and counted), as are RNG
+        states of another world size or device type. A loader or scheduler that refuses its state,
+        or a DCP load that fails, leaves them and a fresh optimizer as they were."""
         if data is not None:
-            _check_stateful(data, "Checkpointer.load")
+            _check_stateful(data, "Checkpointer.load", "data", "torchdata's StatefulDataLoader")
+        if scheduler is not None:
+            _check_stateful(scheduler, "Checkpointer.load", "scheduler", "torch's LRScheduler")
         self.wait()
         chosen: list[Any] = [None]
         if self.rank == 0:
@@ -336,18 +351,23 @@ class Checkpointer:
         metadata = dcp.FileSystemReader(info.path).read_metadata().state_dict_metadata
         _check_fits(info.path, metadata, get_model_state_dict(model), scaler=wants_scaler)
         _check_optimizer_groups(info.path, metadata, optimizer)
+        scheduler_state = _scheduler_state(info, scheduler)
         rng = self._rng_to_restore(info)
-        loader_before = None if data is None else data.state_dict()
-        if data is not None:
-            data.load_state_dict(data_state)  # first: a loader that refuses its state finds all as it was
+        # the loader and scheduler first: one that refuses its state finds everything as it was
+        restored: list[tuple[Stateful, Any]] = []
         fresh_before = not optimizer.state
         try:
+            for stateful, saved in ((data, data_state), (scheduler, scheduler_state)):
+                if stateful is not None:
+                    before = stateful.state_dict()
+                    stateful.load_state_dict(saved)
+                    restored.append((stateful, before))
             state = self._load_training_state(info, metadata, model, optimizer, scaler)
         except BaseException:
             if fresh_before:  # get_state_dict stepped it at learning rate 0 to make its state
                 optimizer.state.clear()
-            if data is not None:
-                data.load_state_dict(loader_before)
+            for stateful, before in reversed(restored):
+                stateful.load_state_dict(before)
             raise
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
@@ -509,27 +529,50 @@ def _data_file(rank: int) -> str:
     return f"data_rank{rank}.pt"
 
 
-def _check_stateful(data: object, where: str) -> None:
-    missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(data, m, None))]
+SCHEDULER_FILE = "scheduler.pt"
+
+
+def _scheduler_state(info: CheckpointInfo, scheduler: Stateful | None) -> Any:
+    """The saved scheduler state for `scheduler`, read before anything is loaded."""
+    file = info.path / SCHEDULER_FILE
+    if scheduler is None:
+        if file.is_file():
+            log.warning(
+                "learning-rate scheduler state not restored: load got no scheduler=, so a fresh "
+                "scheduler starts its schedule again",
+                path=str(info.path),
+            )
+            telemetry.count("torchhal.checkpoint.scheduler_not_restored")
+        return None
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint {info.path} holds no learning-rate scheduler state (saved without scheduler=); "
+            "load without scheduler= and position the schedule yourself"
+        )
+    return torch.load(file, weights_only=True)
+
+
+def _check_stateful(value: object, where: str, name: str, example: str) -> None:
+    missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(value, m, None))]
     if missing:
         raise InvalidArgumentError(
-            f"{where}: data must have state_dict() and load_state_dict() (as torchdata's "
-            f"StatefulDataLoader), got {type(data).__name__} without {', '.join(missing)}"
+            f"{where}: {name} must have state_dict() and load_state_dict() (as {example}), "
+            f"got {type(value).__name__} without {', '.join(missing)}"
         )
 
 
-def _serialised_data_state(data: Stateful) -> bytes:
-    """`data.state_dict()` as bytes, read back now as `load` will read it (`weights_only`), so a
+def _serialised_state(value: Stateful, name: str, example: str) -> bytes:
+    """`value.state_dict()` as bytes, read back now as `load` will read it (`weights_only`), so a
     state that could not be restored fails this save, not the resume after a crash."""
-    _check_stateful(data, "Checkpointer.save")
-    state, buffer = data.state_dict(), io.BytesIO()
+    _check_stateful(value, "Checkpointer.save", name, example)
+    state, buffer = value.state_dict(), io.BytesIO()
     try:
         torch.save(state, buffer)
         torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
     except Exception as exc:
         reason = next((line.strip() for line in str(exc).splitlines() if "Unpickler error" in line), str(exc))
         raise InvalidArgumentError(
-            f"Checkpointer.save: the state_dict() of data ({type(data).__name__}) cannot be saved and "
+            f"Checkpointer.save: the state_dict() of {name} ({type(value).__name__}) cannot be saved and "
             f"read back with torch.load(weights_only=True): {reason}; keep it to tensors, numbers, "
             "strings and containers, or allowlist its types (torch.serialization.add_safe_globals)"
         ) from exc

@@ -38,6 +38,7 @@ from torchhal.hal_core.process_groups import env_int
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
+    from torch.distributed.checkpoint.stateful import Stateful
 
     from torchhal.distributed.loop import StepStats
     from torchhal.hal_core import Device
@@ -152,10 +153,17 @@ class ElasticJob:
         return cls(ctx, gen, checkpointer, monitor, save_every)
 
     def resume(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: torch.amp.GradScaler | None = None,
+        *,
+        data: Stateful | None = None,
+        scheduler: Stateful | None = None,
     ) -> int:
-        """Load the newest valid checkpoint; the step to continue from (0 for a fresh start)."""
-        info = self.checkpointer.load(model, optimizer, scaler=scaler)
+        """Load the newest valid checkpoint (with this rank's loader position and the scheduler's
+        state where given, as `Checkpointer.load`); the step to continue from (0 for a fresh start)."""
+        info = self.checkpointer.load(model, optimizer, scaler=scaler, data=data, scheduler=scheduler)
         self.resumed_step = None if info is None else info.step
         if info is not None:
             log.info("resumed", generation=self.generation, step=info.step, rank=self.ctx.rank)
@@ -168,16 +176,21 @@ class ElasticJob:
         optimizer: torch.optim.Optimizer,
         scaler: torch.amp.GradScaler | None = None,
         *,
+        data: Stateful | None = None,
+        scheduler: Stateful | None = None,
         blocking: bool = True,
     ) -> Callable[[StepStats], None]:
-        """A `train(on_step=...)` callback: health checks every step, a checkpoint every `save_every`."""
+        """A `train(on_step=...)` callback: health checks every step, a checkpoint every `save_every`
+        (with `data`'s position and `scheduler`'s state where given)."""
 
         def after(stats: StepStats) -> None:
             self.monitor.observe(stats)
             self.monitor.check()
             done = stats.step + 1
             if done % self.save_every == 0:
-                self.checkpointer.save(done, model, optimizer, scaler=scaler, blocking=blocking)
+                self.checkpointer.save(
+                    done, model, optimizer, scaler=scaler, data=data, scheduler=scheduler, blocking=blocking
+                )
 
         return after
 
