@@ -31,7 +31,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from torchhal import distributed as thd
-from torchhal.distributed.checkpoint import Checkpointer
+from torchhal.distributed.checkpoint import Checkpointer, latest_valid
 from torchhal.distributed.rollback import Buffers
 from torchhal.hal_core import CollectiveError, InvalidArgumentError
 
@@ -263,6 +263,17 @@ def check_a_checkpoint_resumes_each_ranks_data_where_it_stopped(state: Any) -> N
     firsts: list[object] = [None] * state.world
     dist.all_gather_object(firsts, expected[0])
     assert not torch.equal(firsts[0], firsts[1]), "the ranks' data must differ"  # type: ignore[arg-type]
+    # data= on one rank only would commit a checkpoint no load(data=...) resumes: refused on both
+    try:
+        checkpointer.save(
+            steps + 1, fresh.model, fresh.optimizer, data=fresh_stream if state.rank == 0 else None
+        )
+    except InvalidArgumentError as exc:
+        assert "data= was given on rank(s) [0] of 2" in str(exc), str(exc)
+    else:
+        raise AssertionError("a save with data= on rank 0 only was committed")
+    info = latest_valid(directory)
+    assert info is not None and info.step == steps
     checkpointer.close()
 
 
