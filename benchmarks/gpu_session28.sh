@@ -7,8 +7,11 @@
 #                                           # vocabulary among them), the old build's masked case,
 #                                           # then the fused loss at vocab 128256, old and new builds
 #                                           # alternated (the online sum's shift added a select)
+#   bash benchmarks/gpu_session28.sh norms  # one GPU: the norm GPU tests (constant rows among them),
+#                                           # then layer_norm's forward and backward, old and new
+#                                           # builds interleaved (ab_norms.sh: the mean of x - x[0])
 set -uo pipefail
-phase=${1:?tests}
+phase=${1:?tests or norms}
 source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = tests ]; then
   timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/distributed/gpu/test_prepare_gpu.py \
@@ -23,6 +26,13 @@ if [ "$phase" = tests ]; then
       --out "$RAW/lce_$run.json" > "$RAW/lce_$run.log" 2>&1
     echo "$run rc=$?"; tail -4 "$RAW/lce_$run.log"
   done
+  pack; exit 0
+fi
+if [ "$phase" = norms ]; then
+  timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_norms_gpu.py \
+    2>&1 | tee "$RAW/gpu_tests_norms.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  OUT=$RAW ROUNDS=3 timeout 380 bash benchmarks/ab_norms.sh --ops layer_norm 2>&1 | tail -30
   pack; exit 0
 fi
 echo "unknown phase $phase" >&2; exit 2

@@ -41,6 +41,24 @@ def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, shape,
     check_op(ops.layer_norm, layer_norm.reference, (x, w, b, eps), (dy,), (0, 1, 2))
 
 
+@pytest.mark.parametrize("shape", [(7, 100), (5, 768), (4, 256)], ids=["100", "768", "256-even"])
+def test_constant_rows_normalise_to_the_bias_exactly(ops, check_op, shape):
+    """A row of equal values has x - mean = 0 exactly, so y = bias, as torch's Welford gives:
+    sum(x) / n rounded at x's scale left ~1 ulp of it, which rstd ~ 1/sqrt(eps) made 0.08 at 1000.1
+    (hidden 768). Rows of other constants (1000.1, -3.7, ...) and one ordinary row among them."""
+    constants = torch.tensor([1000.1, -3.7, 0.3, 12345.678, 1e-3, -77.7, 2.5])[: shape[0]]
+    x = constants[:, None].expand(shape).clone()
+    x[-1] = torch.randn(shape[-1]) + 100.0
+    w, b = _params(shape[-1])
+    assert (
+        ops.hal.kernels.select("layer_norm", ops.hal.device("cpu"), x, w, b, 1e-5).candidate.name == "triton"
+    )
+    y = ops.layer_norm(x, w, b, 1e-5)
+    assert torch.equal(y[:-1], b.expand(shape[0] - 1, -1))
+    assert torch.equal(torch.nn.functional.layer_norm(x[:-1], shape[-1:], w, b, 1e-5), y[:-1])
+    check_op(ops.layer_norm, layer_norm.reference, (x, w, b, 1e-5), (torch.randn(shape),), (0, 1, 2))
+
+
 def test_long_rows_are_read_again_after_the_sums(ops, check_op):
     """At hidden 12289 (block 16384) each interpreted thread holds 32 fp32 elements, so the backward
     reads the row and the weight again after the sums (RowLaunch.reload_row); the mean is far from

@@ -98,8 +98,13 @@ def _layer_norm_fwd(
     cols = tl.arange(0, BLOCK)
     mask = _row_mask(cols, n_cols, BLOCK, EVEN)
     x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    mean = tl.sum(x, axis=0) / n_cols
-    diff = tl.where(mask, x - mean, 0.0)
+    # the mean of x - x[0], then x[0] added back: a constant row's differences are exactly 0 (y = b,
+    # as torch's Welford gives; sum(x) / n rounds at x's scale, and rstd ~ 1/sqrt(eps) amplified it)
+    shift = tl.load(X + row * x_stride).to(tl.float32)
+    shifted = tl.where(mask, x - shift, 0.0)
+    mean_shifted = tl.sum(shifted, axis=0) / n_cols
+    diff = tl.where(mask, shifted - mean_shifted, 0.0)
+    mean = shift + mean_shifted
     rstd = tl.rsqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
     # weight and bias after the sums: loaded before, they are live across both reductions
     # (ptxas, 16384 at 16 warps: 91 registers a thread against 64, so half the programs resident)

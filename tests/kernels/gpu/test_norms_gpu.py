@@ -50,6 +50,20 @@ def test_layer_norm(gpu_hal, candidate, check_kernels, dtype, shape):
     torch.testing.assert_close(plain(*args), y, rtol=torch.finfo(dtype).eps, atol=fp32_slack)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("hidden", [100, 768, 4096, 16384])
+def test_layer_norm_of_constant_rows_is_the_bias(gpu_hal, candidate, dtype, hidden):
+    """Rows of equal values (1000.1, -3.7, ...) normalise to exactly the bias, as torch's gives."""
+    constants = torch.tensor([1000.1, -3.7, 0.3, 12345.678], device="cuda")
+    x = constants[:, None].expand(4, hidden).to(dtype).contiguous()
+    weight, bias = _weight(hidden, dtype), (0.2 * torch.randn(hidden, device="cuda")).to(dtype)
+    for op in ("layer_norm", "layer_norm_forward"):
+        y = candidate(gpu_hal, op, "triton", x, weight, bias, 1e-5)(x, weight, bias, 1e-5)
+        y = y if op == "layer_norm" else y[0]
+        assert torch.equal(y, bias.expand(4, -1)), op
+    assert torch.equal(torch.nn.functional.layer_norm(x, (hidden,), weight, bias, 1e-5), bias.expand(4, -1))
+
+
 def test_norms_compile_with_inductor(gpu_ops):
     """Both ops inside one torch.compile(fullgraph=True) graph, forward and backward, against eager."""
     torch._dynamo.reset()
