@@ -43,7 +43,7 @@ def test_triton_forward_and_gradients_within_pytorch_error(ops, check_op, shape,
 
 @pytest.mark.parametrize("shape", [(7, 100), (5, 768), (4, 256)], ids=["100", "768", "256-even"])
 def test_constant_rows_normalise_to_the_bias_exactly(ops, check_op, shape):
-    """A row of equal values has x - mean = 0 exactly, so y = bias, as torch's Welford gives:
+    """A row of equal values has x - mean = 0 exactly, so y = bias, as torch's CPU kernel gives:
     sum(x) / n rounded at x's scale left ~1 ulp of it, which rstd ~ 1/sqrt(eps) made 0.08 at 1000.1
     (hidden 768). Rows of other constants (1000.1, -3.7, ...) and one ordinary row among them."""
     constants = torch.tensor([1000.1, -3.7, 0.3, 12345.678, 1e-3, -77.7, 2.5])[: shape[0]]

@@ -98,8 +98,8 @@ def _layer_norm_fwd(
     cols = tl.arange(0, BLOCK)
     mask = _row_mask(cols, n_cols, BLOCK, EVEN)
     x = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    # the mean of x - x[0], then x[0] added back: a constant row's differences are exactly 0 (y = b,
-    # as torch's Welford gives; sum(x) / n rounds at x's scale, and rstd ~ 1/sqrt(eps) amplified it)
+    # the mean of x - x[0], then x[0] added back: a constant row's differences are exactly 0 and y = b
+    # (torch's CPU kernel gives b too; sum(x) / n rounds at x's scale, and rstd ~ 1/sqrt(eps) amplified it)
     shift = tl.load(X + row * x_stride).to(tl.float32)
     shifted = tl.where(mask, x - shift, 0.0)
     mean_shifted = tl.sum(shifted, axis=0) / n_cols

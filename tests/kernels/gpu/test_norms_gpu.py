@@ -53,7 +53,8 @@ def test_layer_norm(gpu_hal, candidate, check_kernels, dtype, shape):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("hidden", [100, 768, 4096, 16384])
 def test_layer_norm_of_constant_rows_is_the_bias(gpu_hal, candidate, dtype, hidden):
-    """Rows of equal values (1000.1, -3.7, ...) normalise to exactly the bias, as torch's gives."""
+    """Rows of equal values (1000.1, -3.7, ...) normalise to exactly the bias (torch's own CUDA kernel
+    does not, at bf16 and hidden 100 on an H100)."""
     constants = torch.tensor([1000.1, -3.7, 0.3, 12345.678], device="cuda")
     x = constants[:, None].expand(4, hidden).to(dtype).contiguous()
     weight, bias = _weight(hidden, dtype), (0.2 * torch.randn(hidden, device="cuda")).to(dtype)
@@ -61,7 +62,6 @@ def test_layer_norm_of_constant_rows_is_the_bias(gpu_hal, candidate, dtype, hidd
         y = candidate(gpu_hal, op, "triton", x, weight, bias, 1e-5)(x, weight, bias, 1e-5)
         y = y if op == "layer_norm" else y[0]
         assert torch.equal(y, bias.expand(4, -1)), op
-    assert torch.equal(torch.nn.functional.layer_norm(x, (hidden,), weight, bias, 1e-5), bias.expand(4, -1))
 
 
 def test_norms_compile_with_inductor(gpu_ops):
