@@ -423,7 +423,7 @@ BAD_INPUTS = [  # change of (hidden, weight, target, bias), keyword arguments, e
         lambda h, w, t, b: (h, w, t),
         {"label_smoothing": 1.5},
         InvalidArgumentError,
-        r"label_smoothing must be a number in \[0, 1\], got 1.5",
+        r"label_smoothing must be a Python float in \[0, 1\], got 1.5",
         id="smoothing-high",
     ),
     pytest.param(
@@ -444,7 +444,7 @@ BAD_INPUTS = [  # change of (hidden, weight, target, bias), keyword arguments, e
         lambda h, w, t, b: (h, w, t),
         {"ignore_index": 1.0},
         InvalidArgumentError,
-        r"ignore_index must be an int, got 1.0",
+        r"ignore_index must be a Python int, got 1.0",
         id="ignore-index",
     ),
     pytest.param(  # torch's comparison of int32 targets with it would wrap to 0
@@ -465,7 +465,7 @@ BAD_INPUTS = [  # change of (hidden, weight, target, bias), keyword arguments, e
         lambda h, w, t, b: (h, w, t),
         {"label_smoothing": True},
         InvalidArgumentError,
-        r"label_smoothing must be a number in \[0, 1\], got True",
+        r"label_smoothing must be a Python float in \[0, 1\], got True",
         id="smoothing-bool",
     ),
     pytest.param(

@@ -126,8 +126,20 @@ def test_bad_input_is_refused(ops, args, error, match):
 @pytest.mark.parametrize("eps", [-1e-6, float("nan"), 10**400, True, torch.tensor(1e-6, requires_grad=True)])
 def test_bad_eps_is_refused(ops, eps):
     """A tensor eps would get no gradient from any candidate: refused like any other bad value."""
-    with pytest.raises(InvalidArgumentError, match=r"rms_norm: eps must be a finite number >= 0, got"):
+    with pytest.raises(
+        InvalidArgumentError, match=r"rms_norm: eps must be a finite Python float or int >= 0, got"
+    ):
         ops.rms_norm(torch.randn(4, 8), torch.randn(8), eps)
+
+
+def test_a_numpy_eps_is_refused_saying_how_to_pass_it(ops):
+    """A numpy float is a real number, but not what the kernels take: the error says to convert it."""
+    import numpy as np
+
+    with pytest.raises(
+        InvalidArgumentError, match=r"got np\.float32\(1e-06\) \(a numpy\.float32: pass float\(\)"
+    ):
+        ops.rms_norm(torch.randn(4, 8), torch.randn(8), np.float32(1e-6))
 
 
 def test_bad_backward_input_is_refused(ops):

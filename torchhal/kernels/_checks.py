@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -52,7 +53,18 @@ def require_same(op: str, what: str, **values: object) -> None:
 def require_eps(op: str, eps: object) -> None:
     """A norm's epsilon: a finite number >= 0 (a tensor here would lose its gradient)."""
     if not is_finite_number(eps) or eps < 0:  # type: ignore[operator]
-        raise InvalidArgumentError(f"{op}: eps must be a finite number >= 0, got {eps!r}")
+        raise InvalidArgumentError(
+            f"{op}: eps must be a finite Python float or int >= 0, got {seen_number(eps)}"
+        )
+
+
+def seen_number(value: object) -> str:
+    """`value` as an error shows it, with the conversion a number of another library needs (a
+    numpy float is a real number, but the ops take Python's, as their kernels' arguments)."""
+    if isinstance(value, numbers.Real) and not isinstance(value, (int, float)):
+        kind = type(value)
+        return f"{value!r} (a {kind.__module__}.{kind.__qualname__}: pass float() or int() of it)"
+    return repr(value)
 
 
 def queue_device_assert(

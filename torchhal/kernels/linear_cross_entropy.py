@@ -66,6 +66,7 @@ from torchhal.kernels._checks import (
     require_rank,
     require_same,
     require_tensor,
+    seen_number,
 )
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import (
@@ -175,10 +176,12 @@ def public_arguments(
 
 def _check_scalars(op: str, ignore_index: Any, label_smoothing: Any, reduction: Any) -> None:
     if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
-        raise InvalidArgumentError(f"{op}: ignore_index must be an int, got {ignore_index!r}")
+        raise InvalidArgumentError(
+            f"{op}: ignore_index must be a Python int, got {seen_number(ignore_index)}"
+        )
     if not is_finite_number(label_smoothing) or not 0.0 <= label_smoothing <= 1.0:
         raise InvalidArgumentError(
-            f"{op}: label_smoothing must be a number in [0, 1], got {label_smoothing!r}"
+            f"{op}: label_smoothing must be a Python float in [0, 1], got {seen_number(label_smoothing)}"
         )
     if reduction not in REDUCTIONS:
         raise InvalidArgumentError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
