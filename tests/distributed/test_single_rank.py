@@ -281,3 +281,28 @@ def test_a_prefixed_group_rendezvous_through_an_init_method(tmp_path, monkeypatc
     finally:
         context.shutdown()
     assert not dist.is_initialized()
+
+
+class WithNorm(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(10)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x), y)
+
+
+def test_training_keeps_a_submodule_frozen_with_eval_and_trains_a_model_left_in_eval(ctx):
+    """A BatchNorm frozen for fine-tuning keeps its statistics (train() made every submodule train);
+    a whole model left in evaluation mode (after validation) trains in training mode."""
+    model = WithNorm()
+    model.norm.running_mean.normal_()
+    model.norm.eval()
+    stats_before = model.norm.running_mean.clone()
+    prepared = thd.prepare(model, adamw, ctx=ctx, strategy="local")
+    train_prepared(prepared, batches(2), 2, ctx)
+    assert not model.norm.training and model.training and torch.equal(model.norm.running_mean, stats_before)
+    model.eval()
+    train_prepared(prepared, batches(2), 2, ctx)
+    assert all(m.training for m in model.modules())
+    assert not torch.equal(model.norm.running_mean, stats_before)

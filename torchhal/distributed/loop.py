@@ -102,6 +102,9 @@ def train(
     but the parameters and optimizer state it had updated stay updated (logged and counted). An
     error in the scaler's update() after it leaves the step taken, its gradients dropped. The
     optimizer's step is called without a closure: one that needs one (LBFGS) is refused.
+    A model in training mode keeps its submodules' modes (a BatchNorm frozen with `.eval()` for
+    fine-tuning stays frozen, as Lightning keeps them); one in evaluation mode is put in training
+    mode whole, and that is logged.
     """
     if steps < 0:
         raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
@@ -125,7 +128,7 @@ def train(
     source = iter(batches)
     agree = steps_synchronise(ctx.world_size, policy, grad_sync)
     no_sync = _gradient_sync_off(model) if accumulate > 1 else None
-    model.train()
+    _to_training_mode(model)
     buffers = Buffers(model)
     with ctx.hal.use(ctx.device):
         for step in range(first_step, first_step + steps):
@@ -494,6 +497,18 @@ def _forward_backward(
         (scaler.scale(part) if scaler is not None else part).backward()
         compute = (began, timer.mark()) if timer is not None else (None, None)
     return _Micro(loss.detach(), forward, compute, _tokens(batch))
+
+
+def _to_training_mode(model: nn.Module) -> None:
+    """Training mode for a model left in evaluation mode (after a validation pass); a model already
+    training keeps the modes its author set on submodules."""
+    if model.training:
+        frozen = sum(1 for m in model.modules() if not m.training)
+        if frozen:
+            log.info("training keeps the evaluation mode set on submodules", submodules=frozen)
+        return
+    log.info("model was in evaluation mode: all of it put in training mode")
+    model.train()
 
 
 def _check_closure_free(optimizer: torch.optim.Optimizer) -> None:
