@@ -372,13 +372,7 @@ class Checkpointer:
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
         elif any(key.startswith("scaler.") for key in metadata):
-            log.warning(
-                "gradient scaler state not restored: load got no scaler=, so a fresh scaler starts at "
-                "its initial scale, not where the checkpoint left it",
-                path=str(info.path),
-                rank=self.rank,
-            )
-            telemetry.count("torchhal.checkpoint.scaler_not_restored")
+            _left_unused("scaler", "a fresh scaler starts at its initial scale", info.path, rank=self.rank)
         if rng is not None:
             set_rng_state(rng, self.device)
         log.info("checkpoint loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
@@ -415,13 +409,7 @@ class Checkpointer:
         saved = [r for r in range(info.world_size) if (info.path / _data_file(r)).is_file()]
         if data is None:
             if saved:
-                log.warning(
-                    "data loader state not restored: load got no data=, so the data starts where the "
-                    "loader is, not where the checkpoint left it",
-                    path=str(info.path),
-                    rank=self.rank,
-                )
-                telemetry.count("torchhal.checkpoint.data_not_restored")
+                _left_unused("data", "the data starts where the loader is", info.path, rank=self.rank)
             return None
         if len(saved) != info.world_size:
             held = f"only for rank(s) {saved} of {info.world_size}" if saved else "none"
@@ -537,12 +525,7 @@ def _scheduler_state(info: CheckpointInfo, scheduler: Stateful | None) -> Any:
     file = info.path / SCHEDULER_FILE
     if scheduler is None:
         if file.is_file():
-            log.warning(
-                "learning-rate scheduler state not restored: load got no scheduler=, so a fresh "
-                "scheduler starts its schedule again",
-                path=str(info.path),
-            )
-            telemetry.count("torchhal.checkpoint.scheduler_not_restored")
+            _left_unused("scheduler", "a fresh scheduler starts its schedule again", info.path)
         return None
     if not file.is_file():
         raise CheckpointError(
@@ -550,6 +533,17 @@ def _scheduler_state(info: CheckpointInfo, scheduler: Stateful | None) -> Any:
             "load without scheduler= and position the schedule yourself"
         )
     return torch.load(file, weights_only=True)
+
+
+def _left_unused(argument: str, consequence: str, path: Path, **where: Any) -> None:
+    """Log and count a saved state that `load` was not given the object for (`argument`=)."""
+    log.warning(
+        f"{argument} state not restored: load got no {argument}=, so {consequence}, not where the "
+        "checkpoint left it",
+        path=str(path),
+        **where,
+    )
+    telemetry.count(f"torchhal.checkpoint.{argument}_not_restored")
 
 
 def _check_stateful(value: object, where: str, name: str, example: str) -> None:

@@ -9,9 +9,9 @@ from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from tests.distributed.conftest import world_of_one
 from torchhal import HardwareAbstractionLayer
 from torchhal import distributed as thd
 from torchhal.hal_core.settings import Settings
@@ -25,16 +25,8 @@ pytestmark = [
 @pytest.fixture
 def gpu_ctx(tmp_path, monkeypatch):
     """A world of one rank on cuda:0, shut down after."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
-    assert not dist.is_initialized(), "an earlier test left a process group behind"
     hal = HardwareAbstractionLayer(settings=Settings.from_env({}))
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    context = thd.init(hal, device="cuda:0", rank=0, world_size=1, store=store, timeout=timedelta(seconds=60))
-    try:
-        yield context
-    finally:
-        context.shutdown()
+    yield from world_of_one(hal, "cuda:0", tmp_path, monkeypatch, timedelta(seconds=60))
 
 
 def host_model(layers: int, width: int) -> nn.Module:
