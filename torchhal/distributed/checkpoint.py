@@ -323,11 +323,11 @@ class Checkpointer:
     ) -> CheckpointInfo | None:
         """Restore the newest valid checkpoint (or `path`) into `model`, `optimizer`, `scaler`, the
         RNGs, this rank's data loader `data` and the learning-rate `scheduler`; None when there is
-        none. Rank 0 chooses, so every
-        rank loads the same step. Refused before anything is loaded: a checkpoint of another
-        model (keys, shapes), of another optimizer layout (parameter groups), without this rank's
-        loader state when `data` is given (saved without it, or by another world size), without a
-        scaler or scheduler state when `scaler` or `scheduler` is. A saved loader, scaler or
+        none. Rank 0 chooses, so every rank loads the same step. Refused before anything is
+        loaded: a checkpoint of another model (keys, shapes), of another optimizer layout
+        (parameter groups), without this rank's loader state when `data` is given (saved without
+        it, or by another world size), without a scaler or scheduler state when `scaler` or
+        `scheduler` is. A saved loader, scaler or
         scheduler state that load is not given is left unused (logged and counted), as are RNG
         states of another world size or device type. A loader or scheduler that refuses its state,
         or a DCP load that fails, leaves them and a fresh optimizer as they were."""
