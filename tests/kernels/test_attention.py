@@ -309,14 +309,48 @@ def test_bad_shapes_and_dtypes_are_refused(plain_attn, change, message):
         (
             -3.5e38,
             None,
-            r"scale must be finite in the compute dtype torch.float32 "
-            r"\(\|scale\| <= 3.403e\+38\), got -3.5e\+38",
+            r"scale must be finite in the compute dtype torch.float32 once multiplied by log2\(e\) "
+            r"\(\|scale\| <= 2.359e\+38\), got -3.5e\+38",
         ),
     ],
 )
 def test_bad_scale_and_window_are_refused(plain_attn, scale, window, message):
     with pytest.raises(InvalidArgumentError, match=message):
         plain_attn.attention(*_qkv(1, 2, 2, 5, 5, 8), False, scale, window)
+
+
+@pytest.mark.parametrize("seq_q", [3, DECODE_MAX_ROWS + 1], ids=["split-kv", "flash"])
+def test_a_scale_whose_log2e_multiple_overflows_fp32_is_refused_and_one_below_is_finite(attn, seq_q):
+    """The Triton kernels scale by |scale| * log2(e) in fp32: at 3e38 (accepted before, below fp32's
+    max) that is inf, and both forwards gave NaN everywhere; 2e38 still computes."""
+    q, k, v = (t * 1e-19 for t in _qkv(1, 2, 2, seq_q, 41, 8))
+    chosen = _selected(attn.hal, "attention", q, k, v, False, 2e38)
+    assert chosen == ("triton_decode" if seq_q == 3 else "triton"), chosen
+    with pytest.raises(InvalidArgumentError, match=r"\(\|scale\| <= 2.359e\+38\), got 3e\+38"):
+        attn.attention(q, k, v, False, 3e38, None)
+    out = attn.attention(q, k, v, False, 2e38, None)
+    assert out.isfinite().all()
+    torch.testing.assert_close(
+        out, attention.reference(q.double(), k.double(), v.double(), False, 2e38).float()
+    )
+
+
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_causal_with_a_scale_of_zero_or_less_is_turned_away_from_sdpa(plain_attn, scale):
+    """torch's SDPA applies its causal mask before the scale: with a scale <= 0 the masked scores
+    become NaN (torch 2.13, CPU: every row with a masked key), where the reference averages the
+    visible values (scale 0) or favours the least similar keys."""
+    q, k, v = _qkv(1, 4, 2, 16, 16, 8)
+    cpu = plain_attn.hal.device("cpu")
+    sel = plain_attn.hal.kernels.select("attention", cpu, q, k, v, True, scale, None)
+    assert sel.candidate.name != "sdpa"
+    assert {r.candidate: r.detail for r in sel.rejected}["torchhal/sdpa"] == attention.SDPA_CAUSAL_SCALE
+    with torch.no_grad():
+        out = plain_attn.attention(q, k, v, True, scale, None)
+    torch.testing.assert_close(out, attention.reference(q, k, v, True, scale))
+    assert (
+        plain_attn.hal.kernels.select("attention", cpu, q, k, v, False, scale, None).candidate.name == "sdpa"
+    )
 
 
 def test_a_scale_beyond_the_compute_dtype_is_refused_by_both_layouts_and_fits_fp64(plain_attn):
@@ -427,10 +461,10 @@ def _caps(*, features=(), backends=()) -> DeviceCapabilities:
     )  # fmt: skip
 
 
-def _sig(dtype=torch.bfloat16, dim=64, causal=False, square=True, window=None, stride_dim=1):
+def _sig(dtype=torch.bfloat16, dim=64, causal=False, square=True, window=None, stride_dim=1, scale=None):
     q = torch.empty(1, 2, 16, dim * stride_dim, dtype=dtype)[..., ::stride_dim]
     k = torch.empty(1, 2, 16 if square else 24, dim, dtype=dtype)
-    return attention.signature(q, k, k, causal, None, window)
+    return attention.signature(q, k, k, causal, scale, window)
 
 
 @pytest.mark.parametrize(
@@ -457,6 +491,9 @@ def _sig(dtype=torch.bfloat16, dim=64, causal=False, square=True, window=None, s
         (sdpa.cudnn_supports, _sig(), (FLASH,), RejectionReason.FEATURE),
         (sdpa.cudnn_supports, _sig(dim=256), (CUDNN,), RejectionReason.SHAPE),
         (sdpa.cudnn_supports, _sig(dim=60), (CUDNN,), RejectionReason.SHAPE),
+        (sdpa.flash_supports, _sig(causal=True, scale=-0.5), (FLASH,), RejectionReason.SHAPE),
+        (sdpa.cudnn_supports, _sig(causal=True, scale=0.0), (CUDNN,), RejectionReason.SHAPE),
+        (sdpa.flash_supports, _sig(scale=-0.5), (FLASH,), None),
     ],
 )
 def test_sdpa_backend_predicates(supports, sig, backends, reason):

@@ -41,6 +41,9 @@ from torchhal.kernels._checks import PROVIDER, is_finite_number, require_rank, r
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import compute_dtype, require_floating, unit_stride
 
+LOG2E = 1.4426950408889634
+"""log2(e): the Triton kernels compute softmax with exp2 of scores scaled by scale * LOG2E."""
+
 
 class AttentionSignature(NamedTuple):
     dtype: torch.dtype
@@ -56,6 +59,9 @@ class AttentionSignature(NamedTuple):
     # bit length of (heads_q // heads_kv) * seq_q - 1, the query rows of one kv head's group as a
     # power of two: a decoding step (a few rows) and a prefill of one cache length differ here
     group_rows_bucket: int
+    # scale None or > 0: SDPA's causal mask is applied before its scale, so with a scale <= 0 the
+    # masked scores become NaN or +inf (torch 2.13's CPU kernels: NaN in every row with a masked key)
+    scale_positive: bool
 
 
 def _check(
@@ -106,18 +112,24 @@ def check_qkv(
         raise InvalidArgumentError(f"{op}: causal must be a bool, got {type(causal).__name__} {causal!r}")
     if scale is not None and not is_finite_number(scale):
         raise InvalidArgumentError(f"{op}: scale must be a finite number, got {scale!r}")
-    if scale is not None and abs(scale) > torch.finfo(ct := compute_dtype(q.dtype)).max:
-        # every candidate scales in its compute dtype, where it is inf: NaN wherever a score is not 0
+    if scale is not None and abs(scale) > (most := torch.finfo(ct := compute_dtype(q.dtype)).max / LOG2E):
+        # the Triton kernels scale by |scale| * log2(e) in the compute dtype (exp2 of the scores):
+        # above this it is inf, and every score NaN; the other candidates take the same bound
         raise InvalidArgumentError(
-            f"{op}: scale must be finite in the compute dtype {ct} (|scale| <= "
-            f"{torch.finfo(ct).max:.4g}), got {scale!r}"
+            f"{op}: scale must be finite in the compute dtype {ct} once multiplied by log2(e) "
+            f"(|scale| <= {most:.4g}), got {scale!r}"
         )
     if q.shape[-1] == 0:  # the default scale is 1/sqrt(head dim)
         raise InvalidArgumentError(f"{op}: the head dim must be >= 1, got q shape {tuple(q.shape)}")
 
 
 def _summary(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, window: Sequence[int] | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float | None,
+    window: Sequence[int] | None,
 ) -> AttentionSignature:
     return AttentionSignature(
         q.dtype,
@@ -131,6 +143,7 @@ def _summary(
         all(unit_stride(t) for t in (q, k, v)),
         0 in q.shape or 0 in k.shape or 0 in v.shape,
         group_rows_bucket(q.shape[1], k.shape[1], q.shape[2]),
+        scale is None or scale > 0,
     )
 
 
@@ -148,7 +161,7 @@ def signature(
     window: Sequence[int] | None = None,
 ) -> AttentionSignature:
     _check("attention", q, k, v, causal, scale, window)
-    return _summary(q, k, v, causal, window)
+    return _summary(q, k, v, causal, scale, window)
 
 
 def forward_signature(
@@ -160,7 +173,7 @@ def forward_signature(
     window: Sequence[int] | None = None,
 ) -> AttentionSignature:
     _check("attention_forward", q, k, v, causal, scale, window)
-    return _summary(q, k, v, causal, window)
+    return _summary(q, k, v, causal, scale, window)
 
 
 def backward_signature(
@@ -177,7 +190,7 @@ def backward_signature(
     op = "attention_backward"
     _check(op, q, k, v, causal, scale, window)
     check_saved(op, q, v, grad_out, out, lse, lse_shape=(q.shape[0], q.shape[1], q.shape[2]))
-    return _summary(q, k, v, causal, window)
+    return _summary(q, k, v, causal, scale, window)
 
 
 def check_saved(
@@ -337,9 +350,14 @@ def sdpa_supports(caps: DeviceCapabilities, sig: AttentionSignature) -> Unsuppor
         return Unsupported(
             RejectionReason.SHAPE, "SDPA's causal mask is top-left aligned; needs seq_q == seq_k"
         )
+    if sig.causal and not sig.scale_positive:
+        return Unsupported(RejectionReason.SHAPE, SDPA_CAUSAL_SCALE)
     if sig.head_dim != sig.v_head_dim:
         return Unsupported(RejectionReason.SHAPE, f"head dims differ: qk {sig.head_dim}, v {sig.v_head_dim}")
     return None
+
+
+SDPA_CAUSAL_SCALE = "SDPA masks before it scales: a causal mask with a scale <= 0 gives NaN"
 
 
 def _forward_fake(

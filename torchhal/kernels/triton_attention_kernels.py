@@ -34,11 +34,10 @@ import triton
 import triton.language as tl
 
 from torchhal.kernels import triton_attention_interpreter
+from torchhal.kernels.attention import LOG2E
 from torchhal.kernels.attention_varlen import check_offsets
 from torchhal.kernels.triton_attention_config import LaunchConfigs
 from torchhal.kernels.triton_rows import cdiv, next_power_of_2
-
-LOG2E = 1.4426950408889634
 
 if triton_attention_interpreter.needs_fix():
     triton_attention_interpreter.apply()

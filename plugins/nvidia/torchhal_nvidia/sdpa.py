@@ -38,6 +38,7 @@ class AttentionShape(Protocol):
     square: bool  # seq_q == seq_k
     unit_stride_dim: bool
     empty: bool
+    scale_positive: bool  # scale None or > 0
 
 
 FLASH_BACKEND = "flash-attention"  # kernel_backends entry of devices with SDPA's flash kernels
@@ -98,6 +99,10 @@ def _common(caps: DeviceCapabilities, sig: AttentionShape, backend: str) -> Unsu
     if sig.causal and not sig.square:
         return Unsupported(
             RejectionReason.SHAPE, "SDPA's causal mask is top-left aligned; needs seq_q == seq_k"
+        )
+    if sig.causal and not sig.scale_positive:  # torch's CPU kernels give NaN there; these are not relied on
+        return Unsupported(
+            RejectionReason.SHAPE, "SDPA masks before it scales: a causal mask needs a scale > 0"
         )
     if not sig.unit_stride_dim:
         return Unsupported(RejectionReason.LAYOUT, f"{backend} needs unit stride along the head dim")
