@@ -181,3 +181,53 @@ def test_a_compiled_model_is_refused_by_name():
     with pytest.raises(torchhal.hal_core.InvalidArgumentError, match=r"OptimizedModule of LlamaForCausalLM"):
         torchhal.kernels.patch(compiled)
     assert torchhal.kernels.patch(model).swapped  # the model itself patches
+
+
+def _with_dropin_attention(model: torch.nn.Module) -> torch.nn.Module:
+    """`model` with each layer's attention replaced by torchhal.kernels.nn.Attention holding its weights."""
+    from torchhal.kernels import nn as thnn
+
+    dropin = copy.deepcopy(model)
+    config = model.config
+    for index, layer in enumerate(dropin.model.layers):
+        attention = thnn.Attention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, layer_idx=index
+        )
+        attention.load_state_dict(layer.self_attn.state_dict())
+        layer.self_attn = attention.train(model.training)
+    return dropin
+
+
+def test_dropin_attention_generates_with_a_static_cache_as_the_model_it_stands_in_for(on_plain):
+    """transformers gives a static cache's prefill no mask, meaning SDPA's top-left causal mask over
+    all the cache's slots: the drop-in read it bottom-right, so the prompt attended the empty slots
+    (first-step logits 1.3 off, other tokens generated)."""
+    model = make_model("llama").eval()
+    dropin = _with_dropin_attention(model)
+    prompt = torch.randint(1, 128, (1, 9))
+    kw = dict(
+        max_new_tokens=4, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=0
+    )
+    for implementation in ("static", "dynamic"):
+        want = model.generate(prompt, cache_implementation=implementation, **kw)
+        got = dropin.generate(prompt, cache_implementation=implementation, **kw)
+        assert torch.equal(got.sequences, want.sequences), implementation
+        for step, (g, w) in enumerate(zip(got.logits, want.logits, strict=True)):
+            torch.testing.assert_close(g, w, msg=f"{implementation} step {step}")
+
+
+def test_dropin_attention_weights_of_a_padded_batch_stay_finite(on_plain):
+    """With output_attentions the drop-in computes the weights in plain PyTorch: a padding row,
+    every key masked, was NaN (-inf everywhere), and the NaN reached the sequence's real tokens in
+    the next layer; it now has the uniform weights transformers' eager attention gives it."""
+    model = make_model("llama").eval()
+    dropin = _with_dropin_attention(model)
+    ids = torch.randint(1, 128, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :3] = 0  # left padding
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask).logits
+        got = dropin(ids, attention_mask=mask, output_attentions=True)
+    assert got.logits.isfinite().all() and all(w.isfinite().all() for w in got.attentions)
+    torch.testing.assert_close(got.logits[0, 3:], want[0, 3:])
+    torch.testing.assert_close(got.logits[1], want[1])

@@ -367,7 +367,10 @@ def masked_attention(
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
     if attention_mask is not None and attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
+        # the dtype's lowest, not -inf: a row with every key masked (a padding token) gets uniform
+        # weights, as transformers' eager attention gives it, where -inf made it NaN, and the NaN
+        # reached every real token of the sequence in the next layer
+        scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     elif attention_mask is not None:
         scores = scores + attention_mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -412,6 +415,11 @@ def attention_function(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
         sliding_window=sliding_window, **kwargs,
     )  # fmt: skip
+
+
+def _fixed_length(cache: Any) -> bool:
+    """Whether a Hugging Face cache holds a fixed number of slots (StaticCache: compileable layers)."""
+    return bool(getattr(cache, "is_compileable", False))
 
 
 def kv_cache(module: nn.Module, past_key_values: Any, cache: Any, others: dict[str, Any]) -> Any:
@@ -495,6 +503,11 @@ def rotary_attention(
         else:
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
+        if attention_mask is None and 1 < query.shape[2] < key.shape[2] and _fixed_length(past_key_values):
+            # a static cache's prefill, to which transformers gives no mask, meaning SDPA's top-left
+            # causal mask over all the cache's slots: the prompt fills the first ones, and the empty
+            # ones after it are never seen (bottom-right causal would see them)
+            key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
     out, weights = attention_fn(
         module,
         query,
