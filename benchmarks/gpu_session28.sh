@@ -10,8 +10,12 @@
 #   bash benchmarks/gpu_session28.sh norms  # one GPU: the norm GPU tests (constant rows among them),
 #                                           # then layer_norm's forward and backward, old and new
 #                                           # builds interleaved (ab_norms.sh: the mean of x - x[0])
+#   bash benchmarks/gpu_session28.sh final  # one GPU: the GPU tests of the session's later changes
+#                                           # (prepare's world of one, causal attention with a scale
+#                                           # <= 0, the masked vocabulary, constant rows), the NVIDIA
+#                                           # plugin's tests, and what torch's SDPA kernels give there
 set -uo pipefail
-phase=${1:?tests or norms}
+phase=${1:?tests, norms or final}
 source "$(dirname "$0")/gpu_setup.sh"
 if [ "$phase" = tests ]; then
   timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/distributed/gpu/test_prepare_gpu.py \
@@ -33,6 +37,15 @@ if [ "$phase" = norms ]; then
     2>&1 | tee "$RAW/gpu_tests_norms.log" | tail -4
   echo "gpu tests rc=${PIPESTATUS[0]}"
   OUT=$RAW ROUNDS=3 timeout 380 bash benchmarks/ab_norms.sh --ops layer_norm 2>&1 | tail -30
+  pack; exit 0
+fi
+if [ "$phase" = final ]; then
+  timeout 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/distributed/gpu/test_prepare_gpu.py \
+    tests/kernels/gpu/test_attention_gpu.py tests/kernels/gpu/test_linear_cross_entropy_gpu.py \
+    tests/kernels/gpu/test_norms_gpu.py tests/plugins/test_nvidia.py -k "not shape_sweep" 2>&1 \
+    | tee "$RAW/gpu_tests_final.log" | tail -4
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  timeout 60 python3 benchmarks/probe_sdpa_causal_scale.py 2>&1 | tee "$RAW/probe_sdpa_causal_scale.log"
   pack; exit 0
 fi
 echo "unknown phase $phase" >&2; exit 2

@@ -111,6 +111,13 @@ def test_grouped_heads_scale_and_windows(ops, check_op, heads_q, heads_kv, causa
     _check(ops, check_op, args)
 
 
+@pytest.mark.parametrize("scale", [0.0, -0.5])
+def test_causal_with_a_scale_of_zero_or_less_is_served_by_triton_and_right(ops, check_op, scale):
+    """seq_q == seq_k, where the SDPA candidates (flash, cuDNN, the core's) would otherwise serve:
+    they mask before they scale, so they turn causal with a scale <= 0 down."""
+    _check(ops, check_op, (*_qkv(2, 8, 2, 512, 512, 128, torch.bfloat16), True, scale, None))
+
+
 def test_transposed_layout(ops, check_op):
     """(batch, seq, heads, dim) views, as a projection's output reshaped without a copy."""
     q, k, v = (
