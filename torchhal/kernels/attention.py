@@ -60,7 +60,8 @@ class AttentionSignature(NamedTuple):
     # power of two: a decoding step (a few rows) and a prefill of one cache length differ here
     group_rows_bucket: int
     # scale None or > 0: SDPA's causal mask is applied before its scale, so with a scale <= 0 the
-    # masked scores become NaN or +inf (torch 2.13's CPU kernels: NaN in every row with a masked key)
+    # masked scores become NaN or +inf (NaN from torch 2.13's default CPU kernel and, on an H100,
+    # from flash and cuDNN; benchmarks/probe_sdpa_causal_scale.py)
     scale_positive: bool
 
 

@@ -100,7 +100,7 @@ def _common(caps: DeviceCapabilities, sig: AttentionShape, backend: str) -> Unsu
         return Unsupported(
             RejectionReason.SHAPE, "SDPA's causal mask is top-left aligned; needs seq_q == seq_k"
         )
-    if sig.causal and not sig.scale_positive:  # torch's CPU kernels give NaN there; these are not relied on
+    if sig.causal and not sig.scale_positive:  # flash and cuDNN give NaN there (H100, torch 2.11)
         return Unsupported(
             RejectionReason.SHAPE, "SDPA masks before it scales: a causal mask needs a scale > 0"
         )
