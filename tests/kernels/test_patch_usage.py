@@ -231,3 +231,30 @@ def test_dropin_attention_weights_of_a_padded_batch_stay_finite(on_plain):
     assert got.logits.isfinite().all() and all(w.isfinite().all() for w in got.attentions)
     torch.testing.assert_close(got.logits[0, 3:], want[0, 3:])
     torch.testing.assert_close(got.logits[1], want[1])
+
+
+class _Wrapper(torch.nn.Module):
+    """What PEFT's PeftModel is to patch: the causal LM inside another module, its config shown."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_model = inner
+        self.config = inner.config
+
+    def forward(self, **kwargs):
+        return self.base_model(**kwargs)
+
+
+def test_a_wrapped_causal_lm_gets_its_loss_fused_and_reported(on_plain):
+    """patch(peft_model) swapped the modules but left the loss unfused, and its report said nothing
+    of the loss: the causal LM inside the wrapper now gets the fused loss, reported at its path."""
+    model = make_model("llama")
+    reference = copy.deepcopy(model)
+    wrapper = _Wrapper(model)
+    report = torchhal.kernels.patch(wrapper)
+    assert {s.path: s.kind for s in report.swapped}["base_model.lm_head"] == "loss"
+    ids = torch.randint(0, 128, (2, 9))
+    got = wrapper(input_ids=ids, labels=ids)
+    want = reference(input_ids=ids, labels=ids)
+    assert got.logits is None and want.logits is not None
+    torch.testing.assert_close(got.loss, want.loss)

@@ -73,9 +73,11 @@ def _is_own_forward(forward: Any, causal_lm: type) -> bool:
 
 
 def _patch_loss(model: nn.Module, family: _Family, report: PatchReport, enabled: bool) -> None:
-    causal_lm = _causal_lm_class(model, family)
-    if causal_lm is None:
+    found = _causal_lm_inside(model, family)
+    if found is None:
         return  # a base model, or a head other than causal LM: no loss of the kind to swap
+    path, model, causal_lm = found
+    where = f"{path}.{LOSS_PATH}" if path else LOSS_PATH
     if not enabled:
         why: str | None = "patch(..., loss=False)"
     elif isinstance(vars(model).get("forward"), _CausalLMForward):
@@ -91,10 +93,20 @@ def _patch_loss(model: nn.Module, family: _Family, report: PatchReport, enabled:
     else:
         why = None
     if why is not None:
-        report.left.append(Left(LOSS_PATH, "loss", why))
+        report.left.append(Left(where, "loss", why))
         return
     model.forward = _CausalLMForward(model, causal_lm)  # this instance only
-    report.swapped.append(Swap(LOSS_PATH, "loss", "ForCausalLMLoss", _FUSED_NOW))
+    report.swapped.append(Swap(where, "loss", "ForCausalLMLoss", _FUSED_NOW))
+
+
+def _causal_lm_inside(model: nn.Module, family: _Family) -> tuple[str, nn.Module, type] | None:
+    """The model if it is the family's causal LM, else the first one inside it (the model a
+    wrapper such as PEFT's PeftModel calls): its path, itself and its transformers class."""
+    for path, module in model.named_modules():
+        causal_lm = _causal_lm_class(module, family)
+        if causal_lm is not None:
+            return path, module, causal_lm
+    return None
 
 
 class _CausalLMForward:
