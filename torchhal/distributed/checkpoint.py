@@ -84,6 +84,7 @@ class CheckpointInfo:
     step: int
     path: Path
     world_size: int
+    optimizer_groups: list[int] | None = None  # each parameter group's size; None before manifests had it
 
 
 def step_dir(directory: Path | str, step: int) -> Path:
@@ -97,6 +98,7 @@ def verify(path: Path | str) -> CheckpointInfo:
     try:
         meta = json.loads(manifest.read_text())
         step, world, files = int(meta["step"]), int(meta["world_size"]), dict(meta["files"])
+        groups = meta.get("optimizer_groups")
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path}: no {MANIFEST} (incomplete)") from None
     except (ValueError, KeyError, TypeError) as exc:
@@ -112,7 +114,7 @@ def verify(path: Path | str) -> CheckpointInfo:
             raise CheckpointError(
                 f"checkpoint {path}: file {name} has sha256 {got[:12]}..., the manifest says {want[:12]}..."
             )
-    return CheckpointInfo(step, path, world)
+    return CheckpointInfo(step, path, world, groups)
 
 
 def latest_valid(directory: Path | str) -> CheckpointInfo | None:
@@ -261,7 +263,7 @@ class Checkpointer:
         self._barrier()
         log.info("checkpoint committed", step=step, path=str(final), rank=self.rank)
         telemetry.count("torchhal.checkpoint.saved")
-        return CheckpointInfo(step, final, self.world_size)
+        return CheckpointInfo(step, final, self.world_size, groups)
 
     def _prune(self, newest: int) -> None:
         """Keep the checkpoint just committed and the `keep - 1` before it. Checkpoints of later
@@ -350,7 +352,7 @@ class Checkpointer:
         wants_scaler = scaler is not None and bool(scaler.state_dict())  # a disabled scaler has none
         metadata = dcp.FileSystemReader(info.path).read_metadata().state_dict_metadata
         _check_fits(info.path, metadata, get_model_state_dict(model), scaler=wants_scaler)
-        _check_optimizer_groups(info.path, metadata, optimizer)
+        _check_optimizer_groups(info, metadata, optimizer)
         scheduler_state = _scheduler_state(info, scheduler)
         rng = self._rng_to_restore(info)
         # the loader and scheduler first: one that refuses its state finds everything as it was
@@ -600,13 +602,13 @@ def _training_state(
 
 
 def _check_optimizer_groups(
-    path: Path, metadata: Mapping[str, Any], optimizer: torch.optim.Optimizer
+    info: CheckpointInfo, metadata: Mapping[str, Any], optimizer: torch.optim.Optimizer
 ) -> None:
     """Refuse a checkpoint of another parameter-group layout, as Optimizer.load_state_dict does:
     DCP would give every group the saved first group's hyperparameters, silently (the biases of a
     decay/no-decay split then decayed, at the weights' learning rate)."""
     here = [len(group["params"]) for group in optimizer.param_groups]
-    saved = _manifest(path).get("optimizer_groups")
+    saved: list[Any] | None = info.optimizer_groups
     if saved is None:  # checkpoints before the manifest listed them: the group count from DCP's keys
         indices = {int(m.group(1)) for key in metadata if (m := _GROUP_KEY.match(key))}
         if not indices or len(indices) == len(here):
@@ -614,16 +616,12 @@ def _check_optimizer_groups(
         saved = [f"{len(indices)} groups"]
     if saved != here:
         raise CheckpointError(
-            f"checkpoint {path} does not fit the optimizer: its parameter groups hold {saved} "
+            f"checkpoint {info.path} does not fit the optimizer: its parameter groups hold {saved} "
             f"parameters, the optimizer's {here}; make the optimizer with the groups it was saved with"
         )
 
 
 _GROUP_KEY = re.compile(r"^optimizer\.param_groups\.(\d+)\.")
-
-
-def _manifest(path: Path) -> dict[str, Any]:
-    return dict(json.loads((path / MANIFEST).read_text()))
 
 
 def _rename_replacing(tmp: Path, final: Path) -> None:
