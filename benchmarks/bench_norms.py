@@ -7,7 +7,11 @@ For each op, the first shape is checked before anything is timed: every implemen
 and gradients against the reference in fp64, torchhal's within FlashAttention's rule of the eager
 PyTorch error (2x forward, 3x gradients, plus torchhal.testing.tolerance's floor). Then forward and
 backward are timed with triton.testing.do_bench (median). do_bench flushes the L2 cache before
-every timed call, so inputs small enough for L2 are read from memory like the large ones.
+every timed call, so inputs small enough for L2 are read from memory like the large ones. Each
+backward is also timed by its host time a call and its kernels' GPU time (torch.profiler): the
+Python-side backwards (torchhal's, Liger's) take about as long to enqueue as the GPU takes to run
+them at the large shapes, and do_bench's events then time the host; the table marks those rows
+host-bound and gives the kernels' ratio beside the events' (docs/benchmarks.md, twenty-ninth session).
 
 Peers, measured in the same run: eager PyTorch (F.rms_norm, F.layer_norm, silu/gelu * up, Hugging
 Face's rotate-half rope), torch.compile of that eager code, Liger-Kernel's functional API, and a
@@ -38,6 +42,8 @@ import torch
 import torch._functorch.config as functorch_config
 import torch.nn.functional as F
 from gpu_capabilities import device_capabilities
+from sweep_common import host_ms, kernel_ms
+from sweep_common import ms as timed
 
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
@@ -203,12 +209,6 @@ def check(case: Case, reference: Callable[..., Any], impls: dict[str, Callable[.
     return {"max_abs_errors": errors, "torchhal_within_rule": verdict}
 
 
-def timed(fn: Callable[[], Any]) -> float:
-    import triton.testing
-
-    return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
-
-
 ALLOCATOR_CALLS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
 
 
@@ -230,9 +230,9 @@ def record(case: Case, impl: str, direction: str, ms: float, nbytes: int, **extr
     case.results.append({"impl": impl, "direction": direction, "ms": ms, "gbps": nbytes / ms / 1e6, **extra})
 
 
-def measure(case: Case, name: str, fn: Callable[..., Any]) -> Callable[[], Any]:
-    """Time `fn`'s forward and backward on fresh copies of the inputs; returns the backward, to
-    time those same tensors again."""
+def measure(case: Case, name: str, fn: Callable[..., Any]) -> None:
+    """Time `fn`'s forward and backward on fresh copies of the inputs; the backward also by its host
+    time and its kernels' time."""
     leaves = _leaves(case)
     with torch.no_grad():
         forward = timed_with_allocator(lambda: fn(*leaves))
@@ -241,36 +241,19 @@ def measure(case: Case, name: str, fn: Callable[..., Any]) -> Callable[[], Any]:
     grads = tuple(g.clone() for g in case.grads)  # Liger's rms_norm backward overwrites its dy
     backward_fn = lambda: torch.autograd.grad(outs, wrt, grads, retain_graph=True)  # noqa: E731
     backward = timed_with_allocator(backward_fn)
-    for direction, (ms, allocator), nbytes in (
-        ("forward", forward, case.forward_bytes),
-        ("backward", backward, case.backward_bytes),
+    # the Python-side backwards (torchhal's, Liger's) take about as long on the host as on the GPU
+    # at the large shapes: where the host is slower, do_bench times the host (twenty-ninth session)
+    pace = {"host_ms": host_ms(backward_fn), "kernel_ms": kernel_ms(backward_fn)}
+    for direction, (ms, allocator), nbytes, extra in (
+        ("forward", forward, case.forward_bytes, {}),
+        ("backward", backward, case.backward_bytes, pace),
     ):
-        record(case, name, direction, ms, nbytes, allocator=allocator)
+        record(case, name, direction, ms, nbytes, allocator=allocator, **extra)
         if any(allocator.values()):
             print(
                 f"{case.op} {case.rows}x{case.hidden} {direction} {name}: "
                 f"allocator calls while timed {allocator}"
             )
-    return backward_fn
-
-
-SLOW = 0.95  # torchhal's backward under this fraction of Liger's speed is timed again
-
-
-def recheck_slow_backward(case: Case, our_backward: Callable[[], Any], ours: Callable[..., Any]) -> None:
-    """Where torchhal's backward ran under SLOW x Liger's: time the same tensors again, then fresh
-    copies, so a slow process says whether the slowness follows the tensors or the process."""
-    by_impl = {r["impl"]: r["ms"] for r in case.results if r["direction"] == "backward"}
-    if "liger" not in by_impl or "torchhal" not in by_impl or by_impl["liger"] / by_impl["torchhal"] >= SLOW:
-        return
-    same_ms = timed(our_backward)
-    record(case, "torchhal, same tensors again", "backward", same_ms, case.backward_bytes)
-    measure(case, "torchhal, fresh tensors", ours)
-    fresh_ms = case.results[-1]["ms"]
-    print(
-        f"{case.op} {case.rows}x{case.hidden} backward: torchhal {by_impl['torchhal']:.4f} ms, liger "
-        f"{by_impl['liger']:.4f}; again on the same tensors {same_ms:.4f}, on fresh ones {fresh_ms:.4f}"
-    )
 
 
 def copy_ms(nbytes: int) -> float:
@@ -284,6 +267,9 @@ def measure_copy(case: Case) -> None:
     for direction, nbytes in (("forward", case.forward_bytes), ("backward", case.backward_bytes)):
         ms = copy_ms(nbytes)
         record(case, "copy", direction, ms, nbytes)
+
+
+HOST_BOUND = 0.9  # a call whose host time is this fraction of do_bench's or more: do_bench timed the host
 
 
 def summarize(case: Case) -> list[dict[str, Any]]:
@@ -302,6 +288,11 @@ def summarize(case: Case) -> list[dict[str, Any]]:
         for peer, r in by_impl.items():
             if peer not in ("torchhal", "copy"):
                 row[f"vs_{peer}"] = r["ms"] / ours["ms"]  # > 1: torchhal is faster
+                if "kernel_ms" in r:
+                    row[f"kernels_vs_{peer}"] = r["kernel_ms"] / ours["kernel_ms"]
+        host_bound = [impl for impl, r in by_impl.items() if r.get("host_ms", 0.0) >= HOST_BOUND * r["ms"]]
+        if host_bound:
+            row["host_bound"] = host_bound
         if "copy" in by_impl:
             row["fraction_of_copy"] = ours["gbps"] / by_impl["copy"]["gbps"]
         rows.append(row)
@@ -362,18 +353,11 @@ def main() -> int:
             if index == 0:
                 checks[op] = check(case, registry.op(op).reference, impls)
                 print(f"{op}: torchhal within the rule: {checks[op]['torchhal_within_rule']}")
-            our_backward = None  # kept for the recheck; the peers' graphs are freed as before
             for name, fn in impls.items():
                 try:
-                    backward = measure(case, name, fn)
+                    measure(case, name, fn)
                 except Exception:  # one failing peer must not end the run
                     print(f"{op} {rows}x{hidden} {name}: failed\n{traceback.format_exc(limit=3)}")
-                else:
-                    if name == "torchhal":
-                        our_backward = backward
-            if our_backward is not None:
-                recheck_slow_backward(case, our_backward, ours[op])
-            del our_backward
             measure_copy(case)
             case.args, case.grads = (), ()  # free the device memory before the next shape
             cases.append(case)
@@ -401,14 +385,15 @@ def main() -> int:
         Path(out).write_text(json.dumps(record, indent=2))
     for note in notes:
         print(note)
-    peers_cols = ["vs_eager", "vs_torch.compile", "vs_liger"]
+    peers_cols = ["vs_eager", "vs_torch.compile", "vs_liger", "kernels_vs_liger"]
     header = f"\n{'op':<11}{'shape':>12} {'dir':<9}{'GB/s':>8}{'of copy':>9}"
     print(header + "".join(f"{c:>18}" for c in peers_cols))
     for row in summary:
         cells = "".join(f"{row[c]:>17.2f}x" if c in row else f"{'-':>18}" for c in peers_cols)
         frac = f"{100 * row['fraction_of_copy']:>8.0f}%" if "fraction_of_copy" in row else f"{'-':>9}"
         label = f"{row['op']:<11}{row['shape']:>12} {row['direction']:<9}"
-        print(f"{label}{row['torchhal_gbps']:>8.0f}{frac}{cells}")
+        host_bound = f"  host-bound: {', '.join(row['host_bound'])}" if "host_bound" in row else ""
+        print(f"{label}{row['torchhal_gbps']:>8.0f}{frac}{cells}{host_bound}")
     return 0
 
 
