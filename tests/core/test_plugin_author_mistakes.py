@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.core.adapters import FakeAdapter
+from tests.core.adapters import FakeAdapter, fake_caps
 from tests.core.test_plugins import adapter_plugin, diag, kernel_plugin, providers
 from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import PluginError
+from torchhal.hal_core import DeviceNotFoundError, PluginError
 from torchhal.hal_core.plugins import Status
 
 
@@ -179,3 +180,76 @@ def test_a_hook_of_a_later_torchhal_marked_optional_is_not_a_misspelling(plugin_
     hal = HardwareAbstractionLayer(settings=settings(plugins="ahead"))
     assert [a.name for a in hal.adapters] == ["ahead", "cpu"]
     assert diag(hal, "ahead").status is Status.LOADED
+
+
+class _UnknownDeviceType(FakeAdapter):
+    name = vendor = "npu"
+
+    def __init__(self) -> None:
+        super().__init__([fake_caps(adapter="npu", vendor="npu", device_type="npu")])
+
+
+class _ProbeReturnsBool(FakeAdapter):
+    name = vendor = "boolprobe"
+
+    def probe(self):  # type: ignore[override]
+        return True
+
+
+class _DeviceIdRaises(FakeAdapter):
+    name = vendor = "idraises"
+
+    def __init__(self) -> None:
+        super().__init__([fake_caps(adapter="idraises", vendor="idraises")])
+
+    def device_id(self, index: int, device_type: str) -> str:
+        raise KeyError(index)
+
+
+class _DeviceIdNone(FakeAdapter):
+    name = vendor = "idnone"
+
+    def __init__(self) -> None:
+        super().__init__([fake_caps(adapter="idnone", vendor="idnone")])
+
+    def device_id(self, index: int, device_type: str) -> str:
+        return None  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    ("adapter", "stage", "reason"),
+    [
+        # every HAL call raised "Expected one of cpu, cuda, ... device type at start of device string: npu"
+        (_UnknownDeviceType, "discover", "device_type 'npu' is not a device type torch knows"),
+        (_ProbeReturnsBool, "probe", "probe() returned True, not a ProbeResult"),  # AttributeError
+        (_DeviceIdRaises, "discover", "device_id(0, 'cpu') raised KeyError: 0"),  # KeyError out of the HAL
+        (
+            _DeviceIdNone,
+            "discover",
+            "device_id(0, 'cpu') returned None, not a non-empty str",
+        ),  # loaded as None
+    ],
+)
+def test_an_adapter_whose_records_or_probe_are_wrong_fails_alone(settings, adapter, stage, reason):
+    hal = HardwareAbstractionLayer(
+        adapters=[adapter(), FakeAdapter()], settings=settings(disable_plugin_autoload="1")
+    )
+    assert [d.id for d in hal.devices()] == ["acme:0", "cpu"]
+    failed = [
+        (d.name, d.stage, d.reason[: len(reason)]) for d in hal.diagnostics if d.status is Status.FAILED
+    ]
+    assert failed == [(adapter.name, stage, reason)]
+    with pytest.raises(PluginError, match="failed at " + stage):
+        HardwareAbstractionLayer(
+            adapters=[adapter()], settings=settings(disable_plugin_autoload="1", strict_plugins="1")
+        ).devices()
+
+
+def test_a_torch_device_of_a_type_no_adapter_found_names_the_devices(settings):
+    """On a build without CUDA, torch.cuda.current_device() raised a bare AssertionError."""
+    hal = HardwareAbstractionLayer(adapters=[FakeAdapter()], settings=settings(disable_plugin_autoload="1"))
+    for missing in (torch.device("cuda"), torch.device("xpu"), torch.device("meta")):
+        with pytest.raises(
+            DeviceNotFoundError, match=f"no device '{missing.type}'; devices found: acme:0, cpu"
+        ):
+            hal.device(missing)

@@ -235,6 +235,9 @@ class HardwareAbstractionLayer:
         state = self._discovered()
         loaded = sys.modules.get("torch")  # a torch.device exists only once torch is imported
         if loaded is not None and isinstance(device_id, loaded.device):
+            if not any(t.type == device_id.type for t in state.by_torch):
+                # before asking torch for a current device, which a build without it refuses raw
+                raise DeviceNotFoundError(str(device_id), state.by_id)
             return self._native_device(_indexed(loaded, device_id))
         if isinstance(device_id, Device):
             if state.by_id.get(device_id.id) is not device_id:

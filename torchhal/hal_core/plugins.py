@@ -22,7 +22,7 @@ from opentelemetry import trace
 
 from torchhal.hal_core import hookspecs, telemetry
 from torchhal.hal_core.adapter import VendorAdapter, attribute_problems
-from torchhal.hal_core.capabilities import DeviceCapabilities
+from torchhal.hal_core.capabilities import DeviceCapabilities, ProbeResult
 from torchhal.hal_core.errors import PluginError, UnknownOpError
 from torchhal.hal_core.kernels import REFERENCE, KernelRegistry
 from torchhal.hal_core.settings import Settings
@@ -331,6 +331,10 @@ class PluginLoader:
                         span,
                     )
                     continue
+                if not isinstance(probe, ProbeResult):
+                    reason = f"probe() returned {probe!r}, not a ProbeResult"
+                    self.record(Diagnostic(adapter.name, Status.FAILED, "probe", reason, dist), span)
+                    continue
                 if not probe.available:
                     self.record(Diagnostic(adapter.name, Status.ABSENT, "probe", probe.reason, dist), span)
                     continue
@@ -345,9 +349,10 @@ class PluginLoader:
                     )
                     continue
                 span.set_attribute("torchhal.devices", len(devices))
-                wrong = _wrong_records(adapter, devices, taken_ids)
-                if wrong is not None:
-                    self.record(Diagnostic(adapter.name, Status.FAILED, "discover", wrong, dist), span)
+                try:
+                    device_ids = _device_ids(adapter, devices, taken_ids)
+                except (TypeError, ValueError) as exc:
+                    self.record(Diagnostic(adapter.name, Status.FAILED, "discover", str(exc), dist), span)
                     continue
                 if not devices:
                     self.record(
@@ -376,28 +381,48 @@ class PluginLoader:
                     span,
                 )
                 active.append(ActiveAdapter(adapter, devices))
-                taken_ids.update(adapter.device_id(c.index, c.device_type) for c in devices)
+                taken_ids.update(device_ids)
         return active
 
 
-def _wrong_records(adapter: VendorAdapter, devices: Sequence[object], taken_ids: set[str]) -> str | None:
-    """Why an adapter's discovered records cannot stand (None if they can): each must be
-    DeviceCapabilities naming this adapter and its vendor, under a device id no other device
-    has, or `hal.device(id)` and the ranking would hold one device for another."""
+def _device_ids(adapter: VendorAdapter, devices: Sequence[object], taken_ids: set[str]) -> list[str]:
+    """The HAL ids of an adapter's discovered records, or TypeError/ValueError saying why the records
+    cannot stand: each must be DeviceCapabilities naming this adapter and its vendor, on a device
+    type torch knows (every HAL device has a torch device), under a non-empty str id no other
+    device has, or `hal.device(id)` and the ranking would hold one device for another."""
+    import torch
+
     ids = set(taken_ids)
+    found = []
     for caps in devices:
         if not isinstance(caps, DeviceCapabilities):
-            return f"discover() returned {type(caps).__name__}, not DeviceCapabilities"
+            raise TypeError(f"discover() returned {type(caps).__name__}, not DeviceCapabilities")
         if (caps.adapter, caps.vendor) != (adapter.name, adapter.vendor):
-            return (
+            raise ValueError(
                 f"a record names adapter {caps.adapter!r} of vendor {caps.vendor!r}; "
                 f"this adapter is {adapter.name!r} of {adapter.vendor!r}"
             )
-        device_id = adapter.device_id(caps.index, caps.device_type)
+        try:
+            torch.device(caps.device_type, caps.index)
+        except RuntimeError as exc:
+            raise ValueError(
+                f"device_type {caps.device_type!r} is not a device type torch knows: {exc}"
+            ) from None
+        try:
+            device_id = adapter.device_id(caps.index, caps.device_type)
+        except Exception as exc:
+            raise ValueError(
+                f"device_id({caps.index}, {caps.device_type!r}) raised {_describe(exc)}"
+            ) from exc
+        if not isinstance(device_id, str) or not device_id:
+            raise TypeError(
+                f"device_id({caps.index}, {caps.device_type!r}) returned {device_id!r}, not a non-empty str"
+            )
         if device_id in ids:
-            return f"device id {device_id} is given twice"
+            raise ValueError(f"device id {device_id} is given twice")
         ids.add(device_id)
-    return None
+        found.append(device_id)
+    return found
 
 
 def _kernel_names(registry: KernelRegistry) -> tuple[set[str], set[str]]:
