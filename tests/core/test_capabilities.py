@@ -8,7 +8,14 @@ import pydantic
 import pytest
 
 from tests.core.adapters import fake_caps
-from torchhal.hal_core import SCHEMA_VERSION, DeviceCapabilities, DeviceRequirements, MeasuredProfile
+from torchhal.hal_core import (
+    SCHEMA_VERSION,
+    DeviceCapabilities,
+    DeviceRequirements,
+    HealthReport,
+    HealthStatus,
+    MeasuredProfile,
+)
 
 
 def measured(**overrides: object) -> MeasuredProfile:
@@ -69,3 +76,39 @@ def test_tf32_without_fp32_is_refused_naming_the_declared_dtypes():
     with pytest.raises(pydantic.ValidationError, match=r"tf32 is a mode of fp32 matmuls.*\['bf16', 'tf32'\]"):
         fake_caps(dtypes=frozenset({DType.TF32, DType.BF16}))
     assert DType.TF32 in fake_caps(dtypes=frozenset({DType.TF32, DType.FP32})).dtypes
+
+
+@pytest.mark.parametrize(
+    ("temperature", "limit", "ecc", "unread"),
+    [
+        (float("nan"), 90.0, None, "GPU temperature, ECC count"),  # NaN < 90 is False, NaN >= 90 too
+        (70.0, float("nan"), None, "slowdown, ECC count"),  # was OK: "below the slowdown nan C"
+        (float("inf"), 90.0, -1, "GPU temperature, ECC count"),
+    ],
+)
+def test_a_reading_no_sensor_gives_is_not_read_as_a_good_one(temperature, limit, ecc, unread):
+    report = HealthReport.from_readings(
+        "nvml",
+        temperature=("GPU temperature", temperature),
+        limit=("slowdown", limit),
+        ecc=("ECC", ecc),
+        utilization_pct=250.0,
+    )
+    assert report.status is HealthStatus.UNKNOWN
+    assert report.messages == (f"nvml did not report: {unread}",)
+    assert report.utilization_pct is None
+    for field, value in (("temperature_c", float("nan")), ("ecc_errors", -1), ("utilization_pct", -3.0)):
+        with pytest.raises(pydantic.ValidationError, match=field):
+            HealthReport(status=HealthStatus.OK, **{field: value})
+
+
+def test_readings_that_were_read_still_decide():
+    hot = HealthReport.from_readings(
+        "nvml",
+        temperature=("GPU temperature", 95.0),
+        limit=("slowdown", 90.0),
+        ecc=("ECC", 0),
+        utilization_pct=40.0,
+    )
+    assert hot.status is HealthStatus.DEGRADED and hot.utilization_pct == 40.0
+    assert hot.messages == ("GPU temperature 95 C is at or above the slowdown 90 C",)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import sys
 
 import pytest
+from pydantic import ValidationError
 
 from torchhal import HardwareAbstractionLayer
 from torchhal.hal_core import ConfigurationError, PluginError
 from torchhal.hal_core.plugins import Status
+from torchhal.hal_core.settings import Settings
 
 ADAPTER_PLUGIN = """
 from torchhal.hal_core import hookimpl, ProbeResult
@@ -272,6 +274,22 @@ def test_an_allowlisted_name_no_plugin_has_is_a_recorded_failure(plugin_dist, se
     d = diag(hal, "Wanted")
     assert (d.status, d.stage) == (Status.FAILED, "allowlist")
     assert "TORCHHAL_PLUGINS names 'Wanted'; installed plugins:" in d.reason and "wanted" in d.reason
+
+
+def test_the_cpu_adapters_name_in_the_allowlist_is_no_failure(plugin_dist, settings):
+    """`cpu` is the name `torchhal info` lists for the built-in adapter: allowlisted, it was
+    recorded as a failure (strict mode raised). It allows no plugin, as meant."""
+    plugin_dist("other", adapter_plugin("other"))
+    hal = HardwareAbstractionLayer(settings=settings(plugins="cpu", strict_plugins="1"))
+    assert [d.id for d in hal.devices()] == ["cpu"]
+    assert [d.status for d in hal.diagnostics if d.name == "cpu"] == [Status.LOADED]
+    assert (diag(hal, "other").status, diag(hal, "other").stage) == (Status.SKIPPED, "allowlist")
+
+
+def test_a_misspelt_settings_keyword_is_refused():
+    """Settings(disable_plugins_autoload=True) loaded every plugin: the keyword was dropped."""
+    with pytest.raises(ValidationError, match="disable_plugins_autoload"):
+        Settings(disable_plugins_autoload=True)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("value", [",", " , "])

@@ -55,6 +55,11 @@ def test_a_cached_profile_is_read_not_measured(hal, measurements):
         (lambda doc: json.dumps({**doc, "launch_latency_us": float("inf")}), "launch_latency_us: "),
         (lambda doc: json.dumps({**doc, "copy_bandwidth_gbps": -2.0}), "copy_bandwidth_gbps: "),
         (lambda doc: json.dumps({**doc, "matmul_sizes": {"fp32": 0}}), "matmul_sizes.fp32: "),
+        # a rate without its size: `torchhal profile` crashed printing it (KeyError)
+        (
+            lambda doc: json.dumps({**doc, "matmul_sizes": {}}),
+            "matmul_tflops and matmul_sizes must name the same dtypes",
+        ),
         (
             lambda doc: json.dumps({k: v for k, v in doc.items() if k != "schema_version"}),
             "no schema_version",
@@ -71,6 +76,7 @@ def test_a_cached_profile_is_read_not_measured(hal, measurements):
         "infinite",
         "negative",
         "zero-size",
+        "rate-without-size",
         "no-schema-version",
         "other-device-id",
         "other-fingerprint",
@@ -182,3 +188,20 @@ def test_a_peer_that_fails_leaves_the_hals_figure_with_a_note(settings, tmp_path
     n, rate, peer, problem = profile_module._matmul_rates(hal, hal.device("cpu"), DType.FP32, max_n=64)
     assert n > 0 and rate > 0 and peer is None
     assert problem == "RuntimeError: no matmul for this dtype here"
+
+
+def test_another_thread_count_or_schema_version_is_another_profile(hal, monkeypatch):
+    """The CPU's compute units are torch's threads: a profile measured under OMP_NUM_THREADS=1 was
+    served to a full-core run. And an older torchhal sharing the cache replaced a newer one's
+    profile (a file of another schema version is a miss, measured again and written over)."""
+    device = hal.device("cpu")
+    first = profile_module.fingerprint(device)
+    wider = device.capabilities.model_copy(update={"compute_units": device.capabilities.compute_units + 1})
+    monkeypatch.setattr(device, "capabilities", wider)
+    assert profile_module.fingerprint(device) != first
+    monkeypatch.setattr(
+        device, "capabilities", wider.model_copy(update={"compute_units": wider.compute_units - 1})
+    )
+    assert profile_module.fingerprint(device) == first
+    monkeypatch.setattr(profile_module, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    assert profile_module.fingerprint(device) != first

@@ -7,6 +7,7 @@ Declared facts come from the vendor runtime or a datasheet; measured facts come 
 from __future__ import annotations
 
 import enum
+import math
 import sys
 from collections.abc import Iterable
 from datetime import datetime
@@ -222,6 +223,24 @@ class MeasuredProfile(_Versioned):
     torch_version: str
     notes: tuple[str, ...] = ()
 
+    @model_validator(mode="after")
+    def _figures_with_sizes(self) -> MeasuredProfile:
+        """Each dtype's rate comes with the size it was measured at (`torchhal profile` prints them
+        together: a hand-edited cache file with one and not the other crashed it), and a direct
+        figure stands beside a HAL figure of its dtype."""
+        rates, sizes = set(self.matmul_tflops), set(self.matmul_sizes)
+        if rates != sizes:
+            raise ValueError(
+                "matmul_tflops and matmul_sizes must name the same dtypes, "
+                f"got {sorted(rates)} and {sorted(sizes)}"
+            )
+        direct = set(self.direct_matmul_tflops or ())
+        if not direct <= rates:
+            raise ValueError(
+                f"direct_matmul_tflops names {sorted(direct - rates)}, which matmul_tflops lacks"
+            )
+        return self
+
 
 MemoryFigure = Literal["total", "free", "used"]
 MEMORY_FIGURES: tuple[MemoryFigure, ...] = ("total", "free", "used")
@@ -269,9 +288,9 @@ class HealthStatus(str, enum.Enum):
 
 class HealthReport(_Frozen):
     status: HealthStatus
-    temperature_c: float | None = None
-    ecc_errors: int | None = None
-    utilization_pct: float | None = None
+    temperature_c: float | None = Field(default=None, allow_inf_nan=False)
+    ecc_errors: int | None = Field(default=None, ge=0)
+    utilization_pct: float | None = Field(default=None, ge=0, le=100)
     messages: tuple[str, ...] = ()
 
     @classmethod
@@ -289,6 +308,12 @@ class HealthReport(_Frozen):
         only when some check could be made, UNKNOWN when none could, so a reading that never came
         is never taken as a good one; the messages name what `source` did not report."""
         (t_name, t), (l_name, lim), (e_name, errors) = temperature, limit, ecc
+        # a value no sensor gives (NaN, infinite, a negative count) is a reading that never came:
+        # NaN compared below every limit and read as a good temperature
+        t, lim = _readable(t), _readable(lim)
+        errors = errors if errors is None or errors >= 0 else None
+        usage = _readable(utilization_pct)
+        utilization_pct = usage if usage is not None and 0 <= usage <= 100 else None
         problems, passed = [], []
         if t is not None and lim is not None:
             if t >= lim:
@@ -310,6 +335,10 @@ class HealthReport(_Frozen):
             utilization_pct=utilization_pct,
             messages=(*(problems or passed), *missing),
         )
+
+
+def _readable(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 FAST_LINKS = frozenset({LinkType.NVLINK, LinkType.XGMI, LinkType.XE_LINK})

@@ -22,6 +22,7 @@ from opentelemetry import trace
 
 from torchhal.hal_core import hookspecs, telemetry
 from torchhal.hal_core.adapter import VendorAdapter, attribute_problems
+from torchhal.hal_core.adapters.cpu import CPUAdapter
 from torchhal.hal_core.capabilities import DeviceCapabilities, ProbeResult
 from torchhal.hal_core.errors import PluginError, UnknownOpError
 from torchhal.hal_core.kernels import REFERENCE, KernelRegistry
@@ -158,12 +159,13 @@ class PluginLoader:
 
     def _check_allowlist(self, installed: set[str]) -> None:
         """A name in TORCHHAL_PLUGINS that no installed plugin has (a typo, 'SimASIC') would leave
-        the plugin it meant unloaded without a word: each is recorded as a failure."""
+        the plugin it meant unloaded without a word: each is recorded as a failure. The built-in
+        CPU adapter's name is not one: it is always there, and `cpu` alone allows no plugin."""
         allow = self.settings.plugins
         if allow is None or self.settings.disable_plugin_autoload:
             return
         for name in allow:
-            if name not in installed:
+            if name not in installed and name != CPUAdapter.name:
                 reason = f"TORCHHAL_PLUGINS names {name!r}; installed plugins: {', '.join(sorted(installed))}"
                 self.record(Diagnostic(name, Status.FAILED, "allowlist", reason))
 

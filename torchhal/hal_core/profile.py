@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from torchhal.hal_core import telemetry
-from torchhal.hal_core.capabilities import DType, MeasuredProfile
+from torchhal.hal_core.capabilities import SCHEMA_VERSION, DType, MeasuredProfile
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import TorchHALError
 
@@ -48,7 +48,11 @@ PASSING = "out of memory passes: this profile is not cached, the next run measur
 
 
 def fingerprint(device: Device) -> str:
-    """Stable id of (device identity, driver, torch version): a new driver or torch re-measures."""
+    """Stable id of (device identity, driver, torch version, compute units, schema version): a new
+    driver or torch re-measures; so does another thread count on the host (the CPU's compute units
+    are torch's threads: a profile measured under OMP_NUM_THREADS=1 was served to a full-core
+    run); and each schema version has a file of its own, so an older and a newer torchhal sharing
+    a cache stop replacing each other's profile."""
     import torch
 
     caps = device.capabilities
@@ -59,7 +63,9 @@ def fingerprint(device: Device) -> str:
         "id": caps.uuid or caps.pci_bus_id or device.id,
         "driver": caps.driver_version,
         "memory": caps.memory_bytes,
+        "compute_units": caps.compute_units,
         "torch": torch.__version__,
+        "schema": SCHEMA_VERSION,
     }
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

@@ -93,7 +93,8 @@ def _say_no_home(fallback: Path, exc: BaseException) -> None:
 
 
 class Settings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="ignore")
+    # forbid: a misspelt keyword (Settings(strict_plugin=True)) was dropped without a word
+    model_config = ConfigDict(frozen=True, extra="forbid")
 
     plugins: tuple[str, ...] | None = None  # allowlist of plugin names; None allows all
     disable_plugin_autoload: bool = False
