@@ -124,6 +124,7 @@ def test_a_bad_environment_exporter_fails_every_hal_not_only_the_first(monkeypat
     rather than leave that one running with tracing silently off."""
     monkeypatch.setenv("TORCHHAL_OTEL_EXPORTER", "otlp")
     monkeypatch.setattr(telemetry._state, "env_applied", False)  # as in a fresh process
+    monkeypatch.setattr(telemetry._state, "explicit", set())
     for _ in range(2):
         with pytest.raises(ConfigurationError, match=r"torchhal\[otlp\]"):
             HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1")).devices()
@@ -183,6 +184,7 @@ def test_names_are_case_insensitive_in_configure_as_in_the_environment(monkeypat
     telemetry.reset()
     monkeypatch.setenv("TORCHHAL_OTEL_EXPORTER", "MEMORY")
     monkeypatch.setattr(telemetry._state, "env_applied", False)
+    monkeypatch.setattr(telemetry._state, "explicit", set())
     with telemetry.span("from-env"):
         pass
     assert [s.name for s in telemetry.memory_exporter().get_finished_spans()] == ["from-env"]
@@ -221,6 +223,7 @@ def test_an_explicit_configure_wins_over_the_environment_being_applied_meanwhile
     import threading
 
     monkeypatch.setattr(telemetry._state, "env_applied", False)  # as in a fresh process
+    monkeypatch.setattr(telemetry._state, "explicit", set())
     monkeypatch.setenv("TORCHHAL_OTEL_EXPORTER", "console")
     monkeypatch.setenv("TORCHHAL_LOG_LEVEL", "warning")
     started, release = threading.Event(), threading.Event()
@@ -242,3 +245,28 @@ def test_an_explicit_configure_wins_over_the_environment_being_applied_meanwhile
     first_use.join(10)
     explicit.join(10)
     assert telemetry._state.log_level == telemetry._LEVELS["debug"]
+
+
+def test_an_explicit_configure_leaves_the_environments_other_settings_applied(monkeypatch):
+    """configure(log_format="json") marked the whole environment applied, so an exporter set by
+    TORCHHAL_OTEL_EXPORTER was honoured or not depending on which came first."""
+    monkeypatch.setattr(telemetry._state, "env_applied", False)  # as in a fresh process
+    monkeypatch.setattr(telemetry._state, "explicit", set())
+    monkeypatch.setenv("TORCHHAL_OTEL_EXPORTER", "memory")
+    monkeypatch.setenv("TORCHHAL_LOG_FORMAT", "console")
+    telemetry.configure(log_format="json")
+    with telemetry.span("work"):
+        pass
+    assert [s.name for s in telemetry.memory_exporter().get_finished_spans()] == ["work"]
+    assert telemetry._state.log_format == "json"  # the explicit setting kept
+
+
+def test_an_unrelated_bad_setting_does_not_break_telemetry(monkeypatch):
+    """Telemetry validated every TORCHHAL_ setting: a bad TORCHHAL_AUTOTUNE made each log line and
+    counter raise, HALs given explicit Settings included."""
+    monkeypatch.setattr(telemetry._state, "env_applied", False)
+    monkeypatch.setattr(telemetry._state, "explicit", set())
+    monkeypatch.setenv("TORCHHAL_AUTOTUNE", "true")
+    monkeypatch.setenv("TORCHHAL_LOG_LEVEL", "error")
+    telemetry.count("torchhal.test.unrelated_setting")
+    assert telemetry._state.log_level == telemetry._LEVELS["error"]

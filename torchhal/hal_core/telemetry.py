@@ -59,6 +59,9 @@ class _State:
         # begins with a newline, so that only the fragment is malformed; held as failed_streams
         self.torn_streams: dict[int, Callable[[], Any]] = {}
         self.env_applied = False
+        # the settings an explicit configure gave ("exporter", "log_format", "log_level"): the
+        # environment's, applied on first use, fill only the others
+        self.explicit: set[str] = set()
         self.provider_in_env = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ  # a provider to load
 
 
@@ -88,8 +91,11 @@ def _configure(
     *,
     from_environment: bool,
 ) -> None:
-    """`configure`; `from_environment`: the TORCHHAL_* settings on first use, which give way to an
-    explicit configure that got the lock first (checked under it, so the explicit call wins)."""
+    """`configure`; `from_environment`: the TORCHHAL_* settings on first use, each of which gives
+    way to the same setting given by an explicit configure, whichever came first (checked under
+    the lock). An explicit call that sets only the log format leaves the environment's exporter
+    to be applied: it used to mark the environment applied, so TORCHHAL_OTEL_EXPORTER was honoured
+    or not by call order."""
     exporter = _choice("exporter", exporter, EXPORTERS)
     log_format = _choice("log_format", log_format, LOG_FORMATS)
     log_level = _choice("log_level", log_level, tuple(_LEVELS))
@@ -100,8 +106,13 @@ def _configure(
             f"telemetry log_stream must be a text stream (a callable write), got {log_stream!r}"
         )
     with _state.lock:  # held while building too: a configure racing this one waits, then wins
-        if from_environment and _state.env_applied:
-            return
+        given = {"exporter": exporter, "log_format": log_format, "log_level": log_level}
+        if from_environment:
+            if _state.env_applied:
+                return
+            exporter, log_format, log_level = (
+                None if name in _state.explicit else value for name, value in given.items()
+            )
         built = None if exporter is None else _build_exporter(exporter)  # raises before any change
         if built is not None:
             replaced = _state.providers
@@ -117,9 +128,12 @@ def _configure(
             _state.log_stream = log_stream
             _state.failed_streams.pop(id(log_stream), None)  # given again: written again
         _Logger.reset_all()
-        # Only now: a failed call (say TORCHHAL_OTEL_EXPORTER=otlp without the extra) must fail
-        # again on the next use, not leave tracing silently off.
-        _state.env_applied = True
+        if from_environment:
+            # Only now: a failed call (say TORCHHAL_OTEL_EXPORTER=otlp without the extra) must fail
+            # again on the next use, not leave tracing silently off.
+            _state.env_applied = True
+        else:
+            _state.explicit.update(name for name, value in given.items() if value is not None)
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> str | None:
@@ -200,13 +214,17 @@ def _build_exporter(exporter: str) -> _Built:
     return _Built(tracer, meter, span_exporter, metric_reader, (provider, meters))
 
 
+_TELEMETRY_VARIABLES = ("TORCHHAL_OTEL_EXPORTER", "TORCHHAL_LOG_FORMAT", "TORCHHAL_LOG_LEVEL")
+
+
 def _apply_environment() -> None:
     """Honour the TORCHHAL_OTEL_EXPORTER/LOG_* settings once, on first use rather than at import."""
     if _state.env_applied:
         return
     from torchhal.hal_core.settings import Settings
 
-    settings = Settings.from_env()
+    # only telemetry's own variables: a bad TORCHHAL_AUTOTUNE broke every log line and counter
+    settings = Settings.from_env({k: v for k, v in os.environ.items() if k in _TELEMETRY_VARIABLES})
     _state.provider_in_env = "OTEL_PYTHON_TRACER_PROVIDER" in os.environ
     _configure(settings.otel_exporter, settings.log_format, settings.log_level, None, from_environment=True)
 
