@@ -253,3 +253,23 @@ def test_a_torch_device_of_a_type_no_adapter_found_names_the_devices(settings):
             DeviceNotFoundError, match=f"no device '{missing.type}'; devices found: acme:0, cpu"
         ):
             hal.device(missing)
+
+
+def test_a_plugin_that_offers_nothing_is_listed_saying_so(plugin_dist, settings):
+    """A plugin whose torchhal_adapters returned [] and that registers no kernels was imported and
+    registered but appeared nowhere: not in `torchhal info`, not in the diagnostics."""
+    plugin_dist(
+        "empty",
+        """
+        from torchhal.hal_core import hookimpl
+
+        @hookimpl
+        def torchhal_adapters():
+            return []
+        """,
+    )
+    hal = HardwareAbstractionLayer(settings=settings(plugins="empty"))
+    d = diag(hal, "empty")
+    assert (d.status, d.stage) == (Status.LOADED, "adapters")
+    assert d.reason == "torchhal_adapters returned no adapter, and the plugin registers no kernels"
+    assert [a.name for a in hal.adapters] == ["cpu"]

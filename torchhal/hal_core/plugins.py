@@ -283,6 +283,7 @@ class PluginLoader:
         taken = {a.name for a in builtin}
         offered: dict[str, list[VendorAdapter]] = {}
         impls = self.manager.hook.torchhal_adapters.get_hookimpls()
+        with_kernels = {i.plugin_name for i in self.manager.hook.torchhal_register_kernels.get_hookimpls()}
         for impl in sorted(impls, key=lambda i: i.plugin_name):
             plugin = impl.plugin_name
             try:
@@ -304,6 +305,11 @@ class PluginLoader:
             if refusal is not None:
                 self._refuse(plugin, *refusal)
                 continue
+            if not adapters and plugin not in with_kernels:  # loaded, offering nothing: said, not hidden
+                reason = "torchhal_adapters returned no adapter, and the plugin registers no kernels"
+                self.record(
+                    Diagnostic(plugin, Status.LOADED, "adapters", reason, self._distributions.get(plugin))
+                )
             taken.update(a.name for a in adapters)
             self._adapter_distributions.update((a.name, self._distributions.get(plugin)) for a in adapters)
             offered[plugin] = adapters
