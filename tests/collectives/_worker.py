@@ -218,6 +218,22 @@ def check_all_gather_refused_by_backend(ctx: Ctx) -> None:
     assert _composed_count(ctx, "all_gather") == before + 2
 
 
+@check
+def check_a_group_this_rank_is_not_in_is_refused_by_name(ctx: Ctx) -> None:
+    """Wrapping it raised torch's bare "Invalid process group specified"."""
+    first_only = dist.new_group([0])
+    if ctx.rank == 0:
+        alone = Communicator.create(ctx.hal, group=first_only)
+        assert alone.world_size == 1
+        alone.destroy()
+    else:
+        with pytest.raises(
+            ConfigurationError, match=rf"rank {ctx.rank} of the default group is not a member"
+        ):
+            Communicator.create(ctx.hal, group=first_only)
+    dist.destroy_process_group(first_only)
+
+
 def _reduce_scatter(ctx: Ctx, comm: Communicator, op: str, tag: str) -> None:
     xs = ctx.inputs(tag, (2 * ctx.world, 3))
     out = comm.reduce_scatter(xs[ctx.rank], op=op)
@@ -484,6 +500,8 @@ def check_bad_inputs(ctx: Ctx) -> None:
         comm.all_to_all(ctx.rand(2 * w + 1))
     with pytest.raises(InvalidArgumentError, match=r"all_reduce: op must be one of .* got 'mean'"):
         comm.all_reduce(ctx.rand(3), op="mean")
+    with pytest.raises(InvalidArgumentError, match=r"all_reduce: op must be one of .* got \[\]"):
+        comm.all_reduce(ctx.rand(3), op=[])  # type: ignore[arg-type]  # was "unhashable type: 'list'"
     with pytest.raises(InvalidArgumentError, match=r"all_reduce: op 'avg' needs a floating-point .*int64"):
         comm.all_reduce(torch.arange(1, 4, device=ctx.device), op="avg")
     with pytest.raises(UnsupportedError, match=rf"all_reduce on {comm.device.id}: dtype torch.float8_e4m3fn"):

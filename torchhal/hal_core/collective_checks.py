@@ -54,7 +54,7 @@ def _integer(value: object) -> int | None:
 
 
 def _check_op(name: str, op: str, tensor: torch.Tensor) -> None:
-    if op not in _REDUCE_OPS:
+    if not isinstance(op, str) or op not in _REDUCE_OPS:  # op=[]: "unhashable type" from the lookup
         raise InvalidArgumentError(f"{name}: op must be one of {sorted(_REDUCE_OPS)}, got {op!r}")
     if op == "avg" and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex):
         raise InvalidArgumentError(

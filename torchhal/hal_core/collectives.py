@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import weakref
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
+_T = TypeVar("_T")
 log = telemetry.get_logger("torchhal.collectives")
 _is_compiling = torch.compiler.is_compiling
 _NO_SPAN = contextlib.nullcontext()
@@ -219,6 +221,11 @@ class Communicator:
             raise ConfigurationError("group: given, but torch.distributed has no default process group")
         _check_wrap_arguments(rank, world_size, init_method, store, group)
         pg = group if group is not None else _world()
+        if dist.get_rank(pg) < 0:
+            raise ConfigurationError(
+                f"group: rank {dist.get_rank()} of the default group is not a member of the group given; "
+                "create a communicator over it on its members only (new_group returns None elsewhere)"
+            )
         _check_group_serves(pg, dev, backend)
         own = _group_timeout(pg, dev)
         if timeout is not None and timeout != own:  # fixed when the group was made
@@ -274,8 +281,9 @@ class Communicator:
             if work is not None:
                 self._wait("reduce", work)
             else:
-                self._wait(
-                    "reduce", dist.reduce(tensor, root, dist.ReduceOp.SUM, group=self.group, async_op=True)
+                self._run(
+                    "reduce",
+                    lambda: dist.reduce(tensor, root, dist.ReduceOp.SUM, group=self.group, async_op=True),
                 )
                 if self.rank == dst:
                     tensor.div_(self.world_size)
@@ -300,7 +308,7 @@ class Communicator:
                 self._wait("all_gather", work)
             else:
                 parts = list(out.chunk(self.world_size))
-                self._wait("all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
+                self._run("all_gather", lambda: dist.all_gather(parts, src, group=self.group, async_op=True))
         self._charged("all_gather", src)
         return out
 
@@ -326,7 +334,7 @@ class Communicator:
         src = torch.full((1,), float(value), dtype=torch.float64)
         parts = [torch.empty_like(src) for _ in range(self.world_size)]
         with self._span("host_all_gather", src):
-            self._wait("host_all_gather", dist.all_gather(parts, src, group=self.group, async_op=True))
+            self._run("host_all_gather", lambda: dist.all_gather(parts, src, group=self.group, async_op=True))
         return [part.item() for part in parts]
 
     @_not_differentiable
@@ -360,8 +368,9 @@ class Communicator:
         self._check_tensor("broadcast", tensor, in_place=True)
         src = self._check_rank("broadcast", "src", src)
         with self._span("broadcast", tensor, src=src):
-            self._wait(
-                "broadcast", dist.broadcast(tensor, self._global(src), group=self.group, async_op=True)
+            self._run(
+                "broadcast",
+                lambda: dist.broadcast(tensor, self._global(src), group=self.group, async_op=True),
             )
         self._charged("broadcast", tensor)
         return tensor
@@ -391,7 +400,7 @@ class Communicator:
                     if peer != self.rank
                     for fn, buf in ((dist.isend, sends), (dist.irecv, recvs))
                 ]
-                for pending in dist.batch_isend_irecv(ops) if ops else []:
+                for pending in self._issued("all_to_all", lambda: dist.batch_isend_irecv(ops)) if ops else []:
                     self._wait("all_to_all", pending)
         self._charged("all_to_all", src)
         return out
@@ -402,7 +411,7 @@ class Communicator:
         self._check_tensor("send", tensor)
         dst = self._check_rank("send", "dst", dst, peer=True)
         with self._span("send", tensor, dst=dst):
-            self._wait("send", dist.isend(tensor.contiguous(), self._global(dst), group=self.group))
+            self._run("send", lambda: dist.isend(tensor.contiguous(), self._global(dst), group=self.group))
         self._charged("send", tensor)
 
     @_not_differentiable
@@ -411,7 +420,7 @@ class Communicator:
         self._check_tensor("recv", tensor, in_place=True)
         src = self._check_rank("recv", "src", src, peer=True)
         with self._span("recv", tensor, src=src):
-            self._wait("recv", dist.irecv(tensor, self._global(src), group=self.group))
+            self._run("recv", lambda: dist.irecv(tensor, self._global(src), group=self.group))
         self._charged("recv", tensor)
         return tensor
 
@@ -421,7 +430,7 @@ class Communicator:
         with telemetry.span(
             "torchhal.collective.barrier", backend=self.backend, bytes=0, world_size=self.world_size
         ):
-            self._wait("barrier", dist.barrier(group=self.group, async_op=True))
+            self._run("barrier", lambda: dist.barrier(group=self.group, async_op=True))
         self._charged("barrier", None)
 
     # -- groups ------------------------------------------------------------------------------
@@ -562,7 +571,8 @@ class Communicator:
         for child in reversed(self._children):
             child.destroy()
         self._children.clear()
-        takes_all = self._owns_default_group and dist.is_initialized()
+        # the default group it made, not one made after that one was destroyed behind its back
+        takes_all = self._owns_default_group and dist.is_initialized() and _world() is self.group
         if takes_all:  # destroy_process_group() destroys every group, and so every communicator
             for other in _LIVE:
                 other._destroyed = True
@@ -593,6 +603,9 @@ class Communicator:
     # -- helpers -----------------------------------------------------------------------------
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        if _COALESCING is not None and self.group in _COALESCING:
+            self._record_coalesced(tensor, op)
+            return
         if op != "avg" or "all_reduce:avg" in self._native:
             # Issued blocking, as raw torch.distributed is: an async handle and its wait() cost
             # ~8 µs more a call, which a 1 MiB all-reduce on NVLink (~24 µs) cannot hide.
@@ -612,24 +625,49 @@ class Communicator:
             self._wait("all_reduce", work)
             self._native.add("all_reduce:avg")  # accepted at issue time: later calls go blocking
             return
-        self._wait("all_reduce", dist.all_reduce(tensor, dist.ReduceOp.SUM, group=self.group, async_op=True))
+        self._run(
+            "all_reduce", lambda: dist.all_reduce(tensor, dist.ReduceOp.SUM, group=self.group, async_op=True)
+        )
         tensor.div_(self.world_size)
+
+    def _record_coalesced(self, tensor: torch.Tensor, op: str) -> None:
+        """Inside dist._coalescing_manager: recorded, issued with the block's others when it ends.
+        torch reduces every tensor of a block with the first one's op: a sum after an avg came
+        back averaged, so a second op is refused. avg is recorded as the backend's own AVG: the
+        composed form divides after a reduction that has not happened yet."""
+        first = next((recorded.redop for recorded in _COALESCING.get(self.group, ())), None)  # type: ignore[union-attr]
+        if first is not None and first != _REDUCE_OPS[op]:
+            raise InvalidArgumentError(
+                f"all_reduce: op {op!r} inside a coalescing block that reduces with {first}: torch "
+                "reduces every tensor of a block with its first op; use one block per op"
+            )
+        if op == "avg" and (not self.fused or "all_reduce:avg" in self._refused):
+            raise InvalidArgumentError(
+                f"all_reduce: avg inside a coalescing block needs backend {self.backend!r}'s own AVG, "
+                f"which this communicator composes ({self._refused.get('all_reduce:avg', 'fused=False')})"
+            )
+        self._issued("all_reduce", lambda: dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group))
 
     def _issue(
         self, name: str, issue: Callable[[], dist.Work | None], *, composable: str | None
     ) -> dist.Work | None:
         """Issue a collective. With `composable` (the key of a fused form that has a composed
         equivalent), None means: compose it instead (fused=False, or the backend refused it)."""
+        if _COALESCING is not None and self.group in _COALESCING:
+            # recorded there, its async handle an _IllegalWork whose wait() raises, which left
+            # the group recording: later all-reduces outside any block silently did nothing
+            raise InvalidArgumentError(
+                f"{name}: inside dist._coalescing_manager this communicator coalesces all_reduce only"
+            )
         if composable is None:
-            try:
-                return issue()
-            except (RuntimeError, ValueError) as exc:
-                raise self._failure(name, exc) from exc
+            return self._issued(name, issue)
         reason = self._refused.get(composable) if self.fused else "fused=False"
         if reason is None:
             try:
                 return issue()
-            except (RuntimeError, ValueError) as exc:  # raised at issue time, before any byte moves
+            except (RuntimeError, ValueError, NotImplementedError) as exc:  # at issue time, no byte moved
+                if not _refusal(exc):  # a mismatch or a dead peer: not a backend without the fused form
+                    raise self._failure(name, exc) from exc
                 reason = self._refused[composable] = f"backend {self.backend!r} refused it: {exc}"
         telemetry.count("torchhal.collective.composed", collective=composable, backend=self.backend)
         log.debug(
@@ -640,12 +678,23 @@ class Communicator:
         )
         return None
 
+    def _issued(self, name: str, issue: Callable[[], _T]) -> _T:
+        """`issue()`, its failure (a dead peer, a mismatch torch detected) a CollectiveError."""
+        try:
+            return issue()
+        except (RuntimeError, ValueError) as exc:
+            raise self._failure(name, exc) from exc
+
+    def _run(self, name: str, issue: Callable[[], dist.Work | None]) -> None:
+        """Issue a collective and wait for it, every failure a CollectiveError naming it."""
+        self._wait(name, self._issued(name, issue))
+
     def _wait(self, name: str, work: dist.Work | None) -> None:
         if work is None:
             raise _not_a_member(name)
         try:
             work.wait()
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:
             raise self._failure(name, exc) from exc
 
     def _failure(self, name: str, exc: Exception) -> CollectiveError:
@@ -754,19 +803,23 @@ def _all_reduce_now(group: dist.ProcessGroup, tensor: torch.Tensor, op: str) -> 
     Python wrapper has nothing to add: the Communicator already checked the tensor and the
     membership, and the wrapper's own checks and logging decorators cost ~3-5 µs a call, a fifth
     of a 1 MiB NVLink all-reduce. Tensor subclasses (torch function modes), complex tensors,
-    Dynamo tracing and coalescing blocks keep the wrapper, which handles each of them."""
-    if (
-        type(tensor) is not torch.Tensor
-        or _COALESCING is None
-        or group in _COALESCING
-        or tensor.is_complex()
-        or _is_compiling()
-    ):
+    Dynamo tracing and a torch without `pg_coalesce_state` keep the wrapper, which handles each
+    of them (coalescing blocks never get here: `Communicator._record_coalesced`)."""
+    if type(tensor) is not torch.Tensor or _COALESCING is None or tensor.is_complex() or _is_compiling():
         dist.all_reduce(tensor, _REDUCE_OPS[op], group=group)
         return
     work = group.allreduce([tensor], _SYNC_ALL_REDUCE[op])
     if work is not None:  # as dist.all_reduce: a backend that synchronised in C++ returns None
         work.wait()
+
+
+# What backends say of a fused collective they lack ("Cannot use ReduceOp.AVG with Gloo",
+# "... does not support reduce_scatter", "unsupported"): only these switch it to the composed form.
+_REFUSAL = re.compile(r"not support|unsupported|cannot use|not implemented", re.IGNORECASE)
+
+
+def _refusal(exc: BaseException) -> bool:
+    return isinstance(exc, NotImplementedError) or _REFUSAL.search(str(exc)) is not None
 
 
 def _not_a_member(name: str) -> CollectiveError:
