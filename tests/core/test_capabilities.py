@@ -14,7 +14,10 @@ from torchhal.hal_core import (
     DeviceRequirements,
     HealthReport,
     HealthStatus,
+    Link,
+    LinkType,
     MeasuredProfile,
+    Topology,
 )
 
 
@@ -112,3 +115,13 @@ def test_readings_that_were_read_still_decide():
     )
     assert hot.status is HealthStatus.DEGRADED and hot.utilization_pct == 40.0
     assert hot.messages == ("GPU temperature 95 C is at or above the slowdown 90 C",)
+
+
+def test_a_topology_links_only_devices_it_lists():
+    """A link to an unlisted device was accepted, and islands() then raised 'x not in tuple'."""
+    link = Link(a="acme:0", b="acme:7", type=LinkType.NVLINK, source="declared")
+    with pytest.raises(
+        pydantic.ValidationError, match="link acme:0-acme:7 names acme:7, which devices does not list"
+    ):
+        Topology(devices=("acme:0", "acme:1"), links=(link,))
+    assert Topology(devices=("acme:0", "acme:7"), links=(link,)).islands() == [("acme:0", "acme:7")]

@@ -362,6 +362,19 @@ class Topology(_Frozen):
     devices: tuple[str, ...] = ()
     links: tuple[Link, ...] = ()
 
+    @model_validator(mode="after")
+    def _links_between_listed_devices(self) -> Topology:
+        """A link to a device not listed cannot be placed (islands() raised a bare ValueError)."""
+        listed = set(self.devices)
+        for lk in self.links:
+            stray = [end for end in (lk.a, lk.b) if end not in listed]
+            if stray:
+                raise ValueError(
+                    f"link {lk.a}-{lk.b} names {', '.join(stray)}, which devices does not list "
+                    f"({', '.join(self.devices) or 'none'})"
+                )
+        return self
+
     def link(self, x: str, y: str) -> Link | None:
         return next((lk for lk in self.links if lk.connects(x, y)), None)
 
