@@ -47,8 +47,9 @@ def softcap_reference(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 def softcap_fp32(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """A correct candidate: computes in fp32."""
-    return (torch.tanh(x.float() / cap) * cap).to(x.dtype)
+    """A correct candidate: computes in fp32, fp64 in fp64 (the kit fails fp64 computed in fp32)."""
+    wide = torch.promote_types(x.dtype, torch.float32)
+    return (torch.tanh(x.to(wide) / cap) * cap).to(x.dtype)
 
 
 def softcap_off_in_the_last_column(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -277,7 +278,7 @@ def test_examples_may_keep_fixed_dtype_inputs_beside_the_dtype_asked_as_an_argum
         return [(q.to(device), torch.rand(7, generator=generator).to(device), dtype)]
 
     def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        return (q.float() * scale[:, None]).to(dtype)
+        return (q.to(torch.promote_types(dtype, torch.float32)) * scale[:, None]).to(dtype)
 
     def hook(registry: KernelRegistry) -> None:
         registry.define_op(op, reference, signature=signature, examples=examples)

@@ -43,8 +43,12 @@ def test_figures_are_the_cost_models_and_labelled_simulated(tiny: Callable[..., 
 
 def test_a_dtype_the_array_cannot_multiply_is_a_note_not_a_figure(tiny, tmp_path):
     """fp16 stored but without a MAC rate: its matmul runs on the host and charges no simulated
-    time, and the zero, clamped to 1e-6 ms, was reported as 268,435 TFLOP/s (and cached)."""
-    prof = _hal(tiny(memory_bytes=1 << 30, dtypes=["fp32", "bf16", "fp16"]), tmp_path).profile("simasic:0")
+    time, and the zero, clamped to 1e-6 ms, was reported as 268,435 TFLOP/s (and cached). Spec
+    validation now refuses such a spec; one built without it (model_copy) still reaches the guard."""
+    spec = tiny(memory_bytes=1 << 30).model_copy(
+        update={"dtypes": frozenset({DType.FP32, DType.BF16, DType.FP16})}
+    )
+    prof = _hal(spec, tmp_path).profile("simasic:0")
     assert DType.FP16 not in prof.matmul_tflops and DType.FP16 not in prof.matmul_sizes
     assert prof.matmul_tflops.keys() == {DType.FP32, DType.BF16}
     assert (
@@ -68,7 +72,11 @@ def test_a_small_device_is_profiled_with_a_copy_that_fits(tiny, tmp_path):
 def test_every_declared_format_gets_a_figure_or_a_note(tiny, tmp_path):
     """Only fp8_e4m3 of the four fp8 formats was tried: a device declaring e5m2 (or AMD's fnuz
     pair) got neither a figure nor a note for it."""
-    spec = tiny(memory_bytes=1 << 30, dtypes=["fp32", "bf16", "fp8_e5m2", "fp8_e4m3fnuz"])
+    spec = tiny(
+        memory_bytes=1 << 30,
+        dtypes=["fp32", "bf16", "fp8_e5m2", "fp8_e4m3fnuz"],
+        macs_per_cell_per_cycle={"fp32": 1, "bf16": 2, "fp8_e5m2": 4, "fp8_e4m3fnuz": 4},
+    )
     prof = _hal(spec, tmp_path).profile("simasic:0")
     for fmt in ("fp8_e5m2", "fp8_e4m3fnuz"):
         assert (

@@ -138,7 +138,8 @@ def test_copy_reads_and_writes_every_byte_after_one_launch(tiny):
 
 
 def test_dtype_without_a_mac_rate_has_no_matmul(tiny):
-    spec = tiny(dtypes=["fp32", "bf16", "fp16"])
+    """A spec built without validation (which refuses a dtype without a rate) still gets no matmul."""
+    spec = tiny().model_copy(update={"dtypes": frozenset({DType.FP32, DType.BF16, DType.FP16})})
     with pytest.raises(UnsupportedError, match=r"dtype fp16 has no MAC rate .*\['bf16', 'fp32'\]"):
         matmul_cost(spec, 4, 4, 4, DType.FP16)
     with pytest.raises(UnsupportedError, match="dtype fp64 not in dtypes"):

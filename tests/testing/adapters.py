@@ -77,7 +77,7 @@ class AsymmetricTopology(TwinHostAdapter):
 class ForeignTopology(TwinHostAdapter):
     def topology(self) -> Topology:
         return Topology(
-            devices=("twin:0", "twin:1"),
+            devices=("twin:0", "twin:1", "cuda:7"),  # a link to an unlisted device is refused by Topology
             links=(Link(a="twin:0", b="cuda:7", type=LinkType.NVLINK, source="declared"),),
         )
 
@@ -260,7 +260,7 @@ class WrongHealth(CPUAdapter):
 
 
 class EinsumMatmul(CPUAdapter):
-    """One correct candidate: matmul by einsum, declining batched left operands."""
+    """One correct candidate: matmul by einsum of two matrices, declining every other layout."""
 
     def register_kernels(self, registry: KernelRegistry) -> None:
         registry.register("matmul", "einsum", _einsum_matmul, provider=self.name, supports=_only_2d)
@@ -383,8 +383,8 @@ def _autograd_attention_backward(
 
 
 def _only_2d(caps: DeviceCapabilities, sig: object) -> Unsupported | None:
-    if getattr(sig, "a_dims", 2) != 2:
-        return Unsupported(RejectionReason.SHAPE, "einsum candidate takes a 2-D left operand")
+    if (getattr(sig, "a_dims", 2), getattr(sig, "b_dims", 2)) != (2, 2):
+        return Unsupported(RejectionReason.SHAPE, "einsum candidate takes two 2-D operands")
     return None
 
 

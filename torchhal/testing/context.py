@@ -248,15 +248,21 @@ class AdapterUnderTest:
 
 
 def each_device(devices: Sequence[Device], check: Callable[[Device], str | None]) -> str:
-    """Run `check` on every device; fail listing every device's problem, else join the notes."""
-    problems, notes = [], []
+    """Run `check` on every device; fail listing every device's problem, else join the notes.
+
+    A device the check does not apply to is a note and the next device is still checked (raising
+    at once dropped the failures found before it and skipped the devices after); the check is
+    not applicable only when it applies to no device."""
+    problems, notes, not_applicable = [], [], []
     for device in devices:
         try:
             note = check(device)
         except CheckFailed as exc:
             problems.append(f"{device.id}: {exc}")
-        except NotApplicable:
-            raise
+        except NotApplicable as exc:
+            reason = str(exc) if str(exc).startswith(device.id) else f"{device.id}: {exc}"
+            not_applicable.append(reason)
+            notes.append(f"not applicable: {reason}")
         except ADAPTER_ERRORS as exc:
             problems.append(f"{device.id}: raised {describe(exc)} ({where(exc)})")
         else:
@@ -264,4 +270,6 @@ def each_device(devices: Sequence[Device], check: Callable[[Device], str | None]
                 notes.append(f"{device.id}: {note}")
     if problems:
         raise CheckFailed("; ".join(problems))
+    if devices and len(not_applicable) == len(devices):
+        raise NotApplicable("; ".join(not_applicable))
     return "; ".join(notes)

@@ -76,16 +76,22 @@ def _randn(g: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
 
 
 def _matmul(g: torch.Generator) -> list[Case]:
+    """Every operand layout torch.matmul takes: 2-D, a batched over a 2-D b, both batched, a batch
+    broadcast, and a vector on either side (a candidate right for a 2-D b only must meet the rest)."""
     return [
         Case("7x13 @ 13x5", (_randn(g, 7, 13), _randn(g, 13, 5))),
         Case("batched 3x9x17 @ 17x6", (_randn(g, 3, 9, 17), _randn(g, 17, 6))),
+        Case("batched 3x9x17 @ 3x17x6", (_randn(g, 3, 9, 17), _randn(g, 3, 17, 6))),
+        Case("2x9x17 @ 1x17x6 (b's batch broadcast)", (_randn(g, 2, 9, 17), _randn(g, 1, 17, 6))),
+        Case("7x13 @ 13 (vector b)", (_randn(g, 7, 13), _randn(g, 13))),
+        Case("13 @ 2x13x5 (vector a)", (_randn(g, 13), _randn(g, 2, 13, 5))),
         Case("aligned 64x128 @ 128x64", (_randn(g, 64, 128), _randn(g, 128, 64, scale=128**-0.5))),
     ]
 
 
 def _matmul_backward(g: torch.Generator) -> list[Case]:
-    """grad_out of the product's shape, then a and b: 2-D, batched over a 2-D b, and b broadcast
-    over a's batch."""
+    """grad_out of the product's shape, then a and b: 2-D, batched over a 2-D b, b broadcast over
+    a's batch and a over b's, and a vector on either side."""
     return [
         Case("grad 7x5, 7x13 @ 13x5", (_randn(g, 7, 5), _randn(g, 7, 13), _randn(g, 13, 5))),
         Case("grad 3x9x6, 3x9x17 @ 17x6", (_randn(g, 3, 9, 6), _randn(g, 3, 9, 17), _randn(g, 17, 6))),
@@ -93,6 +99,12 @@ def _matmul_backward(g: torch.Generator) -> list[Case]:
             "grad 2x3x4x5, 2x3x4x7 @ 1x3x7x5 (b broadcast)",
             (_randn(g, 2, 3, 4, 5), _randn(g, 2, 3, 4, 7), _randn(g, 1, 3, 7, 5)),
         ),
+        Case(
+            "grad 2x9x6, 1x9x17 @ 2x17x6 (a broadcast)",
+            (_randn(g, 2, 9, 6), _randn(g, 1, 9, 17), _randn(g, 2, 17, 6)),
+        ),
+        Case("grad 3x7, 3x7x13 @ 13 (vector b)", (_randn(g, 3, 7), _randn(g, 3, 7, 13), _randn(g, 13))),
+        Case("grad 2x5, 13 @ 2x13x5 (vector a)", (_randn(g, 2, 5), _randn(g, 13), _randn(g, 2, 13, 5))),
         Case(
             "grad 64x64, aligned 64x128 @ 128x64", (_randn(g, 64, 64), _randn(g, 64, 128), _randn(g, 128, 64))
         ),

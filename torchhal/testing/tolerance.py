@@ -5,10 +5,13 @@ same rounded inputs) may be at most 2x the max error of the reference run in the
 candidate's own dtype, plus a floor that keeps the bound above zero when that error is 0:
 - 2·max|((t + 0.3) - 0.3) - t| computed in the dtype, t the truth rounded to the dtype
   (FlashAttention-3's forward floor: about two ulps at the data's scale);
-- for fp32 and fp64 also 64 fp32 ulps of the largest |truth|: torchhal's references compute
-  in fp32, so in those dtypes the same-dtype reference and the truth are the same computation
-  (error 0) while a correct candidate that sums in another order differs by O(sqrt(K)) ulps;
-  64 ulps covers reductions thousands of elements long and still fails a kernel off by 1e-5.
+- for fp32 and fp64 also 64 ulps of the largest |truth| in the precision the reference
+  computes in: the same-dtype reference can be as exact as the truth (fp64: the very same
+  computation, error 0), while a correct candidate that sums in another order differs by
+  O(sqrt(K)) ulps; 64 ulps covers reductions thousands of elements long and still fails a
+  kernel off by 1e-5 in fp32. The ulps are fp32's for fp32 outputs, and fp64's for fp64 ones
+  unless the reference computed them in fp32 (every value of the truth an fp32 number), so an
+  fp64 candidate that computes in fp32 fails.
 Values equal to the truth count as no error, equal infinities included (attention's lse is -inf
 for a query that sees no key), and the floor reads the finite truth only.
 """
@@ -60,8 +63,21 @@ def floor(truth: torch.Tensor, dtype: torch.dtype) -> float:
     t = truth.to(dtype)
     bound = 2 * (((t + 0.3) - 0.3) - t).abs().max().double().item()
     if dtype in (torch.float32, torch.float64):
-        bound += FULL_PRECISION_FLOOR_ULPS * torch.finfo(torch.float32).eps * truth.abs().max().item()
+        eps = torch.finfo(_computed_in(truth, dtype)).eps
+        bound += FULL_PRECISION_FLOOR_ULPS * eps * truth.abs().max().item()
     return bound
+
+
+def _computed_in(truth: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The precision the reference computed an fp32 or fp64 output in: fp32 for fp32, and for
+    fp64 fp32 too where every (finite) value of the truth is an fp32 number, as a reference that
+    computes in fp32 returns them (a result computed in fp64 from random inputs is not)."""
+    import torch
+
+    finite = truth[truth.isfinite()]
+    if dtype == torch.float64 and not bool((finite.float().double() == finite).all()):
+        return torch.float64
+    return torch.float32
 
 
 def compare(candidate: torch.Tensor, reference: torch.Tensor, truth: torch.Tensor) -> Comparison:

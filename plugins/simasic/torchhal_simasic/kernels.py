@@ -16,12 +16,12 @@ A bound kernel computes with the op's reference implementation (real numerics, o
 charges all of its results to the ledger at once (DeviceOutOfMemoryError beyond capacity,
 ledger and clock untouched), then advances the clock by exactly the workload's time.
 
-The predicate turns down a dtype the device cannot run the op in: an array op (matmul,
-attention, linear_cross_entropy and their training ops) in a dtype without a MAC rate, or a
-rope table in a dtype the spec does not hold. The registry then runs the op on a host
-candidate, without simulated time or memory; the predicate says so in a warning and a count
-(`torchhal.simasic.host_runs`), once per selection, as well as in the rejection
-`Selection.explain()` shows.
+The predicate turns down a dtype the device cannot run the op in: a rope table in a dtype the
+spec does not hold (and an array op in a dtype without a MAC rate, which only a spec built
+without validation has: validation refuses a dtype without one, whose array ops ran uncharged).
+The registry then runs the op on a host candidate, without simulated time or memory; the
+predicate says so in a warning and a count (`torchhal.simasic.host_runs`), once per selection,
+as well as in the rejection `Selection.explain()` shows.
 """
 
 from __future__ import annotations

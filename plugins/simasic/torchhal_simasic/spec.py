@@ -35,6 +35,10 @@ BUNDLED_DIR = Path(__file__).with_name("specs")
 # The topology links every pair of devices, n(n - 1)/2 links: 64 is 8 times a large host's
 # accelerator count and keeps discovery near 20 ms (2,016 links); 400 devices took a second.
 MAX_DEVICES = 64
+# The array's columns are the device's SIMD width (DeviceCapabilities.simd_width), which the
+# conformance kit bounds at 4096 lanes (torchhal.testing.checks_adapter.MAX_SIMD_WIDTH): a wider
+# array was a valid spec whose device failed adapter.discover. Real arrays have a few hundred.
+MAX_COLS = 4096
 
 # Strict, so a bool or a string ("800e6") is refused rather than read as a number; a float
 # field takes an integer (`clock_hz = 800000000`), which TOML and JSON write without a point.
@@ -51,9 +55,9 @@ class SimASICSpec(BaseModel):
 
     name: Annotated[str, Field(min_length=1)]
     rows: PositiveInt  # R: processing elements per column of the array
-    cols: PositiveInt  # C: processing elements per row of the array
+    cols: PositiveInt  # C: processing elements per row of the array, at most MAX_COLS
     clock_hz: PositiveFloat
-    macs_per_cell_per_cycle: dict[DType, PositiveInt]  # a dtype absent here has no matmul
+    macs_per_cell_per_cycle: dict[DType, PositiveInt]  # one per dtype in `dtypes`
     sram_bytes: NonNegativeInt  # on-chip buffer that holds operand panels for reuse
     memory_bytes: PositiveInt  # device memory capacity
     memory_bandwidth_bytes_per_s: PositiveFloat
@@ -70,6 +74,16 @@ class SimASICSpec(BaseModel):
             repeated = sorted({str(getattr(d, "value", d)) for d in value if value.count(d) > 1})
             if repeated:
                 raise ValueError(f"each dtype must be listed once, {repeated} are listed more than once")
+        return value
+
+    @field_validator("cols")
+    @classmethod
+    def _cols_fit_a_simd_width(cls, value: int) -> int:
+        if value > MAX_COLS:
+            raise ValueError(
+                f"must be at most {MAX_COLS} (the array's columns are the device's SIMD width, "
+                "which the conformance kit bounds there)"
+            )
         return value
 
     @model_validator(mode="after")
@@ -95,6 +109,15 @@ class SimASICSpec(BaseModel):
             raise ValueError(
                 f"macs_per_cell_per_cycle: every dtype must also be listed in dtypes "
                 f"{sorted(d.value for d in self.dtypes)}, got {extra} that are not"
+            )
+        # A dtype without a rate had no array: its matmuls, attention and cross-entropy ran on the
+        # host, uncharged, with a warning; DESIGN.md says an unsupported dtype is refused.
+        rateless = sorted(d.value for d in self.dtypes - self.macs_per_cell_per_cycle.keys())
+        if rateless:
+            raise ValueError(
+                f"dtypes: every dtype needs a MAC rate in macs_per_cell_per_cycle "
+                f"{sorted(d.value for d in self.macs_per_cell_per_cycle)} (the array computes the "
+                f"device's matmuls), got {rateless} without one"
             )
         for dtype in self.macs_per_cell_per_cycle:  # each factor finite, their product may not be
             if not math.isfinite(self.peak_flops_per_s(dtype)):
