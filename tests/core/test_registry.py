@@ -480,7 +480,7 @@ def test_cycling_layouts_are_validated_once_each_and_then_found_by_their_guards(
             )
     assert len(calls) == 3
     guards = [guard for guard, _ in hal.kernels._seen["rms_norm"].recent]
-    last_first = [g.admits(cpu, (x, w, 1e-6)) for g in guards]  # call() routes by its device
+    last_first = [g.admits(hal.kernels._route_of(cpu), (x, w, 1e-6)) for g in guards]  # call()'s route
     assert last_first == [True, False, False]
 
 
@@ -621,18 +621,26 @@ def test_a_tensor_in_a_float_slot_after_a_guarded_layout_is_refused_by_the_signa
         hal.kernels.call("rms_norm", cpu, x, w, torch.tensor([1e-6, 1e-6]))
 
 
-def test_tensor_subclasses_such_as_fake_tensors_get_no_guard(hal):
+def test_fake_tensors_get_no_guard_no_selection_and_no_kernel(hal):
     """A FakeTensor's sizes may be symbolic, and the C++ check of one aborts the process on a
-    data-dependent size; such calls are keyed instead."""
+    data-dependent size: such calls get no guard. Nor do they reach a kernel (which would raise on
+    their memory and be demoted for real calls) or the selection: the reference propagates shapes."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    def kernel(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        x.untyped_storage().data_ptr()  # reads memory, as a Triton kernel does
+        return rms_norm.reference(x, w, eps)
+
+    hal.kernels.register("rms_norm", "raw", kernel, provider="test", priority=100)
     cpu = hal.device("cpu")
     with FakeTensorMode():
         x, w = torch.randn(6, 32), torch.randn(32)
         for _ in range(2):
             assert hal.kernels.call("rms_norm", cpu, x, w, 1e-6).shape == (6, 32)
     assert hal.kernels._seen["rms_norm"].recent == ()
-    assert len(hal.kernels._seen["rms_norm"].entries) == 1
+    assert hal.kernels._cache["rms_norm"] == {} and hal.kernels.fallback_counts == {}
+    x, w = torch.randn(6, 32), torch.randn(32)
+    assert hal.kernels.select("rms_norm", cpu, x, w, 1e-6).candidate.qualified_name == "test/raw"
 
 
 def test_more_layouts_than_the_recent_ones_reuse_their_guards_instead_of_making_new(hal, monkeypatch):

@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import math
 import reprlib
 import threading
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.dispatch_memo import (
@@ -154,15 +157,18 @@ class Selection:
     rejected: tuple[Rejection, ...]
     fn: Callable[..., Any]  # the candidate's callable, bound to the device when it has `bind`
     timings_ms: tuple[tuple[str, float], ...] = ()  # when chosen by measurement, fastest first
-    # chosen by priority while the device's stream captured a graph, where timing would break the
-    # capture: neither cached nor memoised, so a call after the capture measures
+    # chosen by priority, unmeasured: while the device's stream captured a graph (timing would break
+    # the capture), or for arguments without storage (fake tensors, torch.func's wrappers), which a
+    # kernel may not read: neither cached nor memoised, so a later plain call measures
     provisional: bool = False
 
     def explain(self) -> str:
         lines = [f"{self.op} on {self.device} for {self.signature}: {self.candidate.qualified_name}"]
         lines += [f"  measured {name}: {ms:.4g} ms" for name, ms in self.timings_ms]
         if self.provisional:
-            lines.append("  provisional: priority order, chosen while the device captured a graph")
+            lines.append(
+                "  provisional: priority order, not measured (a graph capture, or arguments without storage)"
+            )
         lines += [f"  rejected {r}" for r in self.rejected]
         return "\n".join(lines)
 
@@ -182,6 +188,7 @@ class KernelRegistry:
     # "op:provider/name" -> how often that candidate failed for that op (the same candidate name,
     # e.g. torchhal/triton, serves several ops)
     fallback_counts: dict[str, int] = field(default_factory=dict)
+    _call_routes: dict[Device, Hashable] = field(default_factory=dict)  # see `_route_of`
 
     def define_op(
         self,
@@ -204,13 +211,16 @@ class KernelRegistry:
             name, reference, signature, doc, memoize, examples, _device_types(name, reads_values_on)
         )
         _check_op(opdef)
-        if name in self._ops:
-            raise TorchHALError(f"op {name!r} is already defined (by {self._ops[name].reference!r})")
-        self._ops[name] = opdef
-        self._candidates[name] = [Candidate(name, REFERENCE, "torchhal", reference, None, -math.inf)]
-        self._cache[name] = {}
-        if memoize:
-            self._seen[name] = _ArgumentMemo()
+        with self._lock:
+            if name in self._ops:
+                raise TorchHALError(f"op {name!r} is already defined (by {self._ops[name].reference!r})")
+            # its tables first, the op last: a concurrent call of an op that was visible before
+            # its tables existed raised a bare KeyError
+            self._candidates[name] = [Candidate(name, REFERENCE, "torchhal", reference, None, -math.inf)]
+            self._cache[name] = {}
+            if memoize:
+                self._seen[name] = _ArgumentMemo()
+            self._ops[name] = opdef
 
     def register(
         self,
@@ -276,18 +286,22 @@ class KernelRegistry:
         return _bound(candidate, device.capabilities)
 
     def signature(self, op: str, *args: Any, **kwargs: Any) -> Hashable:
-        return self._opdef(op).signature(*args, **kwargs)
+        return _signature(self._opdef(op), args, kwargs)
 
     def select(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Selection:
         """Validate the arguments and return the selection for them on `device`."""
-        sig = self._opdef(op).signature(*args, **kwargs)
-        return self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args, kwargs)
+        sig = _signature(self._opdef(op), args, kwargs)
+        return self._cache[op].get((device.id, sig)) or self._select(op, device, sig, args, kwargs)
 
     def call(self, op: str, device: Device, *args: Any, **kwargs: Any) -> Any:
         """Run `op` on `device` with the selected candidate, falling back if it raises.
         Keyword calls (not the ops' path) are validated every time."""
         if not kwargs:
-            return self.dispatch(op, device, lambda _op, _first: device, *args)
+            return self.dispatch(op, self._route_of(device), lambda _op, _first: device, *args)
+        if _any_fake(args) or _any_fake(kwargs.values()):
+            opdef = self._opdef(op)
+            _signature(opdef, args, kwargs)
+            return opdef.reference(*args, **kwargs)  # shapes only: see `dispatch`
         selection = self.select(op, device, *args, **kwargs)
         try:
             return selection.fn(*args, **kwargs)
@@ -321,9 +335,15 @@ class KernelRegistry:
                         key = None
         if hit is None:
             opdef = self._opdef(op)
+            if _any_fake(args):
+                # FakeTensorMode outside torch.compile (shape inference, make_fx): the reference
+                # propagates shapes through torch ops; a kernel would raise on the fake memory and
+                # be demoted, or be measured, its fake timings persisted, for real calls
+                _signature(opdef, args, {})
+                return opdef.reference(*args)
             device = locate(op, args[0] if args else None)
-            sig = opdef.signature(*args)
-            selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, (), args)
+            sig = _signature(opdef, args, {})
+            selection = self._cache[op].get((device.id, sig)) or self._select(op, device, sig, args)
             if key is not None and seen is not None and opdef.memoizes(args) and not selection.provisional:
                 seen.remember(key, route, args, (device, selection))
         else:
@@ -356,6 +376,15 @@ class KernelRegistry:
         except Exception as exc:  # as in `dispatch`
             return self._fall_back(selection, device, exc, args, {})
 
+    def _route_of(self, device: Device) -> Hashable:
+        """The memo route of `call(op, device, ...)`: an object of its own per device, so that its
+        layouts are never taken for those of `hal.use(device)`, which routes by the same Device
+        but sends a tensor of another device type to that tensor's device."""
+        route = self._call_routes.get(device)
+        if route is None:
+            route = self._call_routes.setdefault(device, _CallRoute(device.id))
+        return route
+
     def clear_cache(self) -> None:
         with self._lock:
             for selections in self._cache.values():
@@ -381,14 +410,11 @@ class KernelRegistry:
         op: str,
         device: Device,
         sig: Hashable,
-        failed: Iterable[Rejection] = (),
         args: tuple[Any, ...] | None = None,
         kwargs: dict[str, Any] | None = None,
-        *,
-        store: bool = True,
     ) -> Selection:
-        """The selection for `sig` on `device`, leaving out the `failed` candidates; cached unless
-        `store` is False (a fallback caches its demotion only once a later candidate ran)."""
+        """The selection for `sig` on `device`, cached unless provisional (`Selection.provisional`);
+        `args` (and `kwargs`) to measure the valid candidates on, where the tuner measures."""
         caps = device.capabilities
         dtype = getattr(sig, "dtype", None)
         if dtype is not None and not caps.supports_dtype(dtype):
@@ -398,9 +424,8 @@ class KernelRegistry:
                 f"(declared dtypes: {declared})"
             )
         candidates = self._candidates[op]  # register replaces the list; this one stays as it is
-        failed = list(failed)
         with telemetry.span("torchhal.kernel.select", op=op, device=device.id, signature=str(sig)) as span:
-            valid, rejected = self._judge_all(op, device, candidates, sig, failed)
+            valid, rejected = self._judge_all(op, device, candidates, sig)
             timings: tuple[tuple[str, float], ...] = ()
             remembered: str | None = None
             provisional = False
@@ -408,42 +433,80 @@ class KernelRegistry:
                 valid, timings, remembered, provisional = self._by_measurement(
                     op, device, sig, valid, args, kwargs or {}
                 )
-            while True:
-                chosen, rest = valid[0], tuple(valid[1:])
-                try:
-                    fn = _bound(chosen, caps)
-                    break
-                except Exception as exc:  # a broken bind is a failing kernel, not the caller's error
-                    rejected.append(self._broken(op, device, chosen, "its bind", exc))
-                    if not rest:
-                        raise _none_supports(op, device, sig, rejected) from exc
-                    valid = list(rest)
-            rejected += [
-                Rejection(
-                    c.qualified_name, RejectionReason.OUTRANKED, _outranked(c, chosen, timings, remembered)
-                )
-                for c in rest
-            ]
-            selection = Selection(op, device.id, sig, chosen, rest, tuple(rejected), fn, timings, provisional)
-            span.set_attribute("torchhal.kernel.candidate", chosen.qualified_name)
-            span.set_attribute("torchhal.kernel.rejected", [str(r) for r in rejected])
+            selection = self._choose(op, device, sig, valid, rejected, timings, remembered, provisional)
+            span.set_attribute("torchhal.kernel.candidate", selection.candidate.qualified_name)
+            span.set_attribute("torchhal.kernel.rejected", [str(r) for r in selection.rejected])
         log.debug(
-            "kernel selected", op=op, device=device.id, signature=str(sig), candidate=chosen.qualified_name
+            "kernel selected",
+            op=op,
+            device=device.id,
+            signature=str(sig),
+            candidate=selection.candidate.qualified_name,
         )
-        if store and not provisional:
+        if not provisional:
             self._store(selection, candidates)
         return selection
 
+    def _choose(
+        self,
+        op: str,
+        device: Device,
+        sig: Hashable,
+        valid: list[Candidate],
+        rejected: list[Rejection],
+        timings: tuple[tuple[str, float], ...],
+        remembered: str | None,
+        provisional: bool,
+    ) -> Selection:
+        """The selection of the first of `valid` (best first) that binds; the rest its fallbacks."""
+        while True:
+            chosen, rest = valid[0], tuple(valid[1:])
+            try:
+                fn = _bound(chosen, device.capabilities)
+                break
+            except Exception as exc:  # a broken bind is a failing kernel, not the caller's error
+                rejected.append(self._broken(op, device, chosen, "its bind", exc))
+                if not rest:
+                    raise _none_supports(op, device, sig, rejected) from exc
+                valid = list(rest)
+        rejected += [
+            Rejection(c.qualified_name, RejectionReason.OUTRANKED, _outranked(c, chosen, timings, remembered))
+            for c in rest
+        ]
+        return Selection(op, device.id, sig, chosen, rest, tuple(rejected), fn, timings, provisional)
+
+    def _next(self, selection: Selection, device: Device, failed: list[Rejection]) -> Selection:
+        """After the `failed` candidates raised: the next of `selection`'s own order, which is the
+        measured one where it was measured (re-selecting by priority locked in the slowest),
+        its timings kept. UnsupportedError when none is left."""
+        gone = {r.candidate for r in failed}
+        order = [c for c in (selection.candidate, *selection.fallbacks) if c.qualified_name not in gone]
+        judged = [
+            r
+            for r in selection.rejected
+            if r.reason not in (RejectionReason.FAILED, RejectionReason.OUTRANKED)
+        ]
+        rejected = [*failed, *judged]
+        if not order:
+            raise _none_supports(selection.op, device, selection.signature, rejected)
+        return self._choose(
+            selection.op,
+            device,
+            selection.signature,
+            order,
+            rejected,
+            selection.timings_ms,
+            None,
+            selection.provisional,
+        )
+
     def _judge_all(
-        self, op: str, device: Device, candidates: list[Candidate], sig: Hashable, failed: list[Rejection]
+        self, op: str, device: Device, candidates: list[Candidate], sig: Hashable
     ) -> tuple[list[Candidate], list[Rejection]]:
         """The candidates valid for `sig` (best first) and why each other one is not."""
-        failed_names = {r.candidate for r in failed}
         valid: list[Candidate] = []
-        rejected: list[Rejection] = list(failed)
+        rejected: list[Rejection] = []
         for cand in candidates:
-            if cand.qualified_name in failed_names:
-                continue
             try:
                 verdict = self._judge(cand, device.capabilities, sig)
             except Exception as exc:  # a broken predicate turns its own candidate down, said so
@@ -468,7 +531,8 @@ class KernelRegistry:
 
     def _count_fallback(self, op: str, candidate: str) -> None:
         key = f"{op}:{candidate}"
-        self.fallback_counts[key] = self.fallback_counts.get(key, 0) + 1
+        with self._lock:  # a read-modify-write: threads falling back at once lost counts
+            self.fallback_counts[key] = self.fallback_counts.get(key, 0) + 1
         telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=candidate)
 
     def _store(self, selection: Selection, candidates: list[Candidate]) -> None:
@@ -503,6 +567,11 @@ class KernelRegistry:
         contenders = [c for c in valid if c.name != REFERENCE]
         if len(contenders) < 2:
             return valid, (), None, False
+        if not all(map(_has_storage, (*args, *kwargs.values()))):
+            # fake tensors, torch.func's wrappers: a kernel that reads memory raises on them, and
+            # was ranked last for the plain calls of this signature too. Priority order, provisional
+            # (neither cached nor memoised): a call with real tensors measures.
+            return valid, (), None, True
         by_name = {c.qualified_name: c for c in contenders}
         remembered = self.tuner.recall(device, op, sig, by_name)
         if remembered in by_name:
@@ -516,6 +585,9 @@ class KernelRegistry:
             device, [(c.qualified_name, _bound_or_raiser(c, caps)) for c in contenders], args, kwargs
         )
         measured = [name for name, ms in timings if math.isfinite(ms)]
+        for name, _ in timings[len(measured) :]:  # raised while measured (the tuner logged it)
+            self._count_fallback(op, name)
+            trace.get_current_span().add_event("candidate raised while measured", {"candidate": name})
         if measured:  # one that raised is not beaten for good: the next process measures again
             self.tuner.remember(device, op, sig, measured[0], measured)
         order = [by_name[name] for name in measured]
@@ -570,7 +642,7 @@ class KernelRegistry:
                         error=repr(exc),
                     )
                     try:
-                        current = self._select(op, device, selection.signature, failed, store=False)
+                        current = self._next(selection, device, failed)
                     except UnsupportedError:
                         raise KernelFailedError(
                             f"op {op!r} on {device.id}: every candidate failed (so no kernel was demoted: "
@@ -586,7 +658,10 @@ class KernelRegistry:
                     continue
                 for name in raised:
                     self._count_fallback(op, name)
-                if all(_has_storage(a) for a in args):
+                # demoted for later calls, unless the failure may be the arguments' or the moment's:
+                # tensors without storage, or a selection made (or a failure met) during a graph
+                # capture, whose "not permitted while capturing" errors pass with it
+                if all(map(_has_storage, args)) and not selection.provisional and not device.capturing():
                     self._store(current, candidates)
                 return result
         finally:
@@ -730,16 +805,53 @@ def _bound_or_raiser(candidate: Candidate, caps: DeviceCapabilities) -> Callable
 
 
 def _has_storage(value: object) -> bool:
-    """False for a tensor whose memory cannot be read (torch.func's batched and grad wrappers)."""
+    """False for a tensor whose memory cannot be read (torch.func's batched and grad wrappers,
+    fake tensors)."""
     import torch
 
     if not isinstance(value, torch.Tensor):
         return True
+    if _is_fake(value):
+        return False
     try:
         value.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def _is_fake(value: object) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return bool(is_fake(value))
+
+
+def _any_fake(values: Iterable[object]) -> bool:
+    import torch
+
+    return any(isinstance(v, torch.Tensor) and _is_fake(v) for v in values)
+
+
+def _signature(opdef: OpDef, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """`opdef.signature(*args, **kwargs)`, arguments that do not fit its parameters refused naming
+    the op (the signature's own TypeError, "missing 1 required positional argument: 'weight'",
+    did not say which op)."""
+    try:
+        return opdef.signature(*args, **kwargs)
+    except TypeError as exc:
+        try:
+            inspect.signature(opdef.signature).bind(*args, **kwargs)
+        except TypeError as unbound:
+            params = inspect.signature(opdef.signature)
+            raise InvalidArgumentError(f"op {opdef.name!r} takes {params}: {unbound}") from None
+        raise exc
+
+
+@dataclass(frozen=True)
+class _CallRoute:
+    """The memo route of `KernelRegistry.call` on one device (`KernelRegistry._route_of`)."""
+
+    device: str
 
 
 def _not_a_kernel_fault(exc: Exception) -> bool:

@@ -50,6 +50,7 @@ class Tuner:
         self._code = code
         self._versions: dict[str, str] | None = None
         self._winners: dict[str, dict[str, Winner]] = {}  # fingerprint -> op|signature -> winner
+        self._measured: set[tuple[Path, str]] = set()  # (file, key) of the winners measured here
         self._lock = threading.Lock()
 
     def wants(self, device: Device) -> bool:
@@ -72,22 +73,27 @@ class Tuner:
     ) -> None:
         """Keep `winner` of `contenders` (those that measured), and save the table merged with the
         file's winners, so HALs and processes sharing a cache keep each other's: the file is read,
-        merged and written under a lock (`update_cached`). A file that cannot be locked or written
-        keeps the winner in this Tuner only (logged, counted): the next process measures again."""
+        merged and written under a lock (`update_cached`). The file's winners take the place of
+        those this Tuner only read (another process may have measured them again since: a stale
+        table written back undid it), never of those it measured. A file that cannot be locked or
+        written keeps the winner in this Tuner only (logged, counted): the next process measures
+        again."""
         from torchhal.hal_core.profile import update_cached
 
         with self._lock:
             table = self._table(device)
-            table[self._key(device, op, sig)] = {"winner": winner, "contenders": sorted(contenders)}
+            key = self._key(device, op, sig)
+            table[key] = {"winner": winner, "contenders": sorted(contenders)}
             path = self._path(device)
             if path is None:
                 return
+            self._measured.add((path, key))
             code = self._code_versions()
 
             def merged() -> str:
                 on_disk = _parse(_read_json(path), code)  # a reason (str) where absent or unusable
                 if isinstance(on_disk, dict):
-                    table.update({k: v for k, v in on_disk.items() if k not in table})
+                    table.update({k: v for k, v in on_disk.items() if (path, k) not in self._measured})
                 return json.dumps({"code": code, "winners": table}, indent=1, sort_keys=True)
 
             update_cached(path, merged)
