@@ -316,3 +316,37 @@ def test_no_sequences_give_zeros_and_a_float32_lse(triton_hal, candidate):
         torch.set_default_dtype(default)
     assert lse.dtype == torch.float32 and lse.shape == (4, 3) and torch.isneginf(lse).all()
     assert out.dtype == q.dtype and torch.count_nonzero(out) == 0
+
+
+def test_packed_short_sequences_under_a_large_max_seqlen_k_get_bounded_partials(triton_hal, monkeypatch):
+    """max_seqlen_k may exceed every sequence (a graph-captured decoder passes its cache's
+    capacity): the slices were sized by it, and 256 short sequences at 131072 took 256 splits and
+    1 GiB of partials for 16 MiB of keys and values. The partials stay within
+    DECODE_SCRATCH_PER_KV times the keys and values, and the answer is unchanged."""
+    from torchhal.kernels import attention_varlen, triton_attention
+    from torchhal.kernels.triton_attention_config import DECODE_SCRATCH_PER_KV
+
+    caps = triton_hal.device("cpu").capabilities.model_copy(update={"compute_units": 132})
+    forward = triton_attention.bind_decode_varlen_forward(caps)
+    q, k, v, cu_q, cu_k = _packed([1] * 8, [4] * 8, 4, 1, 16, 0)
+    made: list[int] = []
+    empty = torch.empty
+
+    def recording_empty(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        made.append(t.numel() * t.element_size())
+        return t
+
+    outputs = []
+    for max_k in (4, 1 << 14):
+        made.clear()
+        monkeypatch.setattr(torch, "empty", recording_empty)
+        outputs.append(forward(q, k, v, cu_q, cu_k, 1, max_k, True, None))
+        monkeypatch.setattr(torch, "empty", empty)
+        assert max(made) <= DECODE_SCRATCH_PER_KV * (k.numel() + v.numel()) * 4, (max_k, made)
+    reference = attention_varlen.reference_forward(q, k, v, cu_q, cu_k, 1, 4, True, None)
+    for out, lse in outputs:
+        assert_out_and_lse_within_pytorch_error(
+            out, lse, attention_varlen.reference_forward, (q, k, v), (cu_q, cu_k, 1, 4, True, None)
+        )
+    torch.testing.assert_close(outputs[1][0], reference[0])

@@ -197,6 +197,13 @@ def test_compile_fullgraph(plain_ops):
             "max_seqlen_q must be >= the longest sequence 5",
         ),
         (torch.tensor([0, 5, 9]), torch.tensor([0, 5, 9]), -1, "max_seqlen_q must be an int >= 0"),
+        # a bool reached the Triton kernels as a 1-bit value; their failure demoted them for max 1
+        (
+            torch.tensor([0, 5, 9]),
+            torch.tensor([0, 5, 9]),
+            True,
+            "max_seqlen_q must be an int >= 0, got True",
+        ),
     ],
 )
 def test_bad_offsets_are_refused(plain_ops, cu_q, cu_k, max_q, message):

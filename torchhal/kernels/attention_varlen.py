@@ -70,7 +70,9 @@ def _check(
         op, "cu_seqlens lengths", cu_seqlens_q=cu_seqlens_q.shape[0], cu_seqlens_k=cu_seqlens_k.shape[0]
     )
     for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
-        if not isinstance(value, int) or value < 0:
+        # a bool passed (True is no length: it reached the kernels as a 1-bit value, and the
+        # failure demoted them for the signature of 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise InvalidArgumentError(f"{op}: {name} must be an int >= 0, got {value!r}")
     if cu_seqlens_q.device.type == "cpu":
         _check_offsets(op, "q", cu_seqlens_q.tolist(), q.shape[0], max_seqlen_q)

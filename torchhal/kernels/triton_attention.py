@@ -209,7 +209,13 @@ def _bind_decode(caps: DeviceCapabilities, packed_op: str | None) -> Callable[..
     (`decode_splits`) over the keys the queries can see (`visible_keys`) and the keys all of them
     read (`keys_read`)."""
     from torchhal.kernels import triton_attention_decode as decode
-    from torchhal.kernels.triton_attention_config import TileConfig, decode_splits, decode_tile
+    from torchhal.kernels.triton_attention_config import (
+        DECODE_MAX_SPLITS,
+        DECODE_SCRATCH_PER_KV,
+        TileConfig,
+        decode_splits,
+        decode_tile,
+    )
 
     problem = _problem(packed_op)
     tiles: dict[tuple[int, int, int], TileConfig] = {}
@@ -225,7 +231,9 @@ def _bind_decode(caps: DeviceCapabilities, packed_op: str | None) -> Callable[..
             tile = tiles[key] = decode_tile(caps, *key)
         keys = decode.visible_keys(made, tile.block_n)
         work = made.heads_kv * decode.keys_read(made, k, keys)
-        splits, keys_per_split = decode_splits(caps, work, keys, tile.block_n)
+        kv_bytes = k.numel() * k.element_size() + v.numel() * v.element_size()
+        most = DECODE_SCRATCH_PER_KV * kv_bytes // max(1, decode.split_scratch_bytes(made))
+        splits, keys_per_split = decode_splits(caps, work, keys, tile.block_n, min(DECODE_MAX_SPLITS, most))
         return decode.forward(q, k, v, made, tile, splits, keys_per_split)
 
     return forward

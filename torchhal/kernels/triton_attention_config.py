@@ -130,6 +130,12 @@ DECODE_MAX_SPLITS = 256  # the combine pass reads every split's partial row
 # and hand the combine pass more partials (an H100 swept 1, 2, 4 and 8: benchmarks.md, twenty-sixth
 # session)
 DECODE_PROGRAMS_PER_UNIT = 1
+# The split pass's fp32 partial rows (`triton_attention_decode.split_scratch_bytes` a split) are
+# held to this many times the keys and values they summarise. A dense cache never reaches it (a
+# slice holds at least one key tile, whose keys and values outweigh a quarter of its partial rows);
+# packed short sequences under a large max_seqlen_k did: 256 sequences of 16 keys at
+# max_seqlen_k 131072 took 256 splits, 1 GiB of partials for 16 MiB of keys and values.
+DECODE_SCRATCH_PER_KV = 8
 
 
 def decode_tile(caps: DeviceCapabilities, head_dim_padded: int, element_bytes: int, rows: int) -> TileConfig:
@@ -150,16 +156,18 @@ def decode_tile(caps: DeviceCapabilities, head_dim_padded: int, element_bytes: i
     return TileConfig(rows, block_n, budget.warps(rows * d), stages)
 
 
-def decode_splits(caps: DeviceCapabilities, work_keys: int, seq_k: int, block_n: int) -> tuple[int, int]:
+def decode_splits(
+    caps: DeviceCapabilities, work_keys: int, seq_k: int, block_n: int, most_splits: int = DECODE_MAX_SPLITS
+) -> tuple[int, int]:
     """(splits, keys per split) of a cache of `seq_k` keys when all groups (batch x kv heads)
     together read `work_keys` keys: slices of about work_keys / (DECODE_PROGRAMS_PER_UNIT x compute
     units) keys, so the work is shared evenly over the device however it divides into groups (a
     packed sequence shorter than seq_k ends its slices early), each a whole number of key tiles (a
-    tile never straddles two slices), at most DECODE_MAX_SPLITS and at most seq_k's tiles. (A
+    tile never straddles two slices), at most `most_splits` and at most seq_k's tiles. (A
     count of slices per group instead left 64 groups' 3 equal slices, 192 programs, on 132 compute
     units, and sized packed sequences by the longest alone.)"""
     tiles = max(1, -(-seq_k // block_n))
     programs = DECODE_PROGRAMS_PER_UNIT * caps.compute_units
     tiles_per_split = -(-work_keys // (programs * block_n))
-    tiles_per_split = min(tiles, max(1, tiles_per_split, -(-tiles // DECODE_MAX_SPLITS)))
+    tiles_per_split = min(tiles, max(1, tiles_per_split, -(-tiles // max(1, most_splits))))
     return -(-tiles // tiles_per_split), tiles_per_split * block_n

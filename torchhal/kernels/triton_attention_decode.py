@@ -185,9 +185,7 @@ def forward(
     # every slice's fp32 output rows, then their log2-sum-exps: one allocation. The split grid is
     # 1-D, splits x heads_kv x batch programs; both kernels find the log2-sum-exps after that
     # many programs' rows (the split pass from its grid, the combine pass from those three)
-    part = torch.empty(
-        batch * problem.heads_kv * splits * rows * (d_pad + 1), dtype=torch.float32, device=device
-    )
+    part = torch.empty(splits * split_scratch_bytes(problem) // 4, dtype=torch.float32, device=device)
     cu_q, cu_k, flags = _common(problem, q)
     with _on_device_of(q):
         _split_kernel[(splits * problem.heads_kv * batch,)](
@@ -223,6 +221,13 @@ def keys_read(problem: Problem, k: torch.Tensor, visible: int) -> int:
     if problem.varlen:
         return min(k.shape[0], problem.batch * visible)
     return problem.batch * visible
+
+
+def split_scratch_bytes(problem: Problem) -> int:
+    """Bytes of the split pass's partials per split: every group's fp32 output rows and their
+    log2-sum-exps."""
+    rows = problem.heads_q // problem.heads_kv * problem.seq_q
+    return problem.batch * problem.heads_kv * rows * (problem.head_dim_padded + 1) * 4
 
 
 def query_tile_rows(heads_q: int, heads_kv: int, seq_q: int) -> int:
