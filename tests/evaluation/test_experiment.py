@@ -265,10 +265,13 @@ def test_bad_experiment_input_is_refused_with_the_value(tmp_path):
         ExperimentConfig(baseline="a", alpha=0.7)
     with pytest.raises(ConfigurationError, match="does not exist"):
         SampleStore(tmp_path / "missing" / "samples.sqlite")
+    four = [Variant(name, _mm_large, cpu, _square(16, sets=4)) for name in ("a", "b")]
     uneven = Variant("c", _mm_large, cpu, _square(16, sets=2))
-    quality = ExperimentConfig(baseline="a", reference="a", metrics=("quality",), thresholds={"quality": 0.1})
+    quality = ExperimentConfig(
+        baseline="a", reference="a", metrics=("quality",), thresholds={"quality": {"absolute": 0.1}}
+    )
     with pytest.raises(InvalidArgumentError, match=r"another number of sets: \{'c': 2\}"):
-        run_experiment([*v, uneven], quality)
+        run_experiment([*four, uneven], quality)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+from scipy import stats
 
 from torchhal.evaluation.stats import Decision, GroupSequentialTest, group_boundaries
 from torchhal.evaluation.stats.group_sequential import spent_alpha
@@ -53,6 +54,7 @@ def test_crossing_probabilities_spend_alpha_as_planned(spending):
 
 
 def _welch_z_per_look(a: np.ndarray, b: np.ndarray, per_look: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per look: n and Welch's t on the normal scale (scipy's t tail at the Welch df, as a z)."""
     n = np.arange(per_look, a.shape[1] + 1, per_look)
 
     def moments(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +63,10 @@ def _welch_z_per_look(a: np.ndarray, b: np.ndarray, per_look: int) -> tuple[np.n
         return mean, (squares - sums * mean) / (n - 1)
 
     (mean_a, var_a), (mean_b, var_b) = moments(a), moments(b)
-    return n, (mean_a - mean_b) / np.sqrt(var_a / n + var_b / n)
+    va, vb = var_a / n, var_b / n
+    t = (mean_a - mean_b) / np.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (n - 1) + vb**2 / (n - 1))
+    return n, np.sign(t) * stats.norm.isf(stats.t.sf(np.abs(t), df))
 
 
 @pytest.mark.parametrize(
@@ -99,6 +104,7 @@ def test_the_object_decides_as_the_vectorised_looks_and_has_power():
         for i in range(len(n)):
             state = test.update(a[i * per_look : (i + 1) * per_look], b[i * per_look : (i + 1) * per_look])
             assert state.boundary == pytest.approx(bounds[i], abs=1e-9)
+            assert state.z == pytest.approx(z[0, i], rel=1e-9)
             if first is None and state.decision is not Decision.CONTINUE:
                 first = i
         assert first == expected

@@ -178,19 +178,19 @@ def test_decision_direction_follows_higher_is_better() -> None:
 
 
 def test_waits_for_min_samples_and_for_variance() -> None:
-    test = SequentialTest(higher_is_better=True, min_samples=5)
-    state = test.update([1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0, 5.0])
+    test = SequentialTest(higher_is_better=True, min_samples=12)
+    state = test.update(np.arange(11.0), np.arange(12.0))
     assert state.interval == (-math.inf, math.inf) and state.p_value == 1.0
-    constant = SequentialTest(higher_is_better=True, min_samples=2)
-    assert constant.update([3.0, 3.0], [2.0, 2.0]).decision is Decision.CONTINUE
+    constant = SequentialTest(higher_is_better=True, min_samples=10)
+    assert constant.update([3.0] * 10, [2.0] * 10).decision is Decision.CONTINUE
     assert constant.interval == (-math.inf, math.inf)
     state = constant.update([3.5], [])  # a's variance arrives: looking starts
-    assert math.isfinite(state.interval[0]) and state.n_a == 3 and state.n_b == 2
+    assert math.isfinite(state.interval[0]) and state.n_a == 11 and state.n_b == 10
 
 
 def test_drift_that_empties_the_interval_is_logged_and_counted() -> None:
     before = telemetry.counts().get("torchhal.stats.sequential_interval_restarts", 0)
-    test = SequentialTest(higher_is_better=True, min_samples=2, tuning_n=10)
+    test = SequentialTest(higher_is_better=True, min_samples=10, tuning_n=10)
     rng = np.random.default_rng(0)
     test.update(rng.normal(0.0, 0.01, 400), rng.normal(0.0, 0.01, 400))
     state = test.update(rng.normal(5.0, 0.01, 4000), rng.normal(0.0, 0.01, 4000))  # the effect jumps
@@ -206,7 +206,7 @@ def test_drift_that_empties_the_interval_is_logged_and_counted() -> None:
         (lambda t: SequentialTest(higher_is_better=True, alpha=0.0), "alpha must lie strictly"),
         (
             lambda t: SequentialTest(higher_is_better=True, min_samples=1),
-            "min_samples must be an integer >= 2",
+            "min_samples must be an integer >= 10, got 1",
         ),
     ],
 )

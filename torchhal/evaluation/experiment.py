@@ -16,7 +16,15 @@ from typing import Any
 
 import numpy as np
 
-from torchhal.evaluation.compare import CORRECTIONS, Comparison, Verdict, compare, correct
+from torchhal.evaluation.compare import (
+    CORRECTIONS,
+    MIN_SAMPLES,
+    Comparison,
+    Verdict,
+    compare,
+    correct,
+    min_sample_size,
+)
 from torchhal.evaluation.cost import CostRow, check_prices, cost_row, pareto_front
 from torchhal.evaluation.fingerprint import environment_fingerprint
 from torchhal.evaluation.harness import ORDERS, Measurement, Variant, measure
@@ -100,6 +108,13 @@ class ExperimentConfig:
                     "metric 'quality' needs a threshold (e.g. {absolute = 1e-3}): what error change matters "
                     "depends on the op and dtype, so there is no default"
                 )
+            relative = self.thresholds["quality"].relative
+            if relative and self.reference == self.baseline:  # its errors against itself are all 0
+                raise InvalidArgumentError(
+                    f"thresholds['quality'] must be absolute when the reference is the baseline "
+                    f"({self.baseline!r}): a relative threshold of {relative:g} scales the baseline's "
+                    "error, which is 0 against itself"
+                )
         # checked here, not when measuring: a spec's bad count or seed must stop before anything runs
         for name, minimum in (
             ("warmup", 0),
@@ -112,6 +127,13 @@ class ExperimentConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise InvalidArgumentError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        needed = min_sample_size(self.alpha)  # compare() would refuse fewer after measuring
+        if self.repetitions < needed and any(METRICS[m].source == "timing" for m in self.metrics):
+            raise InvalidArgumentError(
+                f"repetitions must be >= {needed} at alpha = {self.alpha:g}: compare() needs "
+                f"{MIN_SAMPLES} samples per arm, more where its {1 - self.alpha:.4g} Hodges–Lehmann "
+                f"interval needs them; got {self.repetitions}"
+            )
         if self.n_resamples > MAX_RESAMPLES:  # the comparison would refuse it after measuring
             raise InvalidArgumentError(
                 f"n_resamples must be at most {MAX_RESAMPLES:,}, got {self.n_resamples:,}"
@@ -206,6 +228,15 @@ def run_experiment(
     for role, name in (("baseline", config.baseline), ("reference", config.reference)):
         if name is not None and name not in names:
             raise InvalidArgumentError(f"{role} {name!r} is not a variant; variants: {names}")
+    if "quality" in config.metrics:  # one quality value per input set: too few must stop before measuring
+        sets = len(next(v for v in variants if v.name == config.reference).inputs)
+        needed = min_sample_size(config.alpha)
+        if sets < needed:
+            raise InvalidArgumentError(
+                f"metric 'quality' needs >= {needed} input sets at alpha = {config.alpha:g} (one error "
+                f"per set: compare() needs {MIN_SAMPLES} per arm, more where its Hodges–Lehmann "
+                f"interval needs them); reference {config.reference!r} has {sets}"
+            )
     timing = [m for m in config.metrics if METRICS[m].source == "timing"]
     measurement = quality = None
     with telemetry.span(

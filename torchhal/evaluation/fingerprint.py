@@ -4,16 +4,23 @@ A number is only comparable with numbers from the same environment, so every res
 the devices' declared capabilities and fingerprints, the versions of the software stack, the
 git commit of the working directory (and whether the tree had uncommitted changes), and the
 TORCHHAL_* settings in force. `digest` is a short hash of it all, part of every experiment key.
+
+A variant's own code is in its key too (`code_digest`), so editing its body starts a new
+experiment instead of resuming the old timings. What it calls is not: an edit there is seen only
+through the git state, and samples resumed while the tree is dirty or not in git are warned
+about and counted (`warn_resumed`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import platform
 import subprocess
-from collections.abc import Iterable
+import types
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchhal.hal_core import Device, telemetry
@@ -63,6 +70,59 @@ def capabilities_json(device: Device) -> dict[str, Any]:
 def digest(data: Any) -> str:
     """A short stable hash of JSON-able data."""
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def code_digest(fn: Callable[..., Any]) -> str | None:
+    """A hash of the bytecode behind `fn`: its instructions, the names it reads and its constants,
+    nested functions' included; for a functools.partial its function's, for a bound method its
+    function's, for another callable object its class's `__call__`, and a decorator's
+    `__wrapped__` too. None where no Python code is found (a builtin). Line numbers and file
+    names are left out, so moving code keeps the hash; what `fn` calls is not followed."""
+    codes, seen = [], set()
+    current: Any = fn
+    while current is not None and id(current) not in seen:  # a __wrapped__ chain may loop
+        seen.add(id(current))
+        while isinstance(current, functools.partial):
+            current = current.func
+        target = getattr(current, "__func__", current)  # a bound method's function
+        code = getattr(target, "__code__", None)
+        if code is None:
+            code = getattr(type(target).__call__, "__code__", None)  # a callable object's class
+        if code is not None:
+            codes.append(_code_parts(code))
+        current = getattr(target, "__wrapped__", None)
+    return digest(codes) if codes else None
+
+
+def _code_parts(code: types.CodeType) -> list[Any]:
+    return [code.co_code.hex(), list(code.co_names), [_constant(c) for c in code.co_consts]]
+
+
+def _constant(value: Any) -> Any:
+    if isinstance(value, types.CodeType):
+        return _code_parts(value)
+    if isinstance(value, tuple):
+        return [_constant(v) for v in value]
+    if isinstance(value, frozenset):  # its order follows string hashing, which varies by process
+        return sorted(repr(v) for v in value)
+    return repr(value)
+
+
+def warn_resumed(fingerprint: dict[str, Any], experiment: str, resumed: int) -> None:
+    """Warn about and count `resumed` samples taken from a store while the git tree is dirty or
+    unknown: code the variant calls may have changed since they were measured (`code_digest`
+    covers only the variant's own code), and its experiment key would not show it."""
+    dirty = fingerprint["git"]["dirty"]
+    if dirty is False or not resumed:
+        return
+    log.warning(
+        "resumed samples may be stale: code changed since they were measured is not detected",
+        experiment=experiment,
+        resumed=resumed,
+        git="uncommitted changes" if dirty else "no git state",
+        fix="delete the store's rows of this experiment (or use a new store) after editing code",
+    )
+    telemetry.count("torchhal.evaluation.resumed_with_unversioned_code", value=resumed)
 
 
 def git_state(cwd: str | None = None) -> dict[str, Any]:

@@ -25,7 +25,11 @@ synchronize-then-perf-counter otherwise, simulated time on a simulated device. A
 * the environment fingerprint in every result, and, given a `SampleStore`, every finished
   sample on disk as soon as its batch is read, so an interrupted run resumes where it stopped;
 * a variant whose callable raises stops the measurement: the exception propagates with a note
-  naming the variant and input set, after the samples finished before it are saved.
+  naming the variant and input set, after the samples finished before it are saved. So does a
+  sample whose elapsed time is refused (0: the timer did not resolve it), after every other
+  sample of its batch is saved;
+* samples are resumed only for the same variant code (`Variant.key_data`), and resuming while
+  the git tree is dirty or unknown is warned about and counted (`fingerprint.warn_resumed`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from torchhal.evaluation.fingerprint import digest, environment_fingerprint
+from torchhal.evaluation.fingerprint import code_digest, digest, environment_fingerprint, warn_resumed
 from torchhal.evaluation.inputs import Inputs
 from torchhal.evaluation.outliers import Fences, tukey_fences
 from torchhal.hal_core import Device, DeviceTimer, InvalidArgumentError, UnsupportedError, telemetry
@@ -121,10 +125,12 @@ class Variant:
             raise
 
     def key_data(self) -> dict[str, Any]:
-        """What must match for samples of two runs to be pooled."""
+        """What must match for samples of two runs to be pooled: its own code included, so an
+        edited body is measured anew (see `fingerprint.code_digest` for what that misses)."""
         return {
             "name": self.name,
             "description": self.description,
+            "code": code_digest(self.fn),
             "device": self.device.id,
             "items_per_call": self.items_per_call,
             "inputs": self.inputs.signature(),
@@ -299,6 +305,7 @@ def measure(
     resumed = len(done)
     if resumed:
         log.info("resuming measurement", experiment=experiment, finished=resumed, total=len(slots))
+        warn_resumed(fingerprint, experiment, resumed)
     todo = [s for s in slots if (s.variant, s.round) not in done]
     with telemetry.span(
         "torchhal.evaluation.measure",
@@ -361,7 +368,9 @@ class _Runner:
             for i, slot in enumerate(todo):
                 self.pending.append(self._take(slot))
                 if len(self.pending) >= self.flush_every or i == len(todo) - 1:
-                    self._flush(done, total)
+                    refused = self._flush(done, total)
+                    if refused is not None:
+                        raise InvalidArgumentError(refused)
                     if i < len(todo) - 1:
                         nxt = self.by_name[todo[i + 1].variant]
                         with nxt.active():
@@ -370,7 +379,9 @@ class _Runner:
             pending = len(self.pending)
             if pending:
                 try:
-                    self._flush(done, total)
+                    refused = self._flush(done, total)
+                    if refused is not None:  # the failure above goes on; this sample is not saved
+                        log.warning("a sample pending at the failure was refused", reason=refused)
                 except Exception as exc:  # the device may be unusable after the failure
                     log.warning(
                         "could not save the samples pending at the failure", error=repr(exc), samples=pending
@@ -395,13 +406,19 @@ class _Runner:
         del out
         return slot, start, end, memory
 
-    def _flush(self, done: dict[tuple[str, int], Sample], total: int) -> None:
+    def _flush(self, done: dict[tuple[str, int], Sample], total: int) -> str | None:
+        """Read the pending marks and save every valid sample; the first refusal of an elapsed
+        time is returned, for the caller to raise once the others are saved (raised at once,
+        it lost the good samples read before it). The pending list is cleared only once saved:
+        after a failed write, the caller's handler tries once more, and counts a loss."""
         session = self.store.session if self.store is not None else ""
-        pending, self.pending = self.pending, []
-        batch = []
-        for slot, start, end, memory in pending:
+        batch, refused = [], None
+        for slot, start, end, memory in self.pending:
             elapsed = self.timers[slot.variant].elapsed_ms(start, end)
-            _check_elapsed(self.by_name[slot.variant], elapsed, self.inner)
+            why = _elapsed_refusal(self.by_name[slot.variant], elapsed, self.inner)
+            if why is not None:
+                refused = refused or why
+                continue
             batch.append(
                 Sample(
                     slot.variant, slot.round, slot.position, elapsed / self.inner, self.inner, memory, session
@@ -409,10 +426,12 @@ class _Runner:
             )
         if self.store is not None:
             self.store.put_many(self.experiment, [(s.variant, f"round:{s.round}", s.as_row()) for s in batch])
+        self.pending = []
         for s in batch:
             done[(s.variant, s.round)] = s
         if self.progress is not None:
             self.progress(len(done), total)
+        return refused
 
 
 def _used_bytes(device: Device) -> int:
@@ -427,9 +446,10 @@ def _used_bytes(device: Device) -> int:
     return used
 
 
-def _check_elapsed(variant: Variant, elapsed: float, inner: int) -> None:
+def _elapsed_refusal(variant: Variant, elapsed: float, inner: int) -> str | None:
+    """Why a sample's elapsed time cannot be used (None when it can)."""
     if math.isfinite(elapsed) and elapsed > 0:
-        return
+        return None
     if variant.device.simulated:
         why = (
             "the simulated clock did not advance: the callable ran no simulated op (ops run on a "
@@ -437,7 +457,7 @@ def _check_elapsed(variant: Variant, elapsed: float, inner: int) -> None:
         )
     else:
         why = "below the timer's resolution; raise `inner` to time more calls per sample"
-    raise InvalidArgumentError(
+    return (
         f"variant {variant.name!r} on {variant.device.id}: the timer measured {elapsed!r} ms over "
         f"{inner} call(s): {why}"
     )

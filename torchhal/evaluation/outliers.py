@@ -11,12 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from torchhal.evaluation.stats._checks import ROUNDING_RTOL, numbers
 from torchhal.hal_core import InvalidArgumentError
 
 MILD, EXTREME = 1.5, 3.0  # Tukey (1977): outside 1.5 IQR is an outlier, outside 3 IQR "far out"
-ROUNDING_RTOL = 1e-9
-"""Differences within this fraction of a sample's magnitude are floating-point rounding (simulated
-time is a difference of clock readings): never an outlier, never variance."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +43,7 @@ class Fences:
 
 def tukey_fences(values: Any, k: float = MILD) -> Fences:
     """Fences at Q1 − k·IQR and Q3 + k·IQR, and which values fall outside them by more than rounding."""
-    x = np.asarray(values, dtype=np.float64)
+    x = numbers(values, "Tukey fences' values")
     if x.ndim != 1 or x.size < 4:
         raise InvalidArgumentError(
             f"Tukey fences need a 1-D sample of at least 4 values, got shape {x.shape}"

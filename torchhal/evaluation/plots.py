@@ -10,7 +10,7 @@ import numpy as np
 
 from torchhal.evaluation.experiment import ExperimentResult
 from torchhal.evaluation.metrics import METRICS
-from torchhal.evaluation.outliers import ROUNDING_RTOL
+from torchhal.evaluation.stats._checks import constant
 from torchhal.hal_core import ConfigurationError
 
 
@@ -52,7 +52,7 @@ def _distributions(plt: Any, result: ExperimentResult, metric: str, out: Path) -
     fig, (hist, cdf) = plt.subplots(1, 2, figsize=(11, 4))
     for name in result.variants:
         values = np.sort(result.samples(name, metric))
-        if np.ptp(values) <= ROUNDING_RTOL * np.abs(values).max():  # deterministic: one value, one line
+        if constant(values):  # deterministic: one value, one line
             hist.axvline(
                 values[0], label=f"{name} (every sample)", color=f"C{list(result.variants).index(name)}"
             )

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchhal.evaluation.fingerprint import digest, environment_fingerprint
+from torchhal.evaluation.fingerprint import digest, environment_fingerprint, warn_resumed
 from torchhal.evaluation.harness import Variant, check_group
 from torchhal.evaluation.store import SampleStore
 from torchhal.hal_core import InvalidArgumentError, telemetry
@@ -87,17 +87,18 @@ def measure_quality(
             f"quality compares input set i of every variant with set i of {reference!r} ({n} sets); "
             f"these variants have another number of sets: {mismatched}"
         )
+    fingerprint = environment_fingerprint(v.device for v in variants)
     experiment = digest(
         {
             "kind": "quality",
             "error": kind,
             "reference": ref.key_data(),
             "variants": [v.key_data() for v in variants],
-            "environment": environment_fingerprint(v.device for v in variants)["digest"],
+            "environment": fingerprint["digest"],
         }
     )
     errors = {v.name: np.empty(n) for v in variants}
-    done, total = 0, n * len(variants)
+    done, total, resumed = 0, n * len(variants), 0
     with telemetry.span("torchhal.evaluation.quality", variants=sorted(by_name), reference=reference, sets=n):
         for i in range(n):
             key = f"quality:{kind}:{ref.inputs.hash(i)}"
@@ -114,10 +115,12 @@ def measure_quality(
                         store.put(experiment, v.name, key, {"error": value, "set": i})
                 else:
                     value = float(row["error"])
+                    resumed += 1
                 errors[v.name][i] = value
                 done += 1
                 if progress is not None:
                     progress(done, total)
+    warn_resumed(fingerprint, experiment, resumed)
     return errors
 
 

@@ -10,14 +10,35 @@ import numpy as np
 from torchhal.hal_core.errors import InvalidArgumentError
 
 ALTERNATIVES = ("two-sided", "less", "greater")
+ROUNDING_RTOL = 1e-9
+"""Differences within this fraction of a sample's magnitude are floating-point rounding (simulated
+time is a difference of clock readings): never an outlier, never variance."""
+NUMERIC_KINDS = "biuf"  # bool, signed and unsigned int, float: numeric strings and complex are refused
+
+
+def numbers(values: Any, what: str) -> np.ndarray:
+    """`values` as a float64 array, refusing what is not real numbers: strings ("1e3" converted
+    silently) and complex values (whose imaginary part float64 drops with only a warning).
+    `what` names the values in the error ("sample 'a'")."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgumentError(f"{what} must be numbers, got {values!r:.80}: {exc}") from exc
+    if arr.dtype.kind not in NUMERIC_KINDS:
+        raise InvalidArgumentError(
+            f"{what} must be numbers, got {values!r:.80}: dtype {arr.dtype} is not bool, int or float"
+        )
+    return arr.astype(np.float64, copy=False)
+
+
+def constant(x: np.ndarray) -> bool:
+    """All values equal up to floating-point rounding (`ROUNDING_RTOL`): no variance to test on."""
+    return float(np.ptp(x)) <= ROUNDING_RTOL * float(np.abs(x).max())
 
 
 def sample(values: Any, name: str, *, min_size: int) -> np.ndarray:
-    """`values` as a 1-D float64 array, refusing too few values and any NaN or infinity."""
-    try:
-        arr = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgumentError(f"sample {name!r} must be numbers, got {values!r:.80}: {exc}") from exc
+    """`values` as a 1-D float64 array, refusing too few values, non-numbers and any NaN or infinity."""
+    arr = numbers(values, f"sample {name!r}")
     if arr.ndim != 1:
         raise InvalidArgumentError(f"sample {name!r} must be 1-D, got shape {arr.shape}")
     if arr.size < min_size:

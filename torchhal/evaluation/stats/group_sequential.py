@@ -16,8 +16,13 @@ fixed-horizon test at the end) and "pocock" α·log(1 + (e − 1)·t) (even). Sp
 O'Brien-Fleming function on the two-sided total instead (2 − 2Φ(z_{1−α/2}/√t), Lan and DeMets'
 formula read for α itself) gives other boundaries (4.38 against 4.88 at the first of five looks);
 the per-side form is the one published tables and those packages give.
-The statistic is Welch's z on per-arm running moments (a normal approximation: the arms need
-`min_samples` values before a look counts); the decision is final once a boundary is crossed.
+The boundaries are those of a known variance; each look estimates it from the arms' running
+moments, so Welch's t is taken to the normal scale first: z = Φ⁻¹(F_t(t)) at the
+Welch–Satterthwaite df, which crosses a boundary b exactly when |t| >= the t quantile with the
+tail Φ(−b). Compared raw, Welch's t (as if normal) crossed too often at small n: A/A false-positive
+rates 0.071 with 30 per arm and a look after every value from 10, 0.19 from 2 (Pocock, α = 0.05);
+on the normal scale 0.049 for both. The arms need `min_samples` values before a look counts; the
+decision is final once a boundary is crossed.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from torchhal.evaluation.stats import _checks
-from torchhal.evaluation.stats.distributions import norm_cdf, norm_ppf, norm_sf
+from torchhal.evaluation.stats.distributions import norm_cdf, norm_ppf, norm_sf, t_sf
 from torchhal.evaluation.stats.sequential import Decision, _RunningMoments
 from torchhal.hal_core.errors import InvalidArgumentError
 
@@ -186,8 +191,9 @@ def boundaries(
 
 @dataclass(frozen=True, slots=True)
 class GroupSequentialState:
-    """One look: mean(a) − mean(b), Welch's z, the look's boundary, the α spent so far, the decision;
-    `waiting` says why this update was no look (None when it was one)."""
+    """One look: mean(a) − mean(b), Welch's t on the normal scale (`z`, see the module), the look's
+    boundary for it, the α spent so far, the decision; `waiting` says why this update was no look
+    (None when it was one)."""
 
     difference: float
     z: float
@@ -221,6 +227,10 @@ class GroupSequentialTest:
     ) -> None:
         self.max_samples = _checks.positive_int(max_samples, "max_samples", minimum=2)
         self.min_samples = _checks.positive_int(min_samples, "min_samples", minimum=2)
+        if self.min_samples > self.max_samples:  # no look could ever be taken, nor reject
+            raise InvalidArgumentError(
+                f"min_samples must be <= max_samples = {self.max_samples}, got {self.min_samples}"
+            )
         self.alpha = _checks.probability(alpha, "alpha")
         self.spending = _check_spending(spending)
         self.higher_is_better = bool(higher_is_better)
@@ -272,7 +282,7 @@ class GroupSequentialTest:
                 difference, math.nan, math.inf, self._plan.spent, previous.decision, a.n, b.n, waiting
             )
         boundary = self._plan.next(n / self.max_samples)
-        z = difference / math.sqrt(a.variance / a.n + b.variance / b.n)
+        z = _normal_score(difference, a.variance / a.n, a.n, b.variance / b.n, b.n)
         decision = previous.decision
         if decision is Decision.CONTINUE and abs(z) >= boundary:
             better = (difference > 0) == self.higher_is_better
@@ -281,6 +291,16 @@ class GroupSequentialTest:
 
     def _too_few(self) -> str:
         return f"fewer than min_samples = {self.min_samples} values in an arm so far"
+
+
+def _normal_score(difference: float, va: float, n_a: int, vb: float, n_b: int) -> float:
+    """Welch's t of `difference` (va, vb: the squared standard errors of the arms' means) as the
+    normal quantile of the same tail probability at the Welch–Satterthwaite df (see the module)."""
+    t = difference / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (n_a - 1) + vb**2 / (n_b - 1))
+    tail = t_sf(abs(t), df)
+    magnitude = math.inf if tail == 0.0 else -norm_ppf(tail)  # a tail below the smallest float
+    return math.copysign(magnitude, t)
 
 
 def _check_spending(spending: str) -> str:

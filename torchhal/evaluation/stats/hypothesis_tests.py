@@ -67,12 +67,14 @@ class TostResult:
 
 def _welch_parts(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
     """(mean(a) − mean(b), its standard error, Welch–Satterthwaite df)."""
-    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
-    if va + vb == 0.0:
+    # constant up to rounding, not exactly: 10 copies of 43.1 have a variance of ~1e-29, which
+    # gave t = −4e13 against 10 copies of 43.2, and TOST called two constant samples equivalent
+    if _checks.constant(a) and _checks.constant(b):
         raise InvalidArgumentError(
             f"Welch's t needs variance in at least one sample; both samples are constant "
             f"(a = {a[0]!r} × {a.size}, b = {b[0]!r} × {b.size})"
         )
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
     df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
     return float(a.mean() - b.mean()), math.sqrt(va + vb), float(df)
 
@@ -82,7 +84,8 @@ def welch_t_test(a: Any, b: Any, alternative: str = "two-sided", *, confidence: 
 
     'less' tests mean(a) < mean(b), 'greater' mean(a) > mean(b); the interval for the difference
     is one-sided for one-sided alternatives, as scipy's `ttest_ind(...).confidence_interval()`.
-    Both samples constant raises InvalidArgumentError: t is 0/0 there.
+    Both samples constant (up to rounding, `_checks.ROUNDING_RTOL`) raises InvalidArgumentError:
+    t is 0/0 there.
     """
     a = _checks.sample(a, "a", min_size=2)
     b = _checks.sample(b, "b", min_size=2)
@@ -169,6 +172,7 @@ def tost(
     (1 − 2·alpha) Welch interval, which lies inside (low, high) exactly when `equivalent`.
     With `relative=True` the bounds are fractions of mean(b) (e.g. −0.02, 0.02 for ±2 %), taking
     mean(b) as known, the usual practice for relative margins; mean(b) must then be > 0.
+    Both samples constant (up to rounding) raises InvalidArgumentError, as in `welch_t_test`.
     """
     a = _checks.sample(a, "a", min_size=2)
     b = _checks.sample(b, "b", min_size=2)

@@ -68,27 +68,18 @@ def hodges_lehmann_shift(a: Any, b: Any, *, confidence: float = 0.95) -> HodgesL
             f"Hodges–Lehmann materialises n_a·n_b pairwise differences, at most "
             f"{MAX_PAIRWISE_DIFFERENCES}; got {m}·{n} = {m * n}: aggregate runs first"
         )
-    tail = 0.5 * (1.0 - confidence)
     _, ties = average_ranks(np.concatenate([a, b]))
-    if exact_by_default(m, n, bool((ties > 1).any())):
-        method = "exact"
-        k = lower_critical_count(m, n, tail)
-        below = int(np.sum(mann_whitney_counts(m, n)[:k])) / math.comb(m + n, m) if k else 0.0
-        coverage = 1.0 - 2.0 * below
-    else:
-        method = "asymptotic"
-        sd = u_null_sd(m, n, ties)
-        if sd == 0.0:
-            raise InvalidArgumentError(
-                f"every value of a and b equals {a[0]!r}: the rank-based interval is undefined"
-            )
-        k = math.floor(m * n / 2.0 + 0.5 + norm_ppf(tail) * sd)
-        coverage = 1.0 - 2.0 * norm_cdf((k - 0.5 - m * n / 2.0) / sd)
+    if ties.size == 1:  # one tie group: U has no spread
+        raise InvalidArgumentError(
+            f"every value of a and b equals {a[0]!r}: the rank-based interval is undefined"
+        )
+    k, coverage, method = critical_count(m, n, confidence, ties)
     if k < 1:
         raise InvalidArgumentError(
             f"samples of sizes {m} and {n} are too small for a {confidence:.0%} Hodges–Lehmann "
             f"interval: even the widest covers less (critical count {k} < 1; tie-free samples "
-            f"need C(n_a + n_b, n_a) >= {math.ceil(1.0 / tail)}, these give {math.comb(m + n, m)})"
+            f"need C(n_a + n_b, n_a) >= {math.ceil(2.0 / (1.0 - confidence))}, these give "
+            f"{math.comb(m + n, m)})"
         )
     differences = np.subtract.outer(a, b).ravel()
     lower_kth, upper_kth = k - 1, m * n - k
@@ -97,6 +88,23 @@ def hodges_lehmann_shift(a: Any, b: Any, *, confidence: float = 0.95) -> HodgesL
     return HodgesLehmannResult(
         shift, (float(ordered[lower_kth]), float(ordered[upper_kth])), confidence, coverage, method, m, n
     )
+
+
+def critical_count(
+    m: int, n: int, confidence: float, ties: np.ndarray | None = None
+) -> tuple[int, float, str]:
+    """(k, coverage, method) of the `confidence` Hodges–Lehmann interval [D_(k), D_(mn+1−k)] for
+    samples of sizes m and n whose pooled values form tie groups of sizes `ties` (None: no ties;
+    not all one group). k < 1: the samples are too small for that confidence."""
+    tail = 0.5 * (1.0 - confidence)
+    ties = np.ones(m + n, dtype=np.int64) if ties is None else ties
+    if exact_by_default(m, n, bool((ties > 1).any())):
+        k = lower_critical_count(m, n, tail)
+        below = int(np.sum(mann_whitney_counts(m, n)[:k])) / math.comb(m + n, m) if k else 0.0
+        return k, 1.0 - 2.0 * below, "exact"
+    sd = u_null_sd(m, n, ties)
+    k = math.floor(m * n / 2.0 + 0.5 + norm_ppf(tail) * sd)
+    return k, 1.0 - 2.0 * norm_cdf((k - 0.5 - m * n / 2.0) / sd), "asymptotic"
 
 
 def quantile_ci(x: Any, q: float, confidence: float = 0.95) -> QuantileInterval:

@@ -161,19 +161,20 @@ def minimum_detectable_effect(
     """The effect Welch's test detects with `power` at n per arm, standard deviations from pilots.
 
     Positive for "two-sided" and "greater" (the magnitude), negative for "less". Solved by
-    bisection on `power_welch`, which increases with the effect's magnitude.
+    bisection on `power_welch`, which increases with the effect's magnitude. Both pilots
+    constant (up to rounding, `_checks.ROUNDING_RTOL`) raise InvalidArgumentError.
     """
     a = _checks.sample(pilot_a, "pilot_a", min_size=2)
     b = _checks.sample(pilot_b, "pilot_b", min_size=2)
     n = _checks.positive_int(n, "n", minimum=2)
     target = _checks.probability(power, "power")
     _checks.alternative(alternative)
-    sd_a, sd_b = float(a.std(ddof=1)), float(b.std(ddof=1))
-    if sd_a == 0.0 and sd_b == 0.0:
+    if _checks.constant(a) and _checks.constant(b):  # up to rounding: its sd of 1e-15 is no spread
         raise InvalidArgumentError(
             f"both pilots are constant (a = {a[0]!r} × {a.size}, b = {b[0]!r} × {b.size}): "
             "no variance to plan with"
         )
+    sd_a, sd_b = float(a.std(ddof=1)), float(b.std(ddof=1))
     sign = -1.0 if alternative == "less" else 1.0
 
     def power_at(magnitude: float) -> float:
