@@ -8,18 +8,19 @@ are driven with readings a test writes in amdsmi's documented shapes; each such 
 from __future__ import annotations
 
 import copy
+import io
 import random
 
 import pytest
 import torch
 from torchhal_amd.adapter import AmdAdapter, GfxTarget
-from torchhal_amd.datasheets import PEAKS
+from torchhal_amd.datasheets import SKUS
 from torchhal_amd.probe import record
 from torchhal_amd.recorded import RecordedRocmProbe
 
 from tests.plugins.facts import count, load
 from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import DType, Feature, HealthStatus, LinkType, UnsupportedError
+from torchhal.hal_core import DType, Feature, HealthStatus, LinkType, UnsupportedError, telemetry
 from torchhal.hal_core.settings import Settings
 
 NO_AUTOLOAD = Settings.from_env({"TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1"})
@@ -174,9 +175,33 @@ def test_unknown_gcn_arch_name_is_refused_with_the_value():
 
 
 def test_datasheet_table_is_declared_and_sourced():
-    for name, peaks in PEAKS.items():
-        assert name.startswith("AMD Instinct") and "data sheet" in peaks.source
-        assert peaks.memory_bandwidth_gbps and all(v > 0 for v in peaks.tflops.values())
+    for name, sku in SKUS.items():
+        assert name.startswith("AMD Instinct") and "data sheet" in sku.peaks.source
+        assert sku.peaks.memory_bandwidth_gbps and all(v > 0 for v in sku.peaks.tflops.values())
+        assert sku.compute_units > 0
+    assert {name: sku.compute_units for name, sku in SKUS.items()} == {
+        "AMD Instinct MI300X": 304,
+        "AMD Instinct MI250X": 110,  # one GCD of the package's 220
+        "AMD Instinct MI210": 104,
+    }
+
+
+@pytest.mark.parametrize(
+    ("fixture", "partition_cus"),
+    [("amd-mi300x", 38), ("amd-mi300x", 76), ("amd-mi300x", 152), ("amd-mi250x", 55)],
+)
+def test_a_partition_of_a_datasheet_sku_declares_no_peaks(fixture, partition_cus):
+    """An MI300X in CPX mode is eight devices of 38 CUs each under the package's name: the
+    package's peaks on each declared eight times its throughput."""
+    telemetry.configure(log_level="info", log_stream=(stream := io.StringIO()))  # reset after the test
+    facts = load(fixture)
+    full = facts["devices"][0]["properties"]["multi_processor_count"]
+    facts["devices"][0]["properties"]["multi_processor_count"] = partition_cus
+    (caps,) = adapter(facts).discover()
+    assert caps.compute_units == partition_cus and caps.declared_peaks is None
+    said = stream.getvalue()
+    assert "no declared peaks" in said and f"compute_units={partition_cus}" in said
+    assert f"data_sheet_compute_units={full}" in said
 
 
 # -- health, memory, topology -------------------------------------------------------------------

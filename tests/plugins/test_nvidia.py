@@ -238,6 +238,22 @@ def test_dtype_and_feature_rules_follow_compute_capability(major, minor, fp8, bf
     assert not caps.dtypes & {DType.FP8_E4M3_FNUZ, DType.FP8_E5M2_FNUZ}  # fnuz is AMD's encoding
 
 
+@pytest.mark.parametrize(
+    ("name", "tensor_cores"),
+    [
+        ("NVIDIA GeForce GTX 1660 SUPER", False),  # TU116
+        ("NVIDIA GeForce GTX 1650", False),  # TU117
+        ("NVIDIA GeForce RTX 2080 Ti", True),  # TU102: sm_75 with tensor cores
+        ("Tesla T4", True),  # TU104
+    ],
+)
+def test_turing_gtx_16_series_has_no_tensor_cores(name, tensor_cores):
+    facts = load("nvidia-h100-sxm")
+    facts["devices"][0]["properties"].update(name=name, major=7, minor=5)
+    (caps,) = adapter(facts).discover()
+    assert caps.arch == "sm_75" and (Feature.TENSOR_CORES in caps.features) is tensor_cores
+
+
 def test_unknown_sku_gets_no_declared_peaks():
     facts = load("nvidia-h100-sxm")
     facts["devices"][0]["properties"]["name"] = "NVIDIA GeForce RTX 4090"

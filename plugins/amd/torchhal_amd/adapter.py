@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from torchhal.hal_core import (
+    DeclaredPeaks,
     DeviceCapabilities,
     DType,
     Feature,
@@ -27,7 +28,7 @@ from torchhal.hal_core import (
     telemetry,
 )
 
-from torchhal_amd.datasheets import peaks_for
+from torchhal_amd.datasheets import sku_for
 from torchhal_amd.probe import WGP_MODE_ENV, RocmProbe, pci_address
 
 log = telemetry.get_logger("torchhal.amd")
@@ -122,6 +123,7 @@ class AmdAdapter(ProbedAdapter):
             + (("miopen",) if libraries["miopen"] else ())
             + (("triton",) if libraries["triton"] else ())
         )
+        compute_units = self._compute_units(props, target)
         return DeviceCapabilities(
             vendor=self.vendor,
             adapter=self.name,
@@ -129,7 +131,7 @@ class AmdAdapter(ProbedAdapter):
             index=index,
             name=props["name"],
             arch=target.name,
-            compute_units=self._compute_units(props, target),
+            compute_units=compute_units,
             simd_width=props.get("warp_size", 32 if target.rdna else 64),
             memory_bytes=props["total_memory"],
             dtypes=dtypes,
@@ -138,11 +140,29 @@ class AmdAdapter(ProbedAdapter):
             kernel_backends=kernels,
             shared_memory_per_block_bytes=props.get("shared_memory_per_block"),
             l2_cache_bytes=props.get("L2_cache_size") or None,
-            declared_peaks=peaks_for(props["name"]),
+            declared_peaks=self._declared_peaks(index, props["name"], compute_units),
             uuid=management.get("uuid") or props.get("uuid"),
             pci_bus_id=management.get("bdf") or pci_address(props),
             driver_version=management.get("driver_version"),
         )
+
+    def _declared_peaks(self, index: int, name: str, compute_units: int) -> DeclaredPeaks | None:
+        """The data sheet's peaks where this device is the whole SKU they were printed for. A
+        partition (MI300X in CPX mode: 38 CUs of one XCD, the same name) has a share of them that
+        no sheet prints, so it declares none, as NVIDIA's MIG instances (whose names no entry
+        matches) do."""
+        sku = sku_for(name)
+        if sku is None or compute_units == sku.compute_units:
+            return sku.peaks if sku else None
+        log.info(
+            "no declared peaks: the device's compute units are not those its data sheet counts "
+            "(a partition, e.g. MI300X in CPX mode)",
+            device=self._id(index),
+            name=name,
+            compute_units=compute_units,
+            data_sheet_compute_units=sku.compute_units,
+        )
+        return None
 
     def _compute_units(self, props: dict[str, Any], target: GfxTarget) -> int:
         """HIP counts work-group processors (2 CUs each) on RDNA unless WGP mode is switched off."""

@@ -35,6 +35,9 @@ WARP = 32  # every NVIDIA architecture so far; used where torch does not report 
 TF32_BF16_FROM = (8, 0)  # Ampere
 FP8_FROM = (8, 9)  # Ada and Hopper: OCP e4m3/e5m2, not the fnuz variants
 TENSOR_CORES_FROM = (7, 0)  # Volta
+# ...but not the GeForce GTX 16 series (TU116, TU117): sm_75 Turing without tensor cores (NVIDIA's
+# GTX 1660 Ti launch: "Turing shaders", no RT or Tensor Cores; dedicated FP16 units instead)
+NO_TENSOR_CORES_NAMED = "GTX 16"
 NVML_ECC_ENABLED = 1
 SDPA_ATTENTION_FROM = (8, 0)  # PyTorch's flash and cuDNN attention kernels need Ampere or newer
 CUDNN_ATTENTION_VERSION = 90000  # cuDNN 9: the fused attention graphs SDPA's cuDNN backend builds
@@ -94,7 +97,8 @@ class NvidiaAdapter(ProbedAdapter):
         sku = sku_for(props["name"])
         peers = any(self.runtime_probe.can_access_peer(index, j) for j in range(count) if j != index)
         features = {Feature.GRAPHS, Feature.DEVICE_EVENTS}
-        features |= {Feature.TENSOR_CORES} if cc >= TENSOR_CORES_FROM else set()
+        tensor_cores = cc >= TENSOR_CORES_FROM and NO_TENSOR_CORES_NAMED not in props["name"]
+        features |= {Feature.TENSOR_CORES} if tensor_cores else set()
         features |= {Feature.FP8} if cc >= FP8_FROM else set()
         features |= {Feature.P2P} if peers else set()
         features |= {Feature.TRITON} if libraries["triton"] else set()
@@ -159,7 +163,7 @@ class NvidiaAdapter(ProbedAdapter):
         nvml_status = self.runtime_probe.nvml()
         unknown = [self._id(i) for i, facts in enumerate(nvml) if facts is None]
         reason = (
-            f"NVML knows no device of the UUID of {unknown}"
+            f"NVML knows no device of the UUID of, or could not identify, {unknown}"
             if nvml_status["available"]
             else nvml_status["reason"]
         )

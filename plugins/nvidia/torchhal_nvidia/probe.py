@@ -15,7 +15,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from torchhal.hal_core import LiveProbe, record_probe
+from torchhal.hal_core import LiveProbe, record_probe, telemetry
+
+log = telemetry.get_logger("torchhal.nvidia")
 
 NVML_EXTRA = "pip install 'torchhal-nvidia[nvml]'"
 SMI_TIMEOUT_S = 5.0
@@ -97,12 +99,19 @@ class CudaProbe(LiveProbe):
         nv, handle = self._nvml, self._handle(index)
         if handle is None:
             return None
+        uuid = self._value(nv.nvmlDeviceGetUUID, handle)
+        pci = self._value(nv.nvmlDeviceGetPciInfo, handle)
+        if uuid is None or pci is None:  # e.g. the GPU is lost: only it goes without NVML facts
+            unread = [what for what, value in (("UUID", uuid), ("PCI info", pci)) if value is None]
+            log.warning("NVML could not identify this GPU: it has no NVML facts", device=index, unread=unread)
+            telemetry.count("torchhal.nvml.unidentified_devices", adapter="nvidia")
+            return None
         ecc = self._value(nv.nvmlDeviceGetEccMode, handle)
         peers = {j: self._handle(j) for j in range(self.device_count()) if j != index}
         peers = {j: peer for j, peer in peers.items() if peer is not None}
         return {
-            "uuid": _text(nv.nvmlDeviceGetUUID(handle)),
-            "pci_bus_id": _text(nv.nvmlDeviceGetPciInfo(handle).busId),
+            "uuid": _text(uuid),
+            "pci_bus_id": _text(pci.busId),
             "ecc_mode_current": None if ecc is None else int(ecc[0]),
             "slowdown_temperature_c": self._value(
                 nv.nvmlDeviceGetTemperatureThreshold, handle, nv.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN

@@ -15,6 +15,11 @@ backwards), which return and take the log-sum-exp that `scaled_dot_product_atten
 lse is the op's (natural log, fp32, one per query: cuDNN's has a trailing 1), so any forward pairs
 with any backward. The backwards get grad_out and out contiguous: cuDNN's returns wrong gradients,
 with no error, when grad_out's strides differ from out's (measured on an H100, cuDNN 9.19).
+
+The direct calls skip what `scaled_dot_product_attention` does first (torch's flash_api.cpp and
+sdp_utils.cpp), so the training pair checks it itself: flash takes head dims that are multiples
+of 8 only (SDPA pads to them; `flash_training_supports`), and cuDNN is refused while
+`torch.are_deterministic_algorithms_enabled()` and for key/value length 1 (`_cudnn_can_run`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ from typing import Any, Protocol
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torchhal.hal_core import DeviceCapabilities, KernelRegistry, RejectionReason, Unsupported
+from torchhal.hal_core import (
+    DeviceCapabilities,
+    KernelRegistry,
+    RejectionReason,
+    Unsupported,
+    UnsupportedError,
+)
 
 
 class AttentionShape(Protocol):
@@ -44,9 +55,13 @@ class AttentionShape(Protocol):
 FLASH_BACKEND = "flash-attention"  # kernel_backends entry of devices with SDPA's flash kernels
 CUDNN_BACKEND = "cudnn-attention"
 FLASH_MAX_HEAD_DIM = 256
+# ATen's flash kernels refuse other head dims ("head_size must be a multiple of 8, this is ensured
+# by padding!", flash_api.cpp); SDPA pads to it, the training pair's direct calls do not
+FLASH_HEAD_DIM_MULTIPLE = 8
 CUDNN_MAX_HEAD_DIM = 128  # 256 needs cuDNN >= 9.10 on sm_90 only; the predicate keeps to what all have
 CUDNN_HEAD_DIM_MULTIPLE = 8
 LOW_PRECISION = (torch.float16, torch.bfloat16)
+Predicate = Callable[[DeviceCapabilities, AttentionShape], "Unsupported | None"]
 
 
 def _sdpa(
@@ -118,6 +133,18 @@ def flash_supports(caps: DeviceCapabilities, sig: AttentionShape) -> Unsupported
     return verdict
 
 
+def flash_training_supports(caps: DeviceCapabilities, sig: AttentionShape) -> Unsupported | None:
+    """`flash_supports` for the training pair, which calls ATen's flash ops without SDPA's padding."""
+    verdict = flash_supports(caps, sig)
+    if verdict is None and sig.head_dim % FLASH_HEAD_DIM_MULTIPLE:
+        return Unsupported(
+            RejectionReason.SHAPE,
+            f"head dim {sig.head_dim}: ATen's _scaled_dot_product_flash_attention and its backward take "
+            f"multiples of {FLASH_HEAD_DIM_MULTIPLE} only (SDPA pads to them; these direct calls do not)",
+        )
+    return verdict
+
+
 def cudnn_supports(caps: DeviceCapabilities, sig: AttentionShape) -> Unsupported | None:
     verdict = _common(caps, sig, CUDNN_BACKEND)
     if verdict is None and (sig.head_dim > CUDNN_MAX_HEAD_DIM or sig.head_dim % CUDNN_HEAD_DIM_MULTIPLE):
@@ -172,6 +199,7 @@ def sdpa_cudnn_forward(
     window: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) from SDPA's cuDNN kernel; its lse (batch, heads, seq_q, 1) loses the trailing 1."""
+    _cudnn_can_run("sdpa_cudnn_forward", k)
     out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )[:2]
@@ -190,12 +218,34 @@ def sdpa_cudnn_backward(
     window: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) from cuDNN's backward (grad_out laid out as out: see the module docstring)."""
+    _cudnn_can_run("sdpa_cudnn_backward", k)
     rng = _unread_rng(q.device)
     grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
         grad_out.contiguous(), q, k, v, out.contiguous(), lse.contiguous().unsqueeze(-1),
         rng, rng, None, None, None, q.shape[2], k.shape[2], 0.0, causal, scale=scale,
     )  # fmt: skip
     return _contiguous(grads)
+
+
+def _cudnn_can_run(fn: str, k: torch.Tensor) -> None:
+    """What torch's SDPA checks before it picks cuDNN and the direct ATen calls do not (sdp_utils.cpp:
+    check_cudnn_deterministic, check_cudnn_tensor_shapes): their backward runs non-deterministically
+    without a word, and cuDNN has no key/value length 1. Checked per call, not in `cudnn_supports`:
+    the attention signature says neither (its seq_bucket is of max(seq_q, seq_k)), and a predicate
+    reading the global deterministic flag would be cached per signature and bypassed by the
+    dispatch memo, so a selection made before `torch.use_deterministic_algorithms(True)` would keep
+    running cuDNN. The registry falls back on this error and demotes cuDNN for that signature
+    (logged, counted). Stricter than torch, which lets cuDNN run in warn-only mode."""
+    if torch.are_deterministic_algorithms_enabled():
+        raise UnsupportedError(
+            f"{fn}: cuDNN attention is not deterministic and torch.are_deterministic_algorithms_enabled() "
+            "is True (torch's SDPA refuses cuDNN there: check_cudnn_deterministic)"
+        )
+    if k.shape[2] == 1:
+        raise UnsupportedError(
+            f"{fn}: cuDNN attention needs a key/value sequence length other than 1, got {k.shape[2]} "
+            "(torch's check_cudnn_tensor_shapes)"
+        )
 
 
 def _unread_rng(device: torch.device) -> torch.Tensor:
@@ -214,10 +264,17 @@ def register(registry: KernelRegistry, *, provider: str, priority: float = 15) -
     `attention_backward` (after torchhal's kernels defined the ops: plugins register theirs after
     the core's)."""
     ops = ("attention", "attention_forward", "attention_backward")
-    backends: tuple[tuple[str, Callable[..., Unsupported | None], tuple[Callable[..., Any], ...]], ...] = (
-        ("sdpa_flash", flash_supports, (sdpa_flash, sdpa_flash_forward, sdpa_flash_backward)),
-        ("sdpa_cudnn", cudnn_supports, (sdpa_cudnn, sdpa_cudnn_forward, sdpa_cudnn_backward)),
+    # name, the predicate of `attention` (through SDPA), of the training pair (direct ATen calls)
+    backends: tuple[tuple[str, Predicate, Predicate, tuple[Callable[..., Any], ...]], ...] = (
+        (
+            "sdpa_flash",
+            flash_supports,
+            flash_training_supports,
+            (sdpa_flash, sdpa_flash_forward, sdpa_flash_backward),
+        ),
+        ("sdpa_cudnn", cudnn_supports, cudnn_supports, (sdpa_cudnn, sdpa_cudnn_forward, sdpa_cudnn_backward)),
     )
-    for name, supports, fns in backends:
+    for name, plain, training, fns in backends:
         for op, fn in zip(ops, fns, strict=True):
+            supports = plain if op == "attention" else training
             registry.register(op, name, fn, provider=provider, supports=supports, priority=priority)
