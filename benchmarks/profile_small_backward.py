@@ -19,13 +19,13 @@ import cProfile
 import io
 import pstats
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from sweep_common import host_ms
 
 import torchhal
 
@@ -154,13 +154,7 @@ def pieces() -> dict[str, dict[str, Callable[[], Any]]]:
 
 
 def host_us(fn: Callable[[], Any], calls: int) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return host / calls * 1e6
+    return host_ms(fn, calls) * 1e3
 
 
 def idle_latency_us(fn: Callable[[], Any], calls: int) -> float:
