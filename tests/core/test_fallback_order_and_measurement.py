@@ -12,7 +12,8 @@ import torch
 
 from tests.core.adapters import FakeAdapter, fake_caps
 from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import InvalidArgumentError, RejectionReason, Unsupported
+from torchhal.hal_core import CallDeclined, InvalidArgumentError, RejectionReason, Unsupported
+from torchhal.hal_core.kernels import UNMEASURED
 from torchhal.hal_core.tuning import Tuner
 
 
@@ -93,7 +94,7 @@ def test_a_candidate_that_raises_while_measured_is_counted(tuned):
     assert tuned.kernels.fallback_counts == {"probe:p/C": 1}
 
 
-def test_arguments_without_storage_are_not_measured(tuned):
+def test_arguments_without_storage_are_not_measured(tuned, monkeypatch):
     """A first call under torch.func.vmap measured a kernel that reads memory as raising, and so
     ranked it last for every later plain call of the signature."""
     tuned.kernels.define_op("probe", lambda x: x * 2, signature=lambda x: (x.dtype, tuple(x.shape[-1:])))
@@ -104,10 +105,14 @@ def test_arguments_without_storage_are_not_measured(tuned):
 
     tuned.kernels.register("probe", "raw", raw, provider="p", priority=1)
     tuned.kernels.register("probe", "plain", lambda x: x * 2, provider="p", priority=0)
-    torch.testing.assert_close(
-        torch.func.vmap(lambda r: tuned.dispatch("probe", r))(torch.ones(3, 4)), 2 * torch.ones(3, 4)
-    )
-    assert tuned.kernels._cache["probe"] == {}
+    judged = []
+    judge = tuned.kernels._judge_all
+    monkeypatch.setattr(tuned.kernels, "_judge_all", lambda *a: judged.append(1) or judge(*a))
+    for _ in range(3):  # selected once, unmeasured, and kept apart from plain calls' selection
+        torch.testing.assert_close(
+            torch.func.vmap(lambda r: tuned.dispatch("probe", r))(torch.ones(3, 4)), 2 * torch.ones(3, 4)
+        )
+    assert len(judged) == 1 and [key[2:] for key in tuned.kernels._cache["probe"]] == [(UNMEASURED,)]
     selection = tuned.kernels.select("probe", tuned.device("cpu"), torch.randn(4))
     assert all(math.isfinite(ms) for _, ms in selection.timings_ms), selection.explain()
 
@@ -158,3 +163,42 @@ def test_arguments_that_do_not_fit_the_op_are_refused_naming_it(settings):
         InvalidArgumentError, match=r"^op 'rms_norm' takes .*unexpected keyword argument 'epsilon'"
     ):
         hal.kernels.call("rms_norm", cpu, x, torch.ones(8), epsilon=1e-6)
+
+
+def test_a_declined_call_falls_back_for_that_call_only(settings):
+    """A candidate that declines one call (CallDeclined: a process-wide mode, a size its signature
+    buckets with others) was demoted for the signature for good."""
+    hal = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1"))
+    declining = {"on": True}
+
+    def picky(x: torch.Tensor) -> torch.Tensor:
+        if declining["on"]:
+            raise CallDeclined("picky: declined while the mode is on")
+        return x + 1
+
+    hal.kernels.define_op("probe", lambda x: x + 1, signature=lambda x: (x.dtype, tuple(x.shape)))
+    hal.kernels.register("probe", "picky", picky, provider="p", priority=1)
+    cpu, x = hal.device("cpu"), torch.randn(4)
+    for _ in range(2):
+        torch.testing.assert_close(hal.kernels.call("probe", cpu, x), x + 1)
+    assert hal.kernels.fallback_counts == {"probe:p/picky": 2}
+    declining["on"] = False
+    assert hal.kernels.select("probe", cpu, x).candidate.qualified_name == "p/picky"
+    torch.testing.assert_close(hal.kernels.call("probe", cpu, x), x + 1)
+    assert hal.kernels.fallback_counts == {"probe:p/picky": 2}
+
+
+def test_a_fallback_from_a_selection_older_than_a_registration_is_not_cached(settings):
+    """A selection read before a candidate was registered holds the old order: caching its fallback
+    hid the new candidate until the next clear."""
+    hal = HardwareAbstractionLayer(settings=settings(disable_plugin_autoload="1"))
+    ran: list[str] = []
+    _probe(hal, {"C"}, ran)
+    cpu, x = hal.device("cpu"), torch.randn(4)
+    stale = hal.kernels.select("probe", cpu, x)  # C, then B
+    hal.kernels.register("probe", "D", lambda x: ran.append("D") or x, provider="p", priority=1.5)
+    hal.kernels._fall_back(stale, cpu, RuntimeError("C broke"), (x,), {})
+    assert ran == ["B"] and hal.kernels._cache["probe"] == {}
+    ran.clear()
+    hal.kernels.call("probe", cpu, x)
+    assert ran == ["C", "D"]

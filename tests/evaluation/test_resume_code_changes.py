@@ -56,7 +56,9 @@ def test_an_edited_variant_body_is_measured_anew(tmp_path, monkeypatch) -> None:
 def test_code_digest_follows_wrappers_and_ignores_where_the_code_sits() -> None:
     add, mul = _define("x + k"), _define("x * k")
     assert code_digest(add) == code_digest(_define("x + k")) != code_digest(mul)
-    assert code_digest(functools.partial(add, 1)) == code_digest(add)
+    assert (
+        code_digest(functools.partial(add, 1)) == code_digest(functools.partial(add, 1)) != code_digest(add)
+    )
     assert code_digest(functools.wraps(add)(lambda x: add(x))) != code_digest(lambda x: add(x))
 
     class Model:
@@ -102,3 +104,26 @@ def test_resumed_quality_errors_are_warned_about_too(tmp_path, monkeypatch) -> N
         before = telemetry.counts().get(COUNTER, 0)
         measure_quality(variants, "ref", store=store)
     assert telemetry.counts().get(COUNTER, 0) == before + 2 * len(inputs)
+
+
+def test_code_digest_tells_modules_by_their_forward_and_partials_by_their_arguments() -> None:
+    """Every torch Module hashed torch's own __call__, so an edited forward resumed stale samples;
+    partials binding other arguments (block=64, block=128) hashed alike."""
+
+    class Doubles(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 2 * x
+
+    class Triples(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return 3 * x
+
+    assert code_digest(Doubles()) != code_digest(Triples())
+    assert code_digest(Doubles()) == code_digest(Doubles())
+
+    def tiled(x: torch.Tensor, block: int) -> torch.Tensor:
+        return x * block
+
+    digests = {code_digest(functools.partial(tiled, block=b)) for b in (64, 128)}
+    assert len(digests) == 2
+    assert code_digest(functools.partial(tiled, block=64)) == code_digest(functools.partial(tiled, block=64))

@@ -16,7 +16,7 @@ from torchhal_nvidia.recorded import RecordedCudaProbe
 
 from tests.plugins.facts import load
 from torchhal import HardwareAbstractionLayer
-from torchhal.hal_core import RejectionReason, UnsupportedError
+from torchhal.hal_core import CallDeclined, RejectionReason
 from torchhal.hal_core.settings import Settings
 
 # no autotuning: it would time candidates with CUDA events on the recorded device
@@ -90,7 +90,7 @@ def test_cudnn_direct_calls_refuse_to_run_under_deterministic_algorithms(warn_on
         ("sdpa_cudnn_forward", lambda: sdpa.sdpa_cudnn_forward(q, q, q)),
         ("sdpa_cudnn_backward", lambda: sdpa.sdpa_cudnn_backward(out, q, q, q, out, lse)),
     ):
-        with pytest.raises(UnsupportedError, match="not deterministic") as caught:
+        with pytest.raises(CallDeclined, match="not deterministic") as caught:
             call()
         assert str(caught.value).startswith(name)
         assert "are_deterministic_algorithms_enabled() is True" in str(caught.value)
@@ -99,9 +99,9 @@ def test_cudnn_direct_calls_refuse_to_run_under_deterministic_algorithms(warn_on
 def test_cudnn_direct_calls_refuse_a_key_value_length_of_1():
     q, k = meta(1, 2, 16, 64), meta(1, 2, 1, 64)
     out, lse = meta(1, 2, 16, 64), torch.empty(1, 2, 16, device="meta")
-    with pytest.raises(UnsupportedError, match="key/value sequence length other than 1, got 1"):
+    with pytest.raises(CallDeclined, match="key/value sequence length other than 1, got 1"):
         sdpa.sdpa_cudnn_forward(q, k, k)
-    with pytest.raises(UnsupportedError, match="key/value sequence length other than 1, got 1"):
+    with pytest.raises(CallDeclined, match="key/value sequence length other than 1, got 1"):
         sdpa.sdpa_cudnn_backward(out, q, k, k, out, lse)
 
 
@@ -115,10 +115,14 @@ def test_registry_leaves_cudnn_for_a_layout_it_chose_cudnn_for_before_determinis
     hal.kernels.call("attention_forward", device, q, q, q)  # selected, memoised, ran: no fallback
     assert hal.kernels.fallback_counts == {}
     torch.use_deterministic_algorithms(True)
-    out, lse = hal.kernels.call("attention_forward", device, q, q, q)
-    assert (out.shape, lse.shape) == (q.shape, (1, 2, 16))
-    assert hal.kernels.fallback_counts == {"attention_forward:nvidia/sdpa_cudnn": 1}
-    assert hal.kernels.select("attention_forward", device, q, q, q).candidate.name != "sdpa_cudnn"
+    for _ in range(2):  # declined by each call: cuDNN is not demoted
+        out, lse = hal.kernels.call("attention_forward", device, q, q, q)
+        assert (out.shape, lse.shape) == (q.shape, (1, 2, 16))
+    assert hal.kernels.fallback_counts == {"attention_forward:nvidia/sdpa_cudnn": 2}
+    torch.use_deterministic_algorithms(False)  # the mode off again: cuDNN serves the layout again
+    hal.kernels.call("attention_forward", device, q, q, q)
+    assert hal.kernels.fallback_counts == {"attention_forward:nvidia/sdpa_cudnn": 2}
+    assert hal.kernels.select("attention_forward", device, q, q, q).candidate.name == "sdpa_cudnn"
 
 
 def test_registry_falls_back_from_cudnn_for_a_key_value_length_of_1():
@@ -128,4 +132,9 @@ def test_registry_falls_back_from_cudnn_for_a_key_value_length_of_1():
     assert hal.kernels.select("attention_forward", device, q, k, k).candidate.name == "sdpa_cudnn"
     out, _ = hal.kernels.call("attention_forward", device, q, k, k)
     assert out.shape == q.shape
+    assert hal.kernels.fallback_counts == {"attention_forward:nvidia/sdpa_cudnn": 1}
+    # the signature buckets key/value lengths: the next length of its bucket still gets cuDNN
+    k8 = meta(1, 2, 8, 64)
+    assert hal.kernels.select("attention_forward", device, q, k8, k8).candidate.name == "sdpa_cudnn"
+    hal.kernels.call("attention_forward", device, q, k8, k8)
     assert hal.kernels.fallback_counts == {"attention_forward:nvidia/sdpa_cudnn": 1}

@@ -74,20 +74,28 @@ def digest(data: Any) -> str:
 
 def code_digest(fn: Callable[..., Any]) -> str | None:
     """A hash of the bytecode behind `fn`: its instructions, the names it reads and its constants,
-    nested functions' included; for a functools.partial its function's, for a bound method its
-    function's, for another callable object its class's `__call__`, and a decorator's
-    `__wrapped__` too. None where no Python code is found (a builtin). Line numbers and file
-    names are left out, so moving code keeps the hash; what `fn` calls is not followed."""
-    codes, seen = [], set()
+    nested functions' included; for a functools.partial its function's and the arguments it binds,
+    for a bound method its function's, for a torch Module (an object whose class has `forward`) its
+    class's forward (every Module's `__call__` is torch's), for another callable object its class's
+    `__call__`, and a decorator's `__wrapped__` too. None where no Python code is found (a builtin).
+    Line numbers and file names are left out, so moving code keeps the hash; what `fn` calls is
+    not followed."""
+    codes: list[Any] = []
+    seen = set()
     current: Any = fn
     while current is not None and id(current) not in seen:  # a __wrapped__ chain may loop
         seen.add(id(current))
         while isinstance(current, functools.partial):
+            codes.append(
+                [_constant(a) for a in current.args]
+                + sorted(_constant(kv) for kv in current.keywords.items())
+            )
             current = current.func
         target = getattr(current, "__func__", current)  # a bound method's function
         code = getattr(target, "__code__", None)
-        if code is None:
-            code = getattr(type(target).__call__, "__code__", None)  # a callable object's class
+        if code is None:  # a callable object: its class's forward (a torch Module) or __call__
+            call = getattr(type(target), "forward", None) or type(target).__call__
+            code = getattr(call, "__code__", None)
         if code is not None:
             codes.append(_code_parts(code))
         current = getattr(target, "__wrapped__", None)
@@ -105,6 +113,8 @@ def _constant(value: Any) -> Any:
         return [_constant(v) for v in value]
     if isinstance(value, frozenset):  # its order follows string hashing, which varies by process
         return sorted(repr(v) for v in value)
+    if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor or array bound by a partial
+        return f"{type(value).__name__}{tuple(value.shape)}:{value.dtype}"
     return repr(value)
 
 

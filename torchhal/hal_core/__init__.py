@@ -32,6 +32,7 @@ from torchhal.hal_core.capabilities import (
 )
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import (
+    CallDeclined,
     CollectiveError,
     ConfigurationError,
     DeviceNotFoundError,
@@ -52,6 +53,7 @@ from torchhal.hal_core.recorded import RecordedProbe
 __all__ = [
     "HAL_API_VERSION",
     "SCHEMA_VERSION",
+    "CallDeclined",
     "Candidate",
     "CollectiveBandwidth",
     "CollectiveError",

@@ -224,7 +224,7 @@ class Communicator:
         if dist.get_rank(pg) < 0:
             raise ConfigurationError(
                 f"group: rank {dist.get_rank()} of the default group is not a member of the group given; "
-                "create a communicator over it on its members only (new_group returns None elsewhere)"
+                "create a communicator over it on its members only"
             )
         _check_group_serves(pg, dev, backend)
         own = _group_timeout(pg, dev)
@@ -653,9 +653,10 @@ class Communicator:
     ) -> dist.Work | None:
         """Issue a collective. With `composable` (the key of a fused form that has a composed
         equivalent), None means: compose it instead (fused=False, or the backend refused it)."""
-        if _COALESCING is not None and self.group in _COALESCING:
+        if name in _RECORDED_IN_BLOCKS and _COALESCING is not None and self.group in _COALESCING:
             # recorded there, its async handle an _IllegalWork whose wait() raises, which left
-            # the group recording: later all-reduces outside any block silently did nothing
+            # the group recording: later all-reduces outside any block silently did nothing (and
+            # the composed reduce_scatter would slice a reduction that has not happened yet)
             raise InvalidArgumentError(
                 f"{name}: inside dist._coalescing_manager this communicator coalesces all_reduce only"
             )
@@ -813,6 +814,9 @@ def _all_reduce_now(group: dist.ProcessGroup, tensor: torch.Tensor, op: str) -> 
         work.wait()
 
 
+# The collectives besides all_reduce that dist._coalescing_manager records rather than issues
+# (torch 2.13: all_gather_into_tensor/single, reduce_scatter_tensor/single); the others it issues
+_RECORDED_IN_BLOCKS = frozenset({"all_gather", "reduce_scatter"})
 # What backends say of a fused collective they lack ("Cannot use ReduceOp.AVG with Gloo",
 # "... does not support reduce_scatter", "unsupported"): only these switch it to the composed form.
 _REFUSAL = re.compile(r"not support|unsupported|cannot use|not implemented", re.IGNORECASE)

@@ -48,6 +48,12 @@ class UnsupportedError(TorchHALError, TypeError):
     """An op, dtype, layout or device that nothing available supports."""
 
 
+class CallDeclined(UnsupportedError):
+    """A candidate's refusal of one call for a reason its signature cannot show (a process-wide mode
+    such as torch's deterministic algorithms, a size the signature buckets with others): the
+    registry runs the next candidate for that call, counted and said once, and demotes nothing."""
+
+
 class UnknownOpError(TorchHALError, LookupError):
     """An op name the kernel registry does not define."""
 

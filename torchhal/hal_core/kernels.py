@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import inspect
 import math
 import reprlib
@@ -29,6 +30,7 @@ from torchhal.hal_core.dispatch_memo import (
     _python_first_admitted,
 )
 from torchhal.hal_core.errors import (
+    CallDeclined,
     InvalidArgumentError,
     KernelFailedError,
     TorchHALError,
@@ -181,7 +183,8 @@ class KernelRegistry:
     tuner: Tuner | None = None  # measures valid candidates once per (device, signature)
     _ops: dict[str, OpDef] = field(default_factory=dict)
     _candidates: dict[str, list[Candidate]] = field(default_factory=dict)
-    _cache: dict[str, dict[tuple[str, Hashable], Selection]] = field(default_factory=dict)
+    # (device id, signature), or for arguments without storage (device id, signature, UNMEASURED)
+    _cache: dict[str, dict[tuple[Hashable, ...], Selection]] = field(default_factory=dict)
     # per memoised op: the argument layouts already validated, and the selection each leads to
     _seen: dict[str, _ArgumentMemo] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -189,6 +192,7 @@ class KernelRegistry:
     # e.g. torchhal/triton, serves several ops)
     fallback_counts: dict[str, int] = field(default_factory=dict)
     _call_routes: dict[Device, Hashable] = field(default_factory=dict)  # see `_route_of`
+    _declines_said: set[tuple[str, str]] = field(default_factory=set)  # (op, candidate) logged once
 
     def define_op(
         self,
@@ -423,6 +427,17 @@ class KernelRegistry:
                 f"op {op!r} on {device.id}: dtype {dtype} is not supported by this device "
                 f"(declared dtypes: {declared})"
             )
+        unmeasured: tuple[Hashable, ...] | None = None
+        if (
+            args is not None
+            and self.tuner is not None
+            and self.tuner.wants(device)
+            and not all(map(_has_storage, (*args, *(kwargs or {}).values())))
+        ):  # its unmeasured selection, kept apart from the one plain calls measure (`_by_measurement`)
+            unmeasured = (device.id, sig, UNMEASURED)
+            cached = self._cache[op].get(unmeasured)
+            if cached is not None:
+                return cached
         candidates = self._candidates[op]  # register replaces the list; this one stays as it is
         with telemetry.span("torchhal.kernel.select", op=op, device=device.id, signature=str(sig)) as span:
             valid, rejected = self._judge_all(op, device, candidates, sig)
@@ -445,6 +460,8 @@ class KernelRegistry:
         )
         if not provisional:
             self._store(selection, candidates)
+        elif unmeasured is not None and not device.capturing():  # every vmap'd call selected again
+            self._store(selection, candidates, unmeasured)
         return selection
 
     def _choose(
@@ -535,10 +552,12 @@ class KernelRegistry:
             self.fallback_counts[key] = self.fallback_counts.get(key, 0) + 1
         telemetry.count("torchhal.kernel.fallbacks", op=op, candidate=candidate)
 
-    def _store(self, selection: Selection, candidates: list[Candidate]) -> None:
+    def _store(
+        self, selection: Selection, candidates: list[Candidate], key: tuple[Hashable, ...] | None = None
+    ) -> None:
         """Cache `selection`, made from `candidates`, unless a candidate was registered since (the
-        cache would then hide the new one until the next clear)."""
-        op, key = selection.op, (selection.device, selection.signature)
+        cache would then hide the new one until the next clear); `key`: another than its own."""
+        op, key = selection.op, key or (selection.device, selection.signature)
         with self._lock:
             if self._candidates[op] is not candidates:
                 return
@@ -618,7 +637,8 @@ class KernelRegistry:
         they are (see `_not_a_kernel_fault`). Where an argument is a tensor without storage (under
         torch.func's vmap or grad, a kernel that reads memory cannot run), the fallback is logged
         and counted but demotes nothing: the signature does not tell those tensors from plain ones,
-        and a demotion would send every later plain call to the fallback too."""
+        and a demotion would send every later plain call to the fallback too. A CallDeclined is a
+        refusal of this call only: counted, said once, never demoted."""
         failures = [exc]
         try:
             if _not_a_kernel_fault(exc):
@@ -627,20 +647,32 @@ class KernelRegistry:
             failed = [r for r in selection.rejected if r.reason is RejectionReason.FAILED]
             candidates = self._candidates[op]
             current = selection
+            demote = False  # only declines (CallDeclined) so far: this call's, not the signature's
             while True:
                 name = current.candidate.qualified_name
                 raised.append(name)
                 failed.append(Rejection(name, RejectionReason.FAILED, f"{type(exc).__name__}: {exc}"))
+                demote = demote or not isinstance(exc, CallDeclined)
                 with telemetry.span(
                     "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
                 ):
-                    log.warning(
-                        "kernel failed, falling back",
-                        op=op,
-                        device=device.id,
-                        candidate=name,
-                        error=repr(exc),
-                    )
+                    if not isinstance(exc, CallDeclined):
+                        log.warning(
+                            "kernel failed, falling back",
+                            op=op,
+                            device=device.id,
+                            candidate=name,
+                            error=repr(exc),
+                        )
+                    elif (op, name) not in self._declines_said:  # every call of a mode: said once
+                        self._declines_said.add((op, name))
+                        log.warning(
+                            "kernel declined the call, falling back (said once; counted each time)",
+                            op=op,
+                            device=device.id,
+                            candidate=name,
+                            reason=str(exc),
+                        )
                     try:
                         current = self._next(selection, device, failed)
                     except UnsupportedError:
@@ -659,9 +691,16 @@ class KernelRegistry:
                 for name in raised:
                     self._count_fallback(op, name)
                 # demoted for later calls, unless the failure may be the arguments' or the moment's:
-                # tensors without storage, or a selection made (or a failure met) during a graph
-                # capture, whose "not permitted while capturing" errors pass with it
-                if all(map(_has_storage, args)) and not selection.provisional and not device.capturing():
+                # a decline, tensors without storage, or a selection made (or a failure met) during
+                # a graph capture, whose "not permitted while capturing" errors pass with it; nor
+                # where a candidate was registered after `selection` was made (its order is stale)
+                if (
+                    demote
+                    and all(map(_has_storage, args))
+                    and not selection.provisional
+                    and not device.capturing()
+                    and _knows_all(selection, candidates)
+                ):
                     self._store(current, candidates)
                 return result
         finally:
@@ -669,6 +708,17 @@ class KernelRegistry:
             # errors: a cycle that kept the failed calls' frames, tensors and all, alive until a
             # garbage collection (an out-of-memory "retry smaller" then ran out again)
             del exc, failures
+
+
+# The third part of the cache key of a selection made for arguments without storage, unmeasured
+UNMEASURED = "unmeasured"
+
+
+def _knows_all(selection: Selection, candidates: list[Candidate]) -> bool:
+    """Whether `selection` was made from all of `candidates` (chosen, fallback or rejected)."""
+    known = {selection.candidate.qualified_name, *(c.qualified_name for c in selection.fallbacks)}
+    known.update(r.candidate for r in selection.rejected)
+    return all(c.qualified_name in known for c in candidates)
 
 
 def _none_supports(op: str, device: Device, sig: Hashable, rejected: list[Rejection]) -> UnsupportedError:
@@ -820,9 +870,22 @@ def _has_storage(value: object) -> bool:
     return True
 
 
-def _is_fake(value: object) -> bool:
+@functools.cache
+def _fake_test() -> tuple[tuple[type, ...], Callable[[Any], bool], Callable[[Any], bool]]:
+    """(the plain tensor types, torch's is_fake, functorch's wrapped-tensor test), bound once."""
+    import torch
     from torch._subclasses.fake_tensor import is_fake
 
+    return (torch.Tensor, torch.nn.Parameter), is_fake, torch._C._functorch.is_functorch_wrapped_tensor
+
+
+def _is_fake(value: object) -> bool:
+    """A FakeTensor, or a functional or functorch tensor wrapping one. A plain tensor is answered
+    at once: torch's is_fake unwraps and costs ~5 µs a tensor (varlen on the CPU, never memoised,
+    asks on every call)."""
+    plain, is_fake, wrapped = _fake_test()
+    if type(value) in plain and not wrapped(value):
+        return False
     return bool(is_fake(value))
 
 

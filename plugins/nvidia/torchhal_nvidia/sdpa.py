@@ -29,13 +29,7 @@ from typing import Any, Protocol
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torchhal.hal_core import (
-    DeviceCapabilities,
-    KernelRegistry,
-    RejectionReason,
-    Unsupported,
-    UnsupportedError,
-)
+from torchhal.hal_core import CallDeclined, DeviceCapabilities, KernelRegistry, RejectionReason, Unsupported
 
 
 class AttentionShape(Protocol):
@@ -233,16 +227,17 @@ def _cudnn_can_run(fn: str, k: torch.Tensor) -> None:
     without a word, and cuDNN has no key/value length 1. Checked per call, not in `cudnn_supports`:
     the attention signature says neither (its seq_bucket is of max(seq_q, seq_k)), and a predicate
     reading the global deterministic flag would be cached per signature and bypassed by the
-    dispatch memo, so a selection made before `torch.use_deterministic_algorithms(True)` would keep
-    running cuDNN. The registry falls back on this error and demotes cuDNN for that signature
-    (logged, counted). Stricter than torch, which lets cuDNN run in warn-only mode."""
+    dispatch memo. A CallDeclined: the registry runs the next candidate for this call (counted,
+    said once) and demotes nothing, so cuDNN serves the signature again once the mode is off, and
+    other key/value lengths of its bucket. Stricter than torch, which lets cuDNN run in warn-only
+    mode."""
     if torch.are_deterministic_algorithms_enabled():
-        raise UnsupportedError(
+        raise CallDeclined(
             f"{fn}: cuDNN attention is not deterministic and torch.are_deterministic_algorithms_enabled() "
             "is True (torch's SDPA refuses cuDNN there: check_cudnn_deterministic)"
         )
     if k.shape[2] == 1:
-        raise UnsupportedError(
+        raise CallDeclined(
             f"{fn}: cuDNN attention needs a key/value sequence length other than 1, got {k.shape[2]} "
             "(torch's check_cudnn_tensor_shapes)"
         )
