@@ -230,3 +230,40 @@ def test_an_uncapturable_candidate_leaves_the_callers_stream_and_later_captures_
     replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, x * 2)
+
+
+def test_cudnn_training_pair_declines_deterministic_calls_without_a_demotion():
+    """Under torch.use_deterministic_algorithms(True) the direct cuDNN backward ran
+    non-deterministically without a word; declined per call, cuDNN serves the layout again once
+    the mode is off (a demotion kept it off for good)."""
+    hal = HardwareAbstractionLayer()
+    device = hal.device("cuda:0")
+    cudnn = next(
+        (c for c in hal.kernels.candidates("attention_forward") if c.qualified_name == "nvidia/sdpa_cudnn"),
+        None,
+    )
+    if cudnn is None:
+        pytest.skip("this GPU's adapter registers no cuDNN attention candidate")
+    hal.kernels.disabled = frozenset(
+        c.qualified_name
+        for c in hal.kernels.candidates("attention_forward")
+        if c.name not in ("sdpa_cudnn", "reference")
+    )  # cuDNN first, the reference after it
+    q, k, v = (torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    expected, _ = hal.kernels.call("attention_forward", device, q, k, v)
+    assert (
+        hal.kernels.select("attention_forward", device, q, k, v).candidate.qualified_name
+        == "nvidia/sdpa_cudnn"
+    )
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        out, _ = hal.kernels.call("attention_forward", device, q, k, v)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    torch.testing.assert_close(out, expected, atol=2e-2, rtol=2e-2)
+    assert hal.kernels.fallback_counts == {"attention_forward:nvidia/sdpa_cudnn": 1}
+    assert (
+        hal.kernels.select("attention_forward", device, q, k, v).candidate.qualified_name
+        == "nvidia/sdpa_cudnn"
+    )
