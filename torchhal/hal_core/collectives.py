@@ -604,7 +604,7 @@ class Communicator:
 
     def _all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         if _COALESCING is not None and self.group in _COALESCING:
-            self._record_coalesced(tensor, op)
+            self._record_coalesced(tensor, op, _COALESCING[self.group])
             return
         if op != "avg" or "all_reduce:avg" in self._native:
             # Issued blocking, as raw torch.distributed is: an async handle and its wait() cost
@@ -630,12 +630,13 @@ class Communicator:
         )
         tensor.div_(self.world_size)
 
-    def _record_coalesced(self, tensor: torch.Tensor, op: str) -> None:
+    def _record_coalesced(self, tensor: torch.Tensor, op: str, recorded: list[Any]) -> None:
         """Inside dist._coalescing_manager: recorded, issued with the block's others when it ends.
-        torch reduces every tensor of a block with the first one's op: a sum after an avg came
-        back averaged, so a second op is refused. avg is recorded as the backend's own AVG: the
-        composed form divides after a reduction that has not happened yet."""
-        first = next((recorded.redop for recorded in _COALESCING.get(self.group, ())), None)  # type: ignore[union-attr]
+        `recorded`: the block's collectives so far. torch reduces every tensor of a block with the
+        first one's op (a sum after an avg came back averaged), so a second op is refused. avg is
+        recorded as the backend's own AVG: the composed form divides after a reduction that has
+        not happened yet."""
+        first = next((collective.redop for collective in recorded), None)
         if first is not None and first != _REDUCE_OPS[op]:
             raise InvalidArgumentError(
                 f"all_reduce: op {op!r} inside a coalescing block that reduces with {first}: torch "

@@ -652,26 +652,21 @@ class KernelRegistry:
                 name = current.candidate.qualified_name
                 raised.append(name)
                 failed.append(Rejection(name, RejectionReason.FAILED, f"{type(exc).__name__}: {exc}"))
-                demote = demote or not isinstance(exc, CallDeclined)
+                declined = isinstance(exc, CallDeclined)
+                demote = demote or not declined
                 with telemetry.span(
                     "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
                 ):
-                    if not isinstance(exc, CallDeclined):
+                    if not declined or (op, name) not in self._declines_said:  # a decline: said once
+                        if declined:
+                            self._declines_said.add((op, name))
+                        event = "kernel declined the call, falling back (said once; counted each time)"
                         log.warning(
-                            "kernel failed, falling back",
+                            event if declined else "kernel failed, falling back",
                             op=op,
                             device=device.id,
                             candidate=name,
                             error=repr(exc),
-                        )
-                    elif (op, name) not in self._declines_said:  # every call of a mode: said once
-                        self._declines_said.add((op, name))
-                        log.warning(
-                            "kernel declined the call, falling back (said once; counted each time)",
-                            op=op,
-                            device=device.id,
-                            candidate=name,
-                            reason=str(exc),
                         )
                     try:
                         current = self._next(selection, device, failed)
