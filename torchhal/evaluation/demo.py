@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 import torchhal.ops
 from torchhal.evaluation.cli import print_result
@@ -44,7 +45,8 @@ def _kernel_candidates(console: Console, hal: HardwareAbstractionLayer) -> None:
     variants = kernel_variants(hal, "rms_norm", dev, inputs, items_per_call=256)
     if len(variants) < 2:
         console.print(
-            f"  rms_norm has one valid candidate on {dev.id} ({variants[0].name}): nothing to compare"
+            f"  rms_norm has one valid candidate on {dev.id} ({variants[0].name}): nothing to compare",
+            markup=False,
         )
         return
     config = ExperimentConfig(
@@ -57,7 +59,8 @@ def _kernel_candidates(console: Console, hal: HardwareAbstractionLayer) -> None:
         warmup=3,
         n_resamples=2000,
     )
-    console.print(f"  [bold]{config.name}[/]: {', '.join(v.name for v in variants)} (rows of 1024, fp32)")
+    names = ", ".join(v.name for v in variants)
+    console.print(f"  [bold]{escape(config.name)}[/]: {escape(names)} (rows of 1024, fp32)")
     print_result(console, run_experiment(variants, config))
 
 
@@ -78,5 +81,5 @@ def _simulated_dtypes(console: Console, hal: HardwareAbstractionLayer, device_id
         repetitions=REPETITIONS,
         warmup=1,
     )
-    console.print(f"  [bold]{config.name}[/]")
+    console.print(f"  [bold]{escape(config.name)}[/]")
     print_result(console, run_experiment(variants, config))
