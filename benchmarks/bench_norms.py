@@ -12,6 +12,9 @@ backward is also timed by its host time a call and its kernels' GPU time (torch.
 Python-side backwards (torchhal's, Liger's) take about as long to enqueue as the GPU takes to run
 them at the large shapes, and do_bench's events then time the host; the table marks those rows
 host-bound and gives the kernels' ratio beside the events' (docs/benchmarks.md, twenty-ninth session).
+Forwards get both figures too, and the copy its kernel's time: "kernels" is the copy kernel's
+time over torchhal's kernels' (the profiler's kernels run back to back without do_bench's L2
+flush, so at the small shape, which fits in L2, both read from L2).
 
 Peers, measured in the same run: eager PyTorch (F.rms_norm, F.layer_norm, silu/gelu * up, Hugging
 Face's rotate-half rope), torch.compile of that eager code, Liger-Kernel's functional API, and a
@@ -27,6 +30,7 @@ compiled without donated buffers, since each backward is timed by replaying one 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -234,8 +238,12 @@ def measure(case: Case, name: str, fn: Callable[..., Any]) -> None:
     """Time `fn`'s forward and backward on fresh copies of the inputs; the backward also by its host
     time and its kernels' time."""
     leaves = _leaves(case)
-    with torch.no_grad():
-        forward = timed_with_allocator(lambda: fn(*leaves))
+
+    def forward_fn() -> Any:
+        with torch.no_grad():
+            return fn(*leaves)
+
+    forward = timed_with_allocator(forward_fn)
     outs = _outputs(fn(*leaves))
     wrt = [leaves[i] for i in case.wrt]
     grads = tuple(g.clone() for g in case.grads)  # Liger's rms_norm backward overwrites its dy
@@ -243,11 +251,11 @@ def measure(case: Case, name: str, fn: Callable[..., Any]) -> None:
     backward = timed_with_allocator(backward_fn)
     # the Python-side backwards (torchhal's, Liger's) take about as long on the host as on the GPU
     # at the large shapes: where the host is slower, do_bench times the host (twenty-ninth session)
-    pace = {"host_ms": host_ms(backward_fn), "kernel_ms": kernel_ms(backward_fn)}
-    for direction, (ms, allocator), nbytes, extra in (
-        ("forward", forward, case.forward_bytes, {}),
-        ("backward", backward, case.backward_bytes, pace),
+    for direction, (ms, allocator), nbytes, timed_fn in (
+        ("forward", forward, case.forward_bytes, forward_fn),
+        ("backward", backward, case.backward_bytes, backward_fn),
     ):
+        extra = {"host_ms": host_ms(timed_fn), "kernel_ms": kernel_ms(timed_fn)}
         record(case, name, direction, ms, nbytes, allocator=allocator, **extra)
         if any(allocator.values()):
             print(
@@ -256,17 +264,14 @@ def measure(case: Case, name: str, fn: Callable[..., Any]) -> None:
             )
 
 
-def copy_ms(nbytes: int) -> float:
-    """A device-to-device copy reading nbytes / 2 and writing nbytes / 2."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE)
-    dst = torch.empty_like(src)
-    return timed(lambda: dst.copy_(src))
-
-
 def measure_copy(case: Case) -> None:
+    """A device-to-device copy reading nbytes / 2 and writing nbytes / 2, for each direction's
+    bytes: do_bench's time and the copy kernel's own."""
     for direction, nbytes in (("forward", case.forward_bytes), ("backward", case.backward_bytes)):
-        ms = copy_ms(nbytes)
-        record(case, "copy", direction, ms, nbytes)
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device=DEVICE)
+        dst = torch.empty_like(src)
+        copy = functools.partial(dst.copy_, src)
+        record(case, "copy", direction, timed(copy), nbytes, kernel_ms=kernel_ms(copy))
 
 
 HOST_BOUND = 0.9  # a call whose host time is this fraction of do_bench's or more: do_bench timed the host
@@ -294,7 +299,9 @@ def summarize(case: Case) -> list[dict[str, Any]]:
         if host_bound:
             row["host_bound"] = host_bound
         if "copy" in by_impl:
-            row["fraction_of_copy"] = ours["gbps"] / by_impl["copy"]["gbps"]
+            copy = by_impl["copy"]
+            row["fraction_of_copy"] = ours["gbps"] / copy["gbps"]
+            row["kernel_fraction_of_copy"] = copy["kernel_ms"] / ours["kernel_ms"]
         rows.append(row)
     return rows
 
@@ -386,11 +393,14 @@ def main() -> int:
     for note in notes:
         print(note)
     peers_cols = ["vs_eager", "vs_torch.compile", "vs_liger", "kernels_vs_liger"]
-    header = f"\n{'op':<11}{'shape':>12} {'dir':<9}{'GB/s':>8}{'of copy':>9}"
+    header = f"\n{'op':<11}{'shape':>12} {'dir':<9}{'GB/s':>8}{'of copy':>9}{'kernels':>9}"
     print(header + "".join(f"{c:>18}" for c in peers_cols))
     for row in summary:
         cells = "".join(f"{row[c]:>17.2f}x" if c in row else f"{'-':>18}" for c in peers_cols)
-        frac = f"{100 * row['fraction_of_copy']:>8.0f}%" if "fraction_of_copy" in row else f"{'-':>9}"
+        frac = "".join(
+            f"{100 * row[c]:>8.0f}%" if c in row else f"{'-':>9}"
+            for c in ("fraction_of_copy", "kernel_fraction_of_copy")
+        )
         label = f"{row['op']:<11}{row['shape']:>12} {row['direction']:<9}"
         host_bound = f"  host-bound: {', '.join(row['host_bound'])}" if "host_bound" in row else ""
         print(f"{label}{row['torchhal_gbps']:>8.0f}{frac}{cells}{host_bound}")
