@@ -205,3 +205,23 @@ def test_another_thread_count_or_schema_version_is_another_profile(hal, monkeypa
     assert profile_module.fingerprint(device) == first
     monkeypatch.setattr(profile_module, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
     assert profile_module.fingerprint(device) != first
+
+
+def test_a_profile_that_lost_a_figure_to_out_of_memory_is_measured_again(hal, monkeypatch):
+    """Such a profile is "not cached, the next run measures again" (its note): the HAL kept it
+    in memory and served it, gap included, for the rest of its life."""
+    done: list[str] = []
+
+    def measure(_hal, device):
+        done.append(device.id)
+        notes = (
+            [f"matmul bf16 not measured: MemoryError ({profile_module.PASSING})"] if len(done) == 1 else []
+        )
+        return measured(fingerprint=profile_module.fingerprint(device), device_id=device.id, notes=notes)
+
+    monkeypatch.setattr(profile_module, "measure", measure)
+    first = hal.profile("acme:0")
+    second = hal.profile("acme:0")
+    assert profile_module.passing_losses(first) == ["bf16"] and not profile_module.passing_losses(second)
+    assert hal.profile("acme:0") is second  # the whole profile is kept
+    assert done == ["acme:0", "acme:0"]

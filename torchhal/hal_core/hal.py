@@ -374,12 +374,16 @@ class HardwareAbstractionLayer:
         return Communicator.create(self, **kwargs)
 
     def profile(self, device: Device | str, *, refresh: bool = False) -> MeasuredProfile:
-        """Measured profile of a device, from the on-disk cache unless `refresh`."""
-        from torchhal.hal_core.profile import measure_or_load
+        """Measured profile of a device, from the on-disk cache unless `refresh`. One that lost a
+        figure to out of memory is returned but not kept: the next call measures again."""
+        from torchhal.hal_core.profile import measure_or_load, passing_losses
 
         dev = self.device(device)
         if refresh or dev.id not in self._profiles:
-            self._profiles[dev.id] = measure_or_load(self, dev, refresh=refresh)
+            profile = measure_or_load(self, dev, refresh=refresh)
+            if passing_losses(profile):
+                return profile
+            self._profiles[dev.id] = profile
         return self._profiles[dev.id]
 
     def report(self) -> dict[str, Any]:

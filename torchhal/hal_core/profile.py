@@ -85,7 +85,7 @@ def measure_or_load(
     reason = "refresh" if refresh else "no usable profile cached"
     log.info("measuring device profile", device=device.id, reason=reason)
     profile = measure(hal, device)
-    lost = [note.split()[1] for note in profile.notes if note.endswith(f"({PASSING})")]
+    lost = passing_losses(profile)
     if lost:
         telemetry.count("torchhal.profile.not_cached")
         log.warning(
@@ -94,6 +94,12 @@ def measure_or_load(
     elif write_cached(path, profile.model_dump_json(indent=2)):
         log.info("device profile cached", device=device.id, path=str(path))
     return profile
+
+
+def passing_losses(profile: MeasuredProfile) -> list[str]:
+    """The dtypes whose figures `profile` lost to out of memory: such a profile is kept by no
+    cache, on disk or in a HAL, so the next request measures again."""
+    return [note.split()[1] for note in profile.notes if note.endswith(f"({PASSING})")]
 
 
 # A cache file not there: a miss, said by nobody (its directory may be a file: written, it fails)
