@@ -3,7 +3,8 @@
 A vendor's live probe reads its runtime (torch's device properties, a management library) into
 plain dicts; a recording is those dicts as JSON. Replaying them exercises every path of an
 adapter's translation logic on a CPU-only machine. What was not recorded is reported absent,
-never filled in; actions that need a real device (synchronize, timing events) are refused.
+never filled in (a fact no adapter can do without, such as `available`, is an error naming it);
+actions that need a real device (synchronize, timing events) are refused.
 Subclasses add their management library's readers and name the `LIBRARIES` defaults.
 """
 
@@ -28,7 +29,25 @@ class RecordedProbe:
 
     @classmethod
     def from_file(cls: type[P], path: str | Path) -> P:
-        return cls(json.loads(Path(path).read_text()))
+        try:
+            facts = json.loads(Path(path).read_text())
+        except ValueError as exc:
+            raise InvalidArgumentError(f"recorded probe {str(path)!r}: not JSON: {exc}") from None
+        if not isinstance(facts, dict):
+            raise InvalidArgumentError(
+                f"recorded probe {str(path)!r}: must hold a JSON object, got {type(facts).__name__}"
+            )
+        return cls(facts)
+
+    def _recorded(self, facts: dict[str, Any], key: str, where: str = "") -> Any:
+        """`facts[key]`, or an error naming the recording and the fact it lacks: facts an
+        adapter cannot do without (is the runtime there, its version, a device's properties)."""
+        try:
+            return facts[key]
+        except KeyError:
+            raise InvalidArgumentError(
+                f"recorded probe {self.source!r}: no {key!r} recorded{where}"
+            ) from None
 
     def device(self, index: int) -> dict[str, Any]:
         devices = self.facts.get("devices", [])
@@ -39,10 +58,10 @@ class RecordedProbe:
         return dict(devices[index])
 
     def runtime(self) -> dict[str, Any]:
-        return dict(self.facts["runtime"])
+        return dict(self._recorded(self.facts, "runtime"))
 
     def available(self) -> bool:
-        return bool(self.facts["available"])
+        return bool(self._recorded(self.facts, "available"))
 
     def libraries(self) -> dict[str, Any]:
         return dict(self.facts.get("libraries", self.LIBRARIES))
@@ -51,7 +70,7 @@ class RecordedProbe:
         return len(self.facts.get("devices", []))
 
     def properties(self, index: int) -> dict[str, Any]:
-        return dict(self.device(index)["properties"])
+        return dict(self._recorded(self.device(index), "properties", f" for device {index}"))
 
     def can_access_peer(self, index: int, peer: int) -> bool:
         return [index, peer] in self.facts.get("peer_access", [])
