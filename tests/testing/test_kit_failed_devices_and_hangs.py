@@ -254,3 +254,45 @@ def test_an_in_process_run_does_not_end_its_callers_process(pytester: pytest.Pyt
     result = pytester.run(sys.executable, "caller.py", timeout=120)
     assert result.ret == 0, result.stderr.str()[-2000:]
     result.stdout.fnmatch_lines([f"the caller goes on after status {int(pytest.ExitCode.TESTS_FAILED)}"])
+
+
+HANGING_DISCOVERY = """
+import time
+
+from torchhal import HardwareAbstractionLayer
+from torchhal.hal_core.adapters.cpu import CPUAdapter
+
+pytest_plugins = ["torchhal.testing.pytest_plugin"]
+
+
+class HangingDiscover(CPUAdapter):
+    name = vendor = "hanging"
+
+    def discover(self):
+        time.sleep(60)
+        return super().discover()
+
+
+def pytest_torchhal_conformance_hal(config):
+    return HardwareAbstractionLayer(adapters=[HangingDiscover()])
+"""
+
+
+@pytest.mark.slow
+def test_pytest_stops_with_a_usage_error_when_discovery_hangs(pytester: pytest.Pytester) -> None:
+    """The plugin resolved its adapter through a discovery without any limit: a plugin whose
+    discovery never returned hung `pytest` before any item existed, without a word."""
+    pytester.makeconftest(HANGING_DISCOVERY)
+    start = time.perf_counter()
+    result = pytester.runpytest_subprocess(
+        "--torchhal-adapter=hanging",
+        "--torchhal-discovery-time-limit=2",
+        "-p",
+        "no:cacheprovider",
+        timeout=120,
+    )
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stderr.str()[-2000:]
+    assert time.perf_counter() - start < 50
+    result.stderr.fnmatch_lines(
+        ["*discovery did not finish within the 2 s time limit: stuck in adapter 'hanging''s discover()*"]
+    )

@@ -7,7 +7,8 @@ or `pytest_plugins = ["torchhal.testing.pytest_plugin"]` in a conftest.py. Items
 check that does not apply is skipped with the reason. The adapter is resolved through a
 fresh `HardwareAbstractionLayer()`, or through the HAL a conftest returns from the hook
 `pytest_torchhal_conformance_hal(config)` (e.g. one built with `adapters=[MyAdapter()]`
-to certify an adapter before it is packaged).
+to certify an adapter before it is packaged), after its discovery, which must finish within
+`--torchhal-discovery-time-limit` seconds.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from torchhal.testing.suite import (
     CHECK_TIME_LIMIT_S,
     Check,
     ConformanceSuite,
+    DiscoveryStuck,
+    checked_time_limit,
+    discover_within_limit,
     exit_leaving_threads,
     resolve_adapter,
 )
@@ -77,6 +81,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=CHECK_TIME_LIMIT_S,
         metavar="SECONDS",
         help=f"fail a conformance check still running after SECONDS (default {CHECK_TIME_LIMIT_S:g})",
+    )
+    group.addoption(
+        "--torchhal-discovery-time-limit",
+        type=float,
+        default=CHECK_TIME_LIMIT_S,
+        metavar="SECONDS",
+        help="stop with a usage error when the plugins' discovery has not finished after SECONDS "
+        f"(default {CHECK_TIME_LIMIT_S:g})",
     )
 
 
@@ -137,6 +149,19 @@ def _suites(config: pytest.Config) -> dict[str, ConformanceSuite]:
     names = config.getoption("torchhal_adapter")
     if names and not suites:
         hal = config.hook.pytest_torchhal_conformance_hal(config=config)
+        if hal is None:
+            from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+            hal = HardwareAbstractionLayer()
+        try:
+            limit = checked_time_limit(config.getoption("torchhal_discovery_time_limit"))
+        except TorchHALError as exc:
+            raise pytest.UsageError(f"--torchhal-discovery-time-limit: {exc}") from exc
+        try:
+            # a plugin whose discovery never returns hung pytest before any item existed
+            discover_within_limit(hal, limit)
+        except (DiscoveryStuck, TorchHALError) as exc:  # stuck, or a strict-mode plugin failure
+            raise pytest.UsageError(str(exc)) from None
         for name in names:
             try:
                 adapter = resolve_adapter(name, hal)
