@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The thirtieth session's GPU checks (wheels: ../shared/tools/device-wheels, then
+# benchmarks/build_device_wheels.sh). Every result goes to $OUT/raw, packed into $OUT/results.tgz:
+#   bash benchmarks/gpu_session30.sh norms  # one GPU: bench_norms, two processes, every op and shape,
+#                                           # forwards now with their host and kernel times too
+#   bash benchmarks/gpu_session30.sh final  # one GPU: the conformance kit, the GPU tests of the
+#                                           # session's changes (drop-in modules, norms, plugin)
+set -uo pipefail
+phase=${1:?norms}
+source "$(dirname "$0")/gpu_setup.sh"
+if [ "$phase" = norms ]; then
+  cd benchmarks
+  for run in 1 2; do
+    timeout 200 python3 bench_norms.py --shapes 4096x2048 32768x4096 16384x8192 8192x16384 --budget-s 200 \
+      --out "$RAW/bench_norms_$run.json" > "$RAW/bench_norms_$run.log" 2>&1
+    echo "run $run rc=$?"
+  done
+  tail -42 "$RAW/bench_norms_1.log"
+  tail -42 "$RAW/bench_norms_2.log" | grep -E "forward" 
+  cd ..; pack; exit 0
+fi
+if [ "$phase" = final ]; then
+  timeout 150 python3 -m torchhal conformance nvidia --json > "$RAW/conformance_nvidia.json" 2> "$RAW/conformance_nvidia.err"
+  echo "conformance rc=$?"
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['summary']); [print(' ', c['check'], c['status'], c['reason'][:150]) for c in r['checks'] if c['status']!='passed']" "$RAW/conformance_nvidia.json"
+  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/plugins/test_nvidia.py tests/gpu \
+    tests/kernels/gpu -k "not shape_sweep" 2>&1 | tee "$RAW/gpu_tests_final.log" | tail -6
+  echo "gpu tests rc=${PIPESTATUS[0]}"
+  pack; exit 0
+fi
+echo "unknown phase $phase" >&2; exit 2
