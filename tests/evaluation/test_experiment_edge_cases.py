@@ -1,431 +1,480 @@
-"""The experiment side of evaluation at its edges: names, spec fields, the store's file, the monitor's
-split checks, sharded metrics and the CLI, probed the way an A/B user would hit them."""
+"""Experiments at their edges, each pinned by the values it once got wrong:
+equal input sets sharing one stored quality error (and sharded value), default arguments and
+address-bearing bound objects in the code digest, torch's global settings missing from the
+environment fingerprint, a spec argument's dtype replaced by the variant's, a price table and a
+relative threshold that failed only after every sample, the CLI's exit codes, the plot colours."""
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import json
 import math
-import re
 import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from markdown_it import MarkdownIt
 from typer.testing import CliRunner
 
-import torchhal
+import torchhal.ops
 from tests.evaluation.helpers import Counting, cpu_hal, sim_hal
-from tests.evaluation.test_cli import CALLABLES
-from tests.evaluation.test_stats_assignment import polya_log_bayes_factor
+from torchhal.evaluation import fingerprint
 from torchhal.evaluation.cli import EXIT_BAD_INPUT, EXIT_FAILED, app
+from torchhal.evaluation.compare import Verdict
 from torchhal.evaluation.distributed import evaluate_sharded
 from torchhal.evaluation.experiment import ExperimentConfig, run_experiment
+from torchhal.evaluation.fingerprint import code_digest, environment_fingerprint
 from torchhal.evaluation.harness import Variant, measure
 from torchhal.evaluation.inputs import Inputs
 from torchhal.evaluation.metrics import Threshold
-from torchhal.evaluation.monitor import LiveMonitor, MonitorDecision
-from torchhal.evaluation.report import to_markdown, write_json
+from torchhal.evaluation.plots import available as plots_available
+from torchhal.evaluation.quality import measure_quality
+from torchhal.evaluation.report import to_json
 from torchhal.evaluation.spec import load_spec
-from torchhal.evaluation.stats import sequential_sample_ratio_mismatch
-from torchhal.evaluation.stats.assignment import SRM_CONCENTRATION
+from torchhal.evaluation.stats import holm
 from torchhal.evaluation.store import SampleStore
-from torchhal.evaluation.variants import dtype_variants
-from torchhal.hal_core import ConfigurationError, InvalidArgumentError
+from torchhal.hal_core import ConfigurationError, DeviceOutOfMemoryError, InvalidArgumentError, telemetry
 
-runner = CliRunner()
-QUALITY = {"absolute": 1e-2}
-
-
-def _ab(*args: str):
-    result = runner.invoke(app, list(args), env={"COLUMNS": "240"})
-    result.text = " ".join(result.output.split())
-    return result
+ROOT = Path(__file__).resolve().parents[2]
+RESUMED = "torchhal.evaluation.resumed_with_unversioned_code"
+UNKEYED = "torchhal.evaluation.unkeyed_bound_values"
 
 
-def _spec(tmp_path: Path, text: str, name: str = "spec.toml") -> Path:
-    path = tmp_path / name
-    path.write_text(text)
-    return path
+# 1. stored quality errors and sharded values keyed by content alone ---------------------------
 
 
-def _planted(baseline: str = "base", slow: str = "rms_norm_slow") -> str:
-    return CALLABLES.format(baseline=baseline, slow=slow).replace("repetitions = 10", "repetitions = 5")
+class _Drifting:
+    """An output that differs on every call: t + 1e-3 · (call number)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return t + 1e-3 * self.calls
 
 
-def _scaled(factor: float):
-    def scaled(x: torch.Tensor) -> torch.Tensor:
-        return x * factor
-
-    return scaled
-
-
-# --- experiments -------------------------------------------------------------------------------
-
-
-def test_quality_refuses_two_variants_of_one_name():
-    """Quality errors are kept by name: the second 'b' overwrote the first's and both were
-    reported with the error of the exact one (0.0) although one was 1% off."""
+def test_equal_quality_input_sets_are_measured_and_stored_one_by_one(tmp_path, monkeypatch) -> None:
+    """Eight equal sets shared one stored row: the candidate ran once, its error copied to all
+    eight, and the fresh run counted 7 'resumed' errors."""
+    monkeypatch.setattr(fingerprint, "git_state", lambda cwd=None: {"commit": None, "dirty": None})
     cpu = cpu_hal().device("cpu")
-    inputs = Inputs([(torch.randn(8, 8),) for _ in range(5)])
-    variants = [
-        Variant("a", _scaled(1.0), cpu, inputs),
-        Variant("b", _scaled(1.01), cpu, inputs),
-        Variant("b", _scaled(1.0), cpu, inputs),
+    x = torch.arange(1.0, 17.0, dtype=torch.float64).reshape(4, 4)
+    inputs = Inputs([(x,)] * 8)
+    candidate = _Drifting()
+    variants = [Variant("ref", lambda t: t, cpu, inputs), Variant("cand", candidate, cpu, inputs)]
+    expected = np.array([1e-3 * k * 4 / float(torch.linalg.vector_norm(x)) for k in range(1, 9)])
+    before = telemetry.counts().get(RESUMED, 0)
+    with SampleStore(tmp_path / "samples.sqlite") as store:
+        errors = measure_quality(variants, "ref", store=store)
+        (experiment,) = {row[0] for row in store._db.execute("select experiment from samples")}
+        assert store.count(experiment) == 16
+    assert candidate.calls == 8
+    np.testing.assert_allclose(errors["cand"], expected, rtol=1e-9)
+    assert telemetry.counts().get(RESUMED, 0) == before  # nothing was resumed
+    with SampleStore(tmp_path / "samples.sqlite") as store:
+        again = measure_quality(variants, "ref", store=store)
+    assert candidate.calls == 8  # every set's own error came back from the store
+    np.testing.assert_array_equal(again["cand"], errors["cand"])
+
+
+def test_equal_sharded_items_are_evaluated_and_stored_one_by_one(tmp_path) -> None:
+    counter = {"calls": 0}
+
+    def evaluate(item: float) -> float:
+        counter["calls"] += 1
+        return item * counter["calls"]
+
+    items = [2.0, 2.0, 2.0]
+    with SampleStore(tmp_path / "samples.sqlite") as store:
+        first = evaluate_sharded({"v": evaluate}, items, ["m"], name="dup", store=store)
+        again = evaluate_sharded({"v": evaluate}, items, ["m"], name="dup", store=store)
+    assert (first.computed, first.cached) == (3, 0)
+    np.testing.assert_array_equal(first.column("v"), [2.0, 4.0, 6.0])
+    assert (again.computed, again.cached) == (0, 3)
+    np.testing.assert_array_equal(again.column("v"), [2.0, 4.0, 6.0])
+
+
+# 2. code digest: default arguments; bound objects whose repr is an address ----------------------
+
+
+def _defined(source: str, name: str = "f"):
+    namespace: dict = {"__name__": "variants_under_edit"}
+    exec(source, namespace)  # the test's own source, standing for an edited file
+    return namespace[name]
+
+
+def test_code_digest_sees_default_arguments() -> None:
+    """`block=64` -> `block=4096` kept the key, so the edited variant resumed the old samples."""
+    positional = [_defined(f"def f(x, block={b}):\n    return x * block\n") for b in (64, 64, 4096)]
+    assert code_digest(positional[0]) == code_digest(positional[1]) != code_digest(positional[2])
+    keyword = [_defined(f"def f(x, *, block={b}):\n    return x * block\n") for b in (64, 64, 4096)]
+    assert code_digest(keyword[0]) == code_digest(keyword[1]) != code_digest(keyword[2])
+    call = [
+        _defined(f"class C:\n    def __call__(self, x, scale={s}):\n        return x * scale\n", "C")()
+        for s in (2.0, 3.0)
     ]
-    config = ExperimentConfig(
-        baseline="a", reference="a", metrics=("quality",), thresholds={"quality": QUALITY}
-    )
-    with pytest.raises(InvalidArgumentError, match=r"variant names must be distinct; repeated: \['b'\]"):
-        run_experiment(variants, config)
+    assert code_digest(call[0]) != code_digest(call[1])
+
+
+def test_an_edited_default_argument_is_measured_anew(tmp_path) -> None:
+    cpu = cpu_hal().device("cpu")
+    path = tmp_path / "samples.sqlite"
+    results = []
+    for block in (64, 64, 4096):
+        fn = _defined(f"def f(x, block={block}):\n    return x.sum() * block\n")
+        with SampleStore(path) as store:
+            variant = Variant("v", fn, cpu, Inputs.fixed(torch.ones(8)), description="k")
+            results.append(measure(variant, warmup=0, repetitions=5, store=store))
+    assert [r.resumed for r in results] == [0, 5, 0]
+    assert results[0].experiment == results[1].experiment != results[2].experiment
+
+
+_ACROSS_PROCESSES = r"""
+import functools, sys
+sys.path.insert(0, {root!r})
+from torchhal.evaluation.fingerprint import code_digest
+class Cfg:
+    def __init__(self, block): self.block = block
+def kernel(x, cfg): return x * cfg.block
+def helper(x): return x
+def apply(x, fn): return fn(x)
+print(code_digest(functools.partial(kernel, cfg=Cfg(64))), code_digest(functools.partial(apply, fn=helper)))
+"""
+
+
+def test_code_digest_of_bound_objects_is_the_same_in_every_process() -> None:
+    """A bound object without a __repr__ (and a bound function) hashed its memory address: a new
+    key in every process, so an interrupted run never resumed."""
+    code = _ACROSS_PROCESSES.format(root=str(ROOT))
+    outputs = [
+        subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT, timeout=120
+        ).stdout.split()
+        for _ in range(2)
+    ]
+    assert len(outputs[0]) == 2 and all(len(d) == 16 for d in outputs[0])
+    assert outputs[0] == outputs[1]
+
+
+class _Config:  # no __repr__: the default one holds the object's address
+    def __init__(self, block: int) -> None:
+        self.block = block
+
+
+class _Tokenizer:
+    pass
+
+
+def _kernel(x: torch.Tensor, cfg: object) -> torch.Tensor:
+    return x
+
+
+def test_a_bound_object_counts_by_its_type_warned_once_per_type(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(fingerprint, "_unkeyed_types_warned", set(), raising=False)
+    before = telemetry.counts().get(UNKEYED, 0)
+    first = code_digest(functools.partial(_kernel, cfg=_Config(64)))
+    # only the type is in the key: another value of it is the documented gap (as closure values)
+    assert code_digest(functools.partial(_kernel, cfg=_Config(4096))) == first
+    assert code_digest(functools.partial(_kernel, cfg=_Tokenizer())) != first
+    assert code_digest(functools.partial(_kernel, cfg=64)) != first
+    assert telemetry.counts().get(UNKEYED, 0) == before + 3
+    err = capsys.readouterr().err
+    assert err.count("a bound object's value is not part of the experiment key") == 2
+    assert f"{__name__}._Config" in err and f"{__name__}._Tokenizer" in err
+
+
+# 3. torch's global settings in the environment fingerprint ---------------------------------------
+
+
+@pytest.fixture
+def restored_torch_settings(monkeypatch):
+    precision = torch.get_float32_matmul_precision()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
+    yield
+    torch.set_float32_matmul_precision(precision)
+    torch.use_deterministic_algorithms(deterministic)
+
+
+def test_the_fingerprint_follows_torch_global_settings(restored_torch_settings) -> None:
+    cpu = cpu_hal().device("cpu")
+    torch.set_num_threads(1)
+    base = environment_fingerprint([cpu])
+    settings = base["torch_settings"]
+    assert settings["num_threads"] == 1
+    assert settings["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+    assert settings["deterministic_algorithms"] is torch.are_deterministic_algorithms_enabled()
+    assert settings["cudnn.benchmark"] is torch.backends.cudnn.benchmark
+    assert settings["cuda.matmul.allow_tf32"] is torch.backends.cuda.matmul.allow_tf32
+    digests = {base["digest"]}
+    changes = [
+        lambda: torch.set_num_threads(2),
+        lambda: torch.set_float32_matmul_precision(
+            "high" if torch.get_float32_matmul_precision() != "high" else "medium"
+        ),
+        lambda: torch.use_deterministic_algorithms(not torch.are_deterministic_algorithms_enabled()),
+        lambda: setattr(torch.backends.cudnn, "benchmark", not torch.backends.cudnn.benchmark),
+        lambda: setattr(torch.backends.cudnn, "deterministic", not torch.backends.cudnn.deterministic),
+    ]
+    for change in changes:  # each one on top of the last: every step is a new environment
+        change()
+        digests.add(environment_fingerprint([cpu])["digest"])
+    assert len(digests) == len(changes) + 1
+    assert not torch.cuda.is_initialized()  # read from flags only
+
+
+# 4. a spec argument's own dtype ----------------------------------------------------------------
+
+SPEC = """
+[experiment]
+baseline = "a"
+[workload]
+device = "cpu"
+{workload_dtype}
+args = [{{shape = [4, 8], dtype = "float64"}}, [8], {{shape = [8], dtype = "int64"}}]
+[[variants]]
+name = "a"
+callable = "tests.evaluation.helpers:rms_norm_reference"
+{variant_dtype}
+[[variants]]
+name = "b"
+callable = "tests.evaluation.helpers:rms_norm_reference"
+"""
+
+
+def _load(tmp_path: Path, workload_dtype: str = "", variant_dtype: str = ""):
+    path = tmp_path / "spec.toml"
+    path.write_text(SPEC.format(workload_dtype=workload_dtype, variant_dtype=variant_dtype))
+    return path, load_spec(path, cpu_hal())
+
+
+def test_an_argument_keeps_its_declared_dtype(tmp_path) -> None:
+    """The variant's default float32 replaced float64 (and any declared dtype) silently."""
+    _, loaded = _load(tmp_path)
+    for variant in loaded.variants:
+        assert [t.dtype for t in variant.inputs.sets[0]] == [torch.float64, torch.float32, torch.int64]
+    assert loaded.variants[0].description.endswith("in torch.float32 (args[0] torch.float64 as declared)")
+    _, same = _load(tmp_path, workload_dtype='dtype = "float64"')  # agreeing: nothing to refuse
+    assert [t.dtype for t in same.variants[0].inputs.sets[0]] == [torch.float64, torch.float64, torch.int64]
+    assert same.variants[0].description.endswith("on cpu in torch.float64")
+
+
+def test_an_undeclared_floating_argument_takes_the_variant_dtype(tmp_path) -> None:
+    text = SPEC.replace('{{shape = [4, 8], dtype = "float64"}}', "[4, 8]")
+    path = tmp_path / "spec.toml"
+    path.write_text(text.format(workload_dtype='dtype = "float16"', variant_dtype='dtype = "bfloat16"'))
+    loaded = load_spec(path, cpu_hal())
+    assert [t.dtype for t in loaded.variants[0].inputs.sets[0]] == [
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.int64,
+    ]
+    assert [t.dtype for t in loaded.variants[1].inputs.sets[0]] == [torch.float16, torch.float16, torch.int64]
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "message"),
+    ("workload_dtype", "variant_dtype", "source"),
     [
-        ("name", 5, "name must be a non-empty string, got 5"),
-        ("name", "  ", "name must be a non-empty string, got '  '"),
-        ("baseline", None, "baseline must be a non-empty string, got None"),
-        ("reference", 3, "reference must be a variant name (a string), got 3"),
+        ('dtype = "bfloat16"', "", "[workload] dtype"),
+        ("", 'dtype = "bfloat16"', "variants[0] dtype"),
     ],
 )
-def test_config_names_are_text(field, value, message):
-    """The CLI and the reports print these as text: an int name crashed rich's escape()."""
-    kwargs = {"baseline": "a", field: value}
-    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
-        ExperimentConfig(**kwargs)
+def test_an_explicit_dtype_against_a_declared_one_is_refused(
+    tmp_path, workload_dtype, variant_dtype, source
+) -> None:
+    path = tmp_path / "spec.toml"
+    with pytest.raises(ConfigurationError) as info:
+        _load(tmp_path, workload_dtype, variant_dtype)
+    message = str(info.value)
+    assert message == (
+        f"spec {path}: variants[0] (a): [workload] args[0] declares dtype torch.float64 "
+        f"(spec {path}: [workload] args[0].dtype), but the variant's dtype is torch.bfloat16 "
+        f"(spec {path}: {source}); make them agree, or drop one of them"
+    )
 
 
-def test_threshold_keys_of_mixed_types_are_named():
-    """YAML keys may be numbers: sorting the unknown ones raised TypeError."""
-    with pytest.raises(InvalidArgumentError, match=r"thresholds for unknown metric\(s\) \['speed', 7\]"):
-        ExperimentConfig(baseline="a", thresholds={7: 0.1, "speed": 0.1})
+# 5. price table and a relative threshold of a zero median, before / instead of failing late --------
 
 
-# --- harness -----------------------------------------------------------------------------------
-
-
-def test_a_failing_variant_is_named_and_the_samples_before_it_are_kept(tmp_path):
-    """The exception goes on as it is, with a note naming the variant and input set (before, it
-    named neither, and the CLI's 'failed:' line did not say which variant)."""
+def test_a_missing_price_is_refused_before_any_call() -> None:
     cpu = cpu_hal().device("cpu")
-    inputs = Inputs([(torch.randn(32, 32),) for _ in range(3)])
-    good = Variant("good", Counting(_scaled(2.0)), cpu, inputs)
-    # bad's calls: warm-up, r0, refill, r1, r2, refill, r3, then r4 (round 4: input set 4 mod 3 = 1)
-    bad = Variant("bad", Counting(_scaled(2.0), fail_at=8), cpu, inputs)
-    path = tmp_path / "s.sqlite"
-    with SampleStore(path) as store, pytest.raises(RuntimeError, match="planted failure") as failed:
-        measure([good, bad], warmup=1, repetitions=6, flush_every=2, store=store)
-    assert failed.value.__notes__ == [f"in variant 'bad' ({bad.description}) on input set 1"]
-    with sqlite3.connect(path) as db:
-        saved = dict(db.execute("SELECT variant, COUNT(*) FROM samples GROUP BY variant").fetchall())
-    assert saved == {"good": 5, "bad": 4}  # rounds 0-4 of good (r4 pending at the failure), 0-3 of bad
+    x = torch.randn(16, 16)
+    fa, fb = Counting(lambda t: t @ t), Counting(lambda t: t @ t)
+    variants = [Variant("a", fa, cpu, Inputs.fixed(x)), Variant("b", fb, cpu, Inputs.fixed(x))]
+    config = ExperimentConfig(baseline="a", repetitions=20, prices={"a": 2.0, "cpu:0-typo": 1.0})
+    with pytest.raises(InvalidArgumentError) as info:
+        run_experiment(variants, config)
+    assert (fa.calls, fb.calls) == (0, 0)  # it raised after 20 rounds of both
+    assert str(info.value) == (
+        "no price for variant(s) 'b' (device 'cpu'): give each a price by variant name or device id; "
+        "the price table has ['a', 'cpu:0-typo']"
+    )
 
 
-def test_the_timer_synchronizes_the_device_through_the_hal(monkeypatch):
-    """Host timing of asynchronous work is only right after a synchronize: each sample's two marks
-    call the adapter's synchronize for the variant's device."""
-    hal = cpu_hal()
-    cpu = hal.device("cpu")
-    calls: list[int] = []
-    real = cpu.adapter.synchronize
-    monkeypatch.setattr(cpu.adapter, "synchronize", lambda index: (calls.append(index), real(index))[1])
-    measure(Variant("v", _scaled(3.0), cpu, Inputs.fixed(torch.randn(64, 64))), warmup=0, repetitions=5)
-    assert len(calls) == 2 * 5 and set(calls) == {cpu.index}
-
-
-# --- reports -----------------------------------------------------------------------------------
-
-
-def test_markdown_shows_user_strings_verbatim_and_json_round_trips(tmp_path):
-    """A '|' in a variant name split its table row, a backtick ended its code span early and a
-    newline in the experiment's name started a second heading."""
-    hal = sim_hal("edge")
+def test_memory_of_a_baseline_that_keeps_nothing_is_inconclusive_not_an_error() -> None:
+    """The default 5 % of a baseline median of 0 bytes raised after every sample, discarding the
+    latency comparison too."""
+    hal = sim_hal()
     sim = hal.device("simasic:0")
     inputs = Inputs(
-        [(sim.to_device(torch.randn(48, 64)), sim.to_device(torch.randn(64, 40))) for _ in range(4)]
+        [(sim.to_device(torch.randn(64, 256)), sim.to_device(torch.randn(256, 64))) for _ in range(4)]
     )
-    built = dtype_variants(torchhal.ops.matmul, sim, inputs, [torch.float32, torch.bfloat16], hal=hal)
-    names = ["fp32 | ref", "bf16 `fast`"]
-    variants = [dataclasses.replace(v, name=n) for v, n in zip(built, names, strict=True)]
-    title = "kernels\n# not a heading"
+
+    def result_dropped(x, w):
+        torchhal.ops.matmul(x, w)
+        return x
+
+    variants = [
+        Variant("base", result_dropped, sim, inputs, hal=hal),
+        Variant("cand", torchhal.ops.matmul, sim, inputs, hal=hal),
+    ]
+    result = run_experiment(
+        variants, ExperimentConfig(baseline="base", metrics=("latency", "memory"), repetitions=10)
+    )
+    latency, memory = result.comparison("cand", "latency"), result.comparison("cand", "memory")
+    assert latency.verdict is Verdict.EQUIVALENT and latency.threshold > 0  # judged as before
+    assert memory.verdict is Verdict.INCONCLUSIVE
+    assert memory.median_baseline == 0.0 and memory.shift == memory.median_variant > 0
+    assert math.isnan(memory.threshold) and math.isnan(memory.p_corrected)
+    assert memory.threshold_spec == "0.05 relative"
+    assert memory.reason.startswith(
+        "no threshold: a relative threshold of 0.05 is 0 for a baseline median of 0 bytes, so no change "
+        "can be judged beyond or within it"
+    )
+    data = json.loads(json.dumps(to_json(result), allow_nan=False))
+    (stored,) = [c for c in data["comparisons"] if c["metric"] == "memory"]
+    assert stored["threshold"] is None and stored["verdict"] == "inconclusive"
+
+
+def test_comparisons_without_a_threshold_stay_out_of_the_corrected_family() -> None:
+    cpu = cpu_hal().device("cpu")
+    generator = torch.Generator().manual_seed(3)
+    inputs = Inputs([(torch.randn(32, generator=generator),) for _ in range(8)])
+    variants = [
+        Variant("ref", lambda t: t * 2, cpu, inputs),
+        Variant("base", lambda t: t + t, cpu, inputs),  # the reference's outputs: errors all 0
+        Variant("cand", lambda t: t * 2.002, cpu, inputs),
+    ]
     config = ExperimentConfig(
-        name=title,
-        baseline=names[0],
-        reference=names[0],
+        baseline="base",
+        reference="ref",
         metrics=("latency", "quality"),
-        thresholds={"quality": QUALITY},
-        prices={"simasic:0": 2.0},
-        warmup=1,
-        repetitions=4,
+        thresholds={"quality": Threshold(relative=0.1)},
+        repetitions=20,
+        n_resamples=1000,
     )
     result = run_experiment(variants, config)
-
-    tokens = MarkdownIt("commonmark").enable("table").parse(to_markdown(result))
-    headings = [tokens[i + 1].content for i, t in enumerate(tokens) if t.type == "heading_open"]
-    assert headings[0] == "A/B experiment: kernels\\n# not a heading"
-    assert "not a heading" not in " ".join(headings[1:])
-    rows: list[list[str]] = []
-    for i, t in enumerate(tokens):
-        if t.type == "tr_open":
-            rows.append([])
-        elif t.type == "inline" and tokens[i - 1].type == "td_open":
-            rows[-1].append("".join(c.content for c in t.children or [] if c.type == "code_inline"))
-    body = [r for r in rows if r]
-    assert body and all(len(r) == 7 for r in body)  # every table here has 7 columns
-    shown = {cell for r in body for cell in r if cell}
-    assert shown == set(names)
-    codes = [
-        c.content for t in tokens if t.type == "inline" for c in t.children or [] if c.type == "code_inline"
-    ]
-    assert codes.count(names[0]) >= 4 and codes.count(names[1]) >= 4  # baseline line, tables, bullets
-
-    data = json.loads(write_json(result, tmp_path / "r.json").read_text())
-    assert data["config"]["name"] == title and list(data["variants"]) == names
-    for name in names:
-        np.testing.assert_array_equal(
-            data["variants"][name]["samples"]["latency_ms"], result.samples(name, "latency")
-        )
-        np.testing.assert_array_equal(
-            data["variants"][name]["samples"]["quality_error"], result.samples(name, "quality")
-        )
+    quality = [c for c in result.comparisons if c.metric == "quality"]
+    latency = [c for c in result.comparisons if c.metric == "latency"]
+    assert [c.variant for c in result.comparisons] == ["ref", "ref", "cand", "cand"]
+    assert [c.verdict for c in quality] == [Verdict.INCONCLUSIVE] * 2
+    assert quality[1].shift == pytest.approx(1e-3, rel=1e-4)  # float32 outputs
+    adjusted = holm([c.p_beyond for c in latency], config.alpha).adjusted
+    assert [c.p_corrected for c in latency] == list(adjusted)
+    assert all(c.correction == "holm" for c in latency)
 
 
-# --- sample store ------------------------------------------------------------------------------
+# 6, 7. CLI exit codes --------------------------------------------------------------------------
 
 
-def test_a_store_of_another_schema_is_refused_when_opened(tmp_path):
-    """CREATE TABLE IF NOT EXISTS kept the foreign table; the first write then failed with sqlite's
-    'table samples has 2 columns but 6 values were supplied', naming no file."""
-    path = tmp_path / "other.sqlite"
-    with sqlite3.connect(path) as db:
-        db.execute("CREATE TABLE samples (a, b)")
-    with pytest.raises(
-        ConfigurationError, match=r"other\.sqlite: table 'samples' has columns \['a', 'b'\], expected"
-    ):
-        SampleStore(path)
+def fine(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * w
 
 
-def test_a_damaged_store_is_refused_when_opened(tmp_path):
-    """A damaged page opened fine and failed part-way through a resume with sqlite's 'database
-    disk image is malformed', naming no file."""
-    path = tmp_path / "s.sqlite"
-    with SampleStore(path) as store:
-        store.put_many("e", [("v", f"round:{i}", {"latency_ms": float(i)}) for i in range(3000)])
-    with sqlite3.connect(path) as db:
-        page = db.execute("PRAGMA page_size").fetchone()[0]
-        pages = db.execute("PRAGMA page_count").fetchone()[0]
-    data = bytearray(path.read_bytes())
-    middle = pages // 2 * page
-    data[middle : middle + page] = b"\xa5" * page  # 0xa5 is no b-tree page type
-    path.write_bytes(bytes(data))
-    with pytest.raises(ConfigurationError, match=r"sample store .*s\.sqlite: .*(damaged|malformed)"):
-        SampleStore(path)
+def out_of_memory(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    raise DeviceOutOfMemoryError("simasic:0", 1 << 30, 0, 512 << 20)
 
 
-# --- monitor -----------------------------------------------------------------------------------
+CLI_SPEC = """
+[experiment]
+name = "x"
+baseline = "base"
+metrics = ["latency"]
+repetitions = 10
+warmup = 1
+n_resamples = 1000
+{prices}
+[workload]
+device = "cpu"
+args = [[16, 32], [32]]
+input_sets = 2
+[[variants]]
+name = "base"
+callable = "tests.evaluation.test_experiment_edge_cases:fine"
+[[variants]]
+name = "cand"
+callable = "tests.evaluation.test_experiment_edge_cases:{cand}"
+"""
 
 
-def _monitor(**kwargs):
-    args = dict(control="old", candidate="new", higher_is_better=False, threshold=Threshold(relative=0.05))
-    return LiveMonitor(**{**args, **kwargs})
-
-
-@pytest.mark.parametrize(
-    ("weights", "message"),
-    [
-        ((-1.0, 2.0), "weight of the control must be a finite number > 0, got -1.0"),
-        ((1.0, math.nan), "weight of the candidate must be a finite number > 0, got nan"),
-        ((1.0, 0.0), "weight of the candidate must be a finite number > 0, got 0.0"),
-        ((math.inf, 1.0), "weight of the control must be a finite number > 0, got inf"),
-        (("a", 1.0), "weight of the control must be a finite number > 0, got 'a'"),
-    ],
-)
-def test_bad_weights_are_refused_before_any_traffic(weights, message):
-    """They were accepted, then failed at the first assign() or status(), mid-traffic."""
-    with pytest.raises(InvalidArgumentError, match=re.escape(message)):
-        _monitor(weights=weights)
-
-
-def test_an_arm_that_gets_no_traffic_is_a_sample_ratio_mismatch():
-    """A broken router sending every request to the control was never flagged: the check
-    needed units in both arms, so the monitor said 'continue' forever. The p-value is 1/BF,
-    the Bayes factor built as Pólya's urn predicts each unit."""
-    monitor = _monitor()
-    monitor.observe_many("old", np.random.default_rng().normal(10.0, 1.0, 200))
-    status = monitor.status()
-    assert status.decision is MonitorDecision.ROLL_BACK and "sample ratio mismatch" in status.reason
-    expected = -polya_log_bayes_factor([0] * 200, [0.5, 0.5], SRM_CONCENTRATION)
-    assert status.srm_p_value == pytest.approx(math.exp(expected), rel=1e-9, abs=0.0)
-
-
-def _flags_at(weights, n_control: int, n_candidate: int) -> bool:
-    """Whether one look at these counts, the first the monitor takes, rolls the split back."""
-    monitor = _monitor(weights=weights)
-    monitor.observe_many("old", [1.0] * n_control)
-    monitor.observe_many("new", [1.0] * n_candidate)
-    srm = monitor.status().srm_p_value
-    return srm is not None and srm < monitor.srm_alpha
-
-
-@pytest.mark.parametrize("weights", [(0.5, 0.5), (0.9, 0.1), (0.99, 0.01)])
-def test_a_sound_split_looked_at_after_every_unit_rolls_back_at_most_srm_alpha(weights):
-    """Exactly, by enumerating the counts, with a look after each of 100 units: the per-look exact
-    binomial test rolled back 0.0071 of sound 50:50 splits (0.0040 at 90:10, 0.0017 at 99:1)
-    against srm_alpha = 0.001, and 0.028 by 10,000 units. The monitor keeps the smallest p of
-    its looks, so a path is rolled back at its first flagged count: the enumeration absorbs there."""
-    share = weights[1] / sum(weights)
-    alive, rolled_back = np.array([1.0]), 0.0
-    for n in range(1, 101):
-        step = np.zeros(n + 1)
-        step[:-1] += alive * (1.0 - share)
-        step[1:] += alive * share
-        hit = np.array([_flags_at(weights, n - k, k) for k in range(n + 1)])
-        rolled_back += step[hit].sum()
-        step[hit] = 0.0
-        alive = step
-    assert rolled_back <= 0.001
-
-
-def test_the_monitor_keeps_the_smallest_srm_p_value_of_its_looks():
-    """The p-value is anytime-valid only as the minimum over looks; a split flagged once stays
-    flagged when later units even it out."""
-    rng = np.random.default_rng()
-    monitor = _monitor(weights=(0.8, 0.2))
-    smallest, counts = 1.0, [0, 0]
-    for _ in range(300):
-        arm = int(rng.uniform() < 0.2)
-        monitor.observe(("old", "new")[arm], float(rng.normal(10.0, 1.0)))
-        counts[arm] += 1
-        smallest = min(smallest, sequential_sample_ratio_mismatch(counts, [0.8, 0.2]).p_value)
-        assert monitor.status().srm_p_value == smallest
-    monitor.observe_many("new", rng.normal(10.0, 1.0, 400))  # broken: flagged
-    flagged = monitor.status()
-    assert flagged.decision is MonitorDecision.ROLL_BACK and flagged.srm_p_value < 1e-6
-    monitor.observe_many("old", rng.normal(10.0, 1.0, 4 * flagged.n_candidate - flagged.n_control))  # 80:20
-    later = monitor.status()
-    assert later.decision is MonitorDecision.ROLL_BACK and later.srm_p_value == flagged.srm_p_value
-    assert sequential_sample_ratio_mismatch([later.n_control, later.n_candidate], [0.8, 0.2]).p_value == 1.0
-
-
-def test_assignment_is_the_same_in_another_process_and_follows_the_weights():
-    monitor = _monitor(weights=(0.7, 0.3), salt="sweep18")
-    ids = [f"user-{i}" for i in range(4000)]
-    here = [monitor.assign(u) for u in ids]
-    code = (
-        "import sys; from torchhal.evaluation.stats import assign\n"
-        "print(''.join('c' if assign(f'user-{i}', ['old', 'new'], [0.7, 0.3], 'sweep18') == 'new' "
-        "else 'o' for i in range(4000)))"
+def _ab(tmp_path: Path, *args: str, cand: str = "fine", prices: str = ""):
+    spec = tmp_path / "spec.toml"
+    spec.write_text(CLI_SPEC.format(cand=cand, prices=prices))
+    result = CliRunner().invoke(
+        app, [str(spec), "--out", str(tmp_path / "out"), "--no-plots", *args], env={"COLUMNS": "240"}
     )
-    other = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={"PYTHONHASHSEED": "12345", "PATH": ""},
-        cwd=Path(__file__).resolve().parents[2],
-        check=True,
-    ).stdout.strip()
-    assert other == "".join("c" if a == "new" else "o" for a in here)
-    n_new = here.count("new")
-    chi2 = (n_new - 1200) ** 2 / 1200 + (4000 - n_new - 2800) ** 2 / 2800
-    assert chi2 < 10.83  # p > 0.001 for one degree of freedom
+    result.text = " ".join(result.output.split())
+    return spec, result
 
 
-# --- sharded evaluation ------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("value", [None, "0.5", [0.5]])
-def test_a_metric_without_a_number_is_refused_by_name(value):
-    """None in a mapping crashed float() with a TypeError naming neither variant, item nor metric."""
-    items = [torch.randn(4) for _ in range(3)]
-
-    def evaluate(item):
-        return {"acc": 1.0, "loss": value if item is items[2] else 0.1}
-
-    with pytest.raises(
-        InvalidArgumentError,
-        match=rf"variant 'v' on item 2 must return a number for metric 'loss', got {re.escape(repr(value))}",
-    ):
-        evaluate_sharded({"v": evaluate}, items, ["acc", "loss"], name="sweep18")
-
-
-# --- spec files and the CLI --------------------------------------------------------------------
-
-
-def test_workload_kwargs_may_be_named_count(tmp_path):
-    """They were spread into Inputs.generate(make, count, **kwargs): 'got multiple values for count'."""
-    spec = _spec(tmp_path, _planted().replace("input_sets = 3", "input_sets = 3\nkwargs = { count = 3 }"))
-    loaded = load_spec(spec, cpu_hal())
-    assert [v.inputs.kwargs for v in loaded.variants] == [{"count": 3}, {"count": 3}]
-    assert len(loaded.variants[0].inputs) == 3
-
-
-def test_yaml_keys_that_are_numbers_are_named(tmp_path):
-    pytest.importorskip("yaml")
-    spec = _spec(tmp_path, "1: x\nfoo: y\nexperiment: {baseline: a}\n", "spec.yaml")
-    with pytest.raises(ConfigurationError, match=r"unknown key\(s\) \['foo', 1\]"):
-        load_spec(spec, cpu_hal())
-
-
-def test_cli_prints_variant_names_as_text_not_markup(tmp_path):
-    """'[bold]slow[/x]' made rich raise MarkupError after the whole run: exit 1, no result table."""
-    spec = _spec(tmp_path, _planted().replace('name = "slow"', 'name = "[bold]slow[/x]"'))
-    result = _ab(str(spec), "--out", str(tmp_path / "out"), "--no-plots")
-    assert result.exit_code == 0, result.output
-    assert "[bold]slow[/x]" in result.text
-
-
-def test_cli_name_that_is_not_text_exits_2(tmp_path):
-    spec = _spec(tmp_path, _planted().replace('name = "planted"', "name = 5"))
-    result = _ab(str(spec), "--out", str(tmp_path / "out"), "--no-plots")
-    assert result.exit_code == EXIT_BAD_INPUT
-    assert f"spec {spec}: [experiment]: name must be a non-empty string, got 5" in result.text
-
-
-def test_cli_out_that_is_a_file_or_a_damaged_store_exits_2(tmp_path):
-    spec = _spec(tmp_path, _planted())
-    afile = tmp_path / "afile"
-    afile.write_text("mine")
-    result = _ab(str(spec), "--out", str(afile), "--no-plots")
+def test_a_torchhal_error_from_a_variant_exits_as_a_failed_variant(tmp_path) -> None:
+    _, result = _ab(tmp_path, cand="out_of_memory")
+    assert result.exit_code == EXIT_FAILED, result.output
+    assert "failed: DeviceOutOfMemoryError: simasic:0: out of memory" in result.text
     assert (
-        result.exit_code == EXIT_BAD_INPUT and f"--out {afile}: exists and is not a directory" in result.text
-    )
-    assert afile.read_text() == "mine"
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "samples.sqlite").write_bytes(b"not sqlite " * 100)
-    result = _ab(str(spec), "--out", str(out), "--no-plots")
-    assert result.exit_code == EXIT_BAD_INPUT
-    assert f"sample store {out / 'samples.sqlite'}: not a usable sqlite file" in result.text
-
-
-def test_cli_failure_names_the_variant(tmp_path):
-    spec = _spec(tmp_path, _planted(slow="broken"))
-    result = _ab(str(spec), "--out", str(tmp_path / "out"), "--no-plots")
-    assert result.exit_code == EXIT_FAILED
-    assert (
-        "planted failure in a variant (in variant 'slow' (callable tests.evaluation.helpers:broken"
+        "(in variant 'cand' (callable tests.evaluation.test_experiment_edge_cases:out_of_memory"
         in result.text
     )
+    assert result.text.endswith(f"(finished samples are in {tmp_path / 'out' / 'samples.sqlite'})")
 
 
-@pytest.mark.parametrize(("table", "seen"), [({"relative": "abc"}, "'abc'"), ({"relative": True}, "True")])
-def test_a_threshold_table_is_held_to_the_threshold_rules(table, seen):
-    """{relative = "abc"} was a bare ValueError from float(); {relative = true} became 1.0 (100%)."""
-    with pytest.raises(InvalidArgumentError, match=rf"a threshold must be a finite number >= 0, got {seen}"):
-        Threshold.parse(table, "latency")
-    assert Threshold.parse({"absolute": 2}, "latency") == Threshold(absolute=2)
+def test_a_torchhal_error_outside_the_variants_is_still_bad_input(tmp_path) -> None:
+    _, result = _ab(tmp_path, prices='[prices]\nbase = 1.0\n"cpu:0-typo" = 2.0')
+    assert result.exit_code == EXIT_BAD_INPUT, result.output
+    with sqlite3.connect(tmp_path / "out" / "samples.sqlite") as db:
+        assert db.execute("select count(*) from samples").fetchone() == (0,)  # refused before measuring
+    assert "error: no price for variant(s) 'cand' (device 'cpu')" in result.text
 
 
-def test_prices_that_are_not_a_table_are_named():
-    """`prices = "x"` in a spec was an AttributeError ('str' object has no attribute 'items')."""
-    from torchhal.evaluation.cost import check_prices
+def test_gating_on_a_metric_that_is_not_measured_is_refused(tmp_path) -> None:
+    spec, result = _ab(tmp_path, "--gate", "--gate-metric", "quality")
+    assert result.exit_code == EXIT_BAD_INPUT, result.output
+    assert result.output.splitlines() == [
+        f"error: --gate-metric: metric(s) ['quality'] not measured by {spec}; it measures ['latency']"
+    ]
+    assert not (tmp_path / "out").exists()  # refused before anything ran
 
-    with pytest.raises(InvalidArgumentError, match=r"prices must be a table of device id or variant name"):
-        check_prices("x")  # type: ignore[arg-type]
-    assert check_prices({"cuda:0": 3}) == {"cuda:0": 3.0}
+
+# 8. plot colours --------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not plots_available(), reason="matplotlib (the 'plots' extra) is not installed")
+def test_a_variant_has_one_colour_in_both_distribution_panels(tmp_path, monkeypatch) -> None:
+    """A constant first variant drawn as a line left the next histogram at the axes' C0."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_hex
+
+    import torchhal.evaluation.plots as plots
+
+    samples = {"a": np.full(20, 1.0), "b": np.random.default_rng(0).normal(2.0, 0.1, 20)}
+    result = SimpleNamespace(variants={"a": {}, "b": {}}, samples=lambda name, metric: samples[name])
+    captured = {}
+
+    def grab(plt_, fig, path):
+        hist, cdf = fig.axes
+        captured["hist"] = {line.get_label(): to_hex(line.get_color()) for line in hist.lines}
+        captured["hist"]["b"] = to_hex(hist.containers[0].patches[0].get_facecolor()[:3])
+        captured["cdf"] = {line.get_label(): to_hex(line.get_color()) for line in cdf.lines}
+        plt_.close(fig)
+        return path
+
+    monkeypatch.setattr(plots, "_save", grab)
+    plots._distributions(plt, result, "latency", tmp_path)
+    assert captured["cdf"] == {"a": to_hex("C0"), "b": to_hex("C1")}
+    assert captured["hist"] == {"a (every sample)": to_hex("C0"), "b": to_hex("C1")}

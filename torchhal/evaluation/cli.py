@@ -1,14 +1,17 @@
 """`torchhal ab SPEC`: run an A/B experiment from a spec file, write its reports, gate CI on it.
 
 Exit codes: 0 when the experiment ran (with `--gate`: and no metric regressed significantly
-beyond its noise threshold); 1 with `--gate` when one did; 2 for a bad spec or bad arguments;
-3 when a variant failed while running.
+beyond its noise threshold); 1 with `--gate` when one did; 2 for a bad spec or bad arguments
+(`--gate-metric` naming a metric the spec does not measure included); 3 when a variant failed
+while running, whatever it raised (a torchhal error from its code, an out-of-memory, too), with
+the path of the finished samples.
 Finished samples go to OUT/samples.sqlite as they are measured, so running the same command
 again after an interruption resumes; `--fresh` discards them first.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated
 
@@ -21,6 +24,7 @@ from rich.table import Table
 from torchhal.console import results_console
 from torchhal.evaluation.compare import Verdict
 from torchhal.evaluation.experiment import ExperimentResult, run_experiment
+from torchhal.evaluation.harness import raised_in_variant
 from torchhal.evaluation.metrics import METRICS
 from torchhal.evaluation.plots import available as plots_available
 from torchhal.evaluation.plots import write_plots
@@ -77,6 +81,14 @@ def ab(
     except TorchHALError as exc:
         _error(console, str(exc))
         raise typer.Exit(EXIT_BAD_INPUT) from exc
+    unmeasured = sorted(set(gate_metric or ()) - set(loaded.config.metrics))
+    if unmeasured:  # gating on it would pass whatever happened
+        _error(
+            console,
+            f"--gate-metric: metric(s) {unmeasured} not measured by {spec}; "
+            f"it measures {list(loaded.config.metrics)}",
+        )
+        raise typer.Exit(EXIT_BAD_INPUT)
     store_path = out_dir / "samples.sqlite"
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -107,10 +119,11 @@ def ab(
             result = run_experiment(loaded.variants, loaded.config, store=store, progress=advance)
         except Exception as exc:
             where = "".join(f" ({note})" for note in getattr(exc, "__notes__", ()))  # which variant
-            if isinstance(exc, TorchHALError):
+            if isinstance(exc, TorchHALError) and not raised_in_variant(exc):
                 _error(console, f"{exc}{where}")
                 raise typer.Exit(EXIT_BAD_INPUT) from exc
-            # a variant's own code failed: not a regression, not bad input
+            # a variant's own code failed (a torchhal error from inside it too, an out-of-memory
+            # on its device): not a regression, not bad input
             console.print(
                 "[red]failed:[/] "
                 + escape(f"{type(exc).__name__}: {exc}{where} (finished samples are in {store_path})"),
@@ -168,7 +181,7 @@ def print_result(console: Console, result: ExperimentResult) -> None:
             escape(c.variant),
             f"{c.median_variant:.4g} / {c.median_baseline:.4g} {c.unit}",
             change,
-            f"{c.p_corrected:.3g}",
+            "-" if math.isnan(c.p_corrected) else f"{c.p_corrected:.3g}",  # NaN: no threshold to test
             f"[{color}]{c.verdict.value}[/]",
         )
     console.print(table)

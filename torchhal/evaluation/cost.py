@@ -53,6 +53,28 @@ def check_prices(prices: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
+def price_key(variant: str, device: str, prices: Mapping[str, float]) -> str:
+    """The price-table entry of a variant: its own name, else its device's id; none is an error."""
+    key = variant if variant in prices else device
+    if key not in prices:
+        raise InvalidArgumentError(
+            f"no price for variant {variant!r} (device {device!r}); the price table has {sorted(prices)}"
+        )
+    return key
+
+
+def check_priced(variants: Sequence[tuple[str, str]], prices: Mapping[str, float]) -> None:
+    """Every (variant name, device id) has a price: checked before measuring, since a cost row is
+    made only after every sample, and a missing price then would throw the run away."""
+    missing = [(name, device) for name, device in variants if name not in prices and device not in prices]
+    if missing:
+        listed = ", ".join(f"{name!r} (device {device!r})" for name, device in missing)
+        raise InvalidArgumentError(
+            f"no price for variant(s) {listed}: give each a price by variant name or device id; "
+            f"the price table has {sorted(prices)}"
+        )
+
+
 def cost_row(
     variant: str,
     device: str,
@@ -63,11 +85,7 @@ def cost_row(
     simulated: bool = False,
 ) -> CostRow:
     """The cost row of one variant; a variant with no price (by name or device) is an error."""
-    key = variant if variant in prices else device
-    if key not in prices:
-        raise InvalidArgumentError(
-            f"no price for variant {variant!r} (device {device!r}); the price table has {sorted(prices)}"
-        )
+    key = price_key(variant, device, prices)
     if not (math.isfinite(median_latency_ms) and median_latency_ms > 0):
         raise InvalidArgumentError(
             f"variant {variant!r}: median latency must be > 0 ms, got {median_latency_ms}"

@@ -2,11 +2,11 @@
 
 Item i goes to rank i mod world_size, so the split is fixed by the item list alone. Each rank
 evaluates its items for every variant, writing each finished value to the `SampleStore` as
-soon as it exists, keyed by (variant, hash of the item): a rerun after an interruption (a
-killed process, an exception) loads what is done and evaluates only the rest. The values are
-then gathered through the HAL communicator, so every rank holds the same table, ordered by
-item whatever the world size: with deterministic `variants` functions the table equals the
-single-process one.
+soon as it exists, keyed by (variant, the item's index and hash: equal items stay separate
+rows): a rerun after an interruption (a killed process, an exception) loads what is done and
+evaluates only the rest. The values are then gathered through the HAL communicator, so every
+rank holds the same table, ordered by item whatever the world size: with deterministic
+`variants` functions the table equals the single-process one.
 
 If one rank raises, it raises at once; the others stop at the gather when the communicator's
 timeout expires. What any rank finished is on disk either way.
@@ -94,7 +94,7 @@ def evaluate_sharded(
         "torchhal.evaluation.sharded", evaluation=name, rank=rank, world_size=world, items=len(mine)
     ):
         for j, i in enumerate(mine):
-            key = input_hash(items[i])
+            key = f"{i}:{input_hash(items[i])}"  # equal items are still separate evaluations
             for v, variant in enumerate(names):
                 row = store.get(experiment, variant, key) if store is not None else None
                 if row is None:

@@ -5,11 +5,19 @@ any callable (see `variants.py` for builders). Metrics: latency, throughput, mem
 harness) and quality (errors against a reference variant). Every (variant, metric) pair is
 one comparison against the baseline (see `compare.py`); their p-values are corrected as one
 family. With a price table, each variant gets a cost per million items and the Pareto front
-of cost, latency (and quality error) names the variants worth considering.
+of cost, latency (and quality error) names the variants worth considering; every variant must
+have a price (by name or device), checked before anything is measured.
+
+A relative threshold is a fraction of the baseline's median: where that median is 0 (memory of a
+baseline that leaves nothing allocated, quality of a baseline that matches the reference) it
+defines no threshold, so that comparison comes back inconclusive, saying why (its shift and
+interval still reported, its threshold NaN, outside the corrected family); the others are kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +33,7 @@ from torchhal.evaluation.compare import (
     correct,
     min_sample_size,
 )
-from torchhal.evaluation.cost import CostRow, check_prices, cost_row, pareto_front
+from torchhal.evaluation.cost import CostRow, check_priced, check_prices, cost_row, pareto_front
 from torchhal.evaluation.fingerprint import environment_fingerprint
 from torchhal.evaluation.harness import ORDERS, Measurement, Variant, measure
 from torchhal.evaluation.metrics import DEFAULT_THRESHOLDS, METRICS, Threshold, metric
@@ -237,6 +245,8 @@ def run_experiment(
                 f"per set: compare() needs {MIN_SAMPLES} per arm, more where its Hodges–Lehmann "
                 f"interval needs them); reference {config.reference!r} has {sets}"
             )
+    if config.prices is not None:  # a cost row is made after all measuring: a missing price stops here
+        check_priced([(v.name, v.device.id) for v in variants], config.prices)
     timing = [m for m in config.metrics if METRICS[m].source == "timing"]
     measurement = quality = None
     with telemetry.span(
@@ -292,6 +302,7 @@ def _compare_all(
     by_name = {v.name: v for v in variants}
     base = by_name[config.baseline]
     raw: list[Comparison] = []
+    undefined: set[int] = set()  # positions in `raw` whose relative threshold is 0 × a median of 0
     for v in variants:
         if v.name == config.baseline:
             continue
@@ -306,21 +317,63 @@ def _compare_all(
                 a, b = measurement.samples(v.name, name), measurement.samples(base.name, name)
                 # simulated time and memory accounting repeat exactly; real timings never do
                 deterministic = name == "memory" or (v.device.simulated and base.device.simulated)
-            raw.append(
-                compare(
-                    a,
-                    b,
-                    metric=m,
-                    threshold=config.threshold(name),
-                    variant=v.name,
-                    baseline_name=base.name,
-                    alpha=config.alpha,
-                    deterministic=deterministic,
-                    seed=config.seed + len(raw),
-                    n_resamples=config.n_resamples,
-                )
+            threshold = config.threshold(name)
+            no_threshold = bool(threshold.relative) and float(np.median(b)) == 0.0
+            c = compare(
+                a,
+                b,
+                metric=m,
+                # the effect is still estimated (against 0); the verdict is left inconclusive below
+                threshold=Threshold(absolute=0.0) if no_threshold else threshold,
+                variant=v.name,
+                baseline_name=base.name,
+                alpha=config.alpha,
+                deterministic=deterministic,
+                seed=config.seed + len(raw),
+                n_resamples=config.n_resamples,
             )
-    return correct(raw, config.alpha, config.correction)
+            if no_threshold:
+                undefined.add(len(raw))
+                c = _without_threshold(c, threshold)
+            raw.append(c)
+    tested = correct([c for i, c in enumerate(raw) if i not in undefined], config.alpha, config.correction)
+    judged = iter(tested)
+    return [c if i in undefined else next(judged) for i, c in enumerate(raw)]
+
+
+def _without_threshold(c: Comparison, threshold: Threshold) -> Comparison:
+    """An inconclusive comparison whose relative threshold is undefined (the baseline's median is
+    0): no change can be judged beyond or within it. Its shift, interval and two-sided p against 0
+    stay (informative); it is not a test of the threshold, so it stays out of the corrected family."""
+    assert threshold.relative is not None
+    effect = (
+        f"exact values: shift {c.shift:+.4g} {c.unit}"
+        if c.test == "exact"
+        else f"shift {c.shift:+.4g} {c.unit}, p = {c.p_value:.3g} against 0, uncorrected"
+    )
+    reason = (
+        f"no threshold: a relative threshold of {threshold.relative:g} is 0 for a baseline median of 0 "
+        f"{c.unit}, so no change can be judged beyond or within it ({effect}); give an absolute "
+        f"threshold for {c.metric!r}, e.g. {{absolute = x}}"
+    )
+    log.warning(
+        "comparison left inconclusive: relative threshold of a zero baseline median",
+        variant=c.variant,
+        metric=c.metric,
+        threshold=threshold.describe(),
+    )
+    return dataclasses.replace(
+        c,
+        threshold=math.nan,
+        threshold_spec=threshold.describe(),
+        p_beyond=math.nan,
+        p_corrected=math.nan,
+        correction="none",
+        equivalence_p=None,
+        power=None,
+        verdict=Verdict.INCONCLUSIVE,
+        reason=reason,
+    )
 
 
 def _cost(

@@ -2,13 +2,19 @@
 
 A number is only comparable with numbers from the same environment, so every result records
 the devices' declared capabilities and fingerprints, the versions of the software stack, the
-git commit of the working directory (and whether the tree had uncommitted changes), and the
-TORCHHAL_* settings in force. `digest` is a short hash of it all, part of every experiment key.
+git commit of the working directory (and whether the tree had uncommitted changes), the
+TORCHHAL_* settings in force, and torch's global math and performance settings (thread counts,
+float32 matmul precision, deterministic algorithms, the cuDNN and cuBLAS switches). `digest` is
+a short hash of it all, part of every experiment key.
 
-A variant's own code is in its key too (`code_digest`), so editing its body starts a new
-experiment instead of resuming the old timings. What it calls is not: an edit there is seen only
-through the git state, and samples resumed while the tree is dirty or not in git are warned
-about and counted (`warn_resumed`).
+A variant's own code is in its key too (`code_digest`), with its default arguments and the
+arguments a partial binds, so editing its body or a default starts a new experiment instead of
+resuming the old timings. What it calls is not: an edit there is seen only through the git
+state, and samples resumed while the tree is dirty or not in git are warned about and counted
+(`warn_resumed`). Nor are the values it closes over, nor the value of a bound object whose repr
+is its memory address (a config, a tokenizer wrapper: the address differs in every process, so
+only the object's type is hashed; the first of each type is warned about, every one counted as
+`torchhal.evaluation.unkeyed_bound_values`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import types
 from collections.abc import Callable, Iterable
@@ -29,6 +36,11 @@ from torchhal.hal_core.profile import fingerprint as device_fingerprint
 log = telemetry.get_logger("torchhal.evaluation.fingerprint")
 
 _GIT_TIMEOUT_S = 10.0
+
+# the default repr of an object (`<pkg.Cfg object at 0x7f3a...>`), a function's, a lock's, ...
+_ADDRESS = re.compile(r"\bat 0x[0-9a-fA-F]+")
+_UNKEYED_COUNTER = "torchhal.evaluation.unkeyed_bound_values"
+_unkeyed_types_warned: set[str] = set()
 
 
 def environment_fingerprint(devices: Iterable[Device]) -> dict[str, Any]:
@@ -57,9 +69,43 @@ def environment_fingerprint(devices: Iterable[Device]) -> dict[str, Any]:
         },
         "git": git_state(),
         "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHHAL_")},
+        "torch_settings": torch_settings(),
     }
     data["digest"] = digest(data)
     return data
+
+
+def torch_settings() -> dict[str, Any]:
+    """torch's process-wide settings that change timings or results: the intra- and inter-op
+    thread counts, float32 matmul precision (TF32 on GPUs), deterministic algorithms, and the
+    cuDNN and cuBLAS switches, each where this torch has it. Read from flags only: nothing here
+    initialises a device runtime."""
+    import torch
+
+    settings: dict[str, Any] = {
+        "num_threads": torch.get_num_threads(),
+        "num_interop_threads": torch.get_num_interop_threads(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+    }
+    cudnn = getattr(torch.backends, "cudnn", None)
+    for name in ("benchmark", "deterministic", "allow_tf32"):
+        if cudnn is not None and hasattr(cudnn, name):
+            settings[f"cudnn.{name}"] = _setting(getattr(cudnn, name))
+    matmul = getattr(getattr(torch.backends, "cuda", None), "matmul", None)
+    for name in (
+        "allow_tf32",
+        "allow_fp16_reduced_precision_reduction",
+        "allow_bf16_reduced_precision_reduction",
+    ):
+        if matmul is not None and hasattr(matmul, name):
+            settings[f"cuda.matmul.{name}"] = _setting(getattr(matmul, name))
+    return settings
+
+
+def _setting(value: Any) -> Any:
+    return value if isinstance(value, (bool, int, float, str)) or value is None else repr(value)
 
 
 def capabilities_json(device: Device) -> dict[str, Any]:
@@ -73,13 +119,14 @@ def digest(data: Any) -> str:
 
 
 def code_digest(fn: Callable[..., Any]) -> str | None:
-    """A hash of the bytecode behind `fn`: its instructions, the names it reads and its constants,
-    nested functions' included; for a functools.partial its function's and the arguments it binds,
-    for a bound method its function's, for a torch Module (an object whose class has `forward`) its
-    class's forward (every Module's `__call__` is torch's), for another callable object its class's
-    `__call__`, and a decorator's `__wrapped__` too. None where no Python code is found (a builtin).
-    Line numbers and file names are left out, so moving code keeps the hash; what `fn` calls is
-    not followed."""
+    """A hash of the bytecode behind `fn`: its instructions, the names it reads, its constants and
+    its default arguments, nested functions' included; for a functools.partial its function's and
+    the arguments it binds, for a bound method its function's, for a torch Module (an object whose
+    class has `forward`) its class's forward (every Module's `__call__` is torch's), for another
+    callable object its class's `__call__`, and a decorator's `__wrapped__` too. None where no
+    Python code is found (a builtin). Line numbers and file names are left out, so moving code keeps
+    the hash; what `fn` calls is not followed, nor the values it closes over; a bound value whose
+    repr is its memory address counts by its type only (warned about, see the module's doc)."""
     codes: list[Any] = []
     seen = set()
     current: Any = fn
@@ -92,12 +139,22 @@ def code_digest(fn: Callable[..., Any]) -> str | None:
             )
             current = current.func
         target = getattr(current, "__func__", current)  # a bound method's function
+        function: Any = target
         code = getattr(target, "__code__", None)
         if code is None:  # a callable object: its class's forward (a torch Module) or __call__
-            call = getattr(type(target), "forward", None) or type(target).__call__
-            code = getattr(call, "__code__", None)
+            function = getattr(type(target), "forward", None) or type(target).__call__
+            code = getattr(function, "__code__", None)
         if code is not None:
-            codes.append(_code_parts(code))
+            parts = _code_parts(code)
+            # default arguments live on the function, not in its code (`block=64` -> `block=4096`);
+            # appended only where there are some, so the keys of functions without them stay
+            defaults = getattr(function, "__defaults__", None)
+            kwdefaults = getattr(function, "__kwdefaults__", None)
+            if defaults or kwdefaults:
+                parts.append(
+                    [_constant(defaults or ()), sorted(_constant(kv) for kv in (kwdefaults or {}).items())]
+                )
+            codes.append(parts)
         current = getattr(target, "__wrapped__", None)
     return digest(codes) if codes else None
 
@@ -109,13 +166,40 @@ def _code_parts(code: types.CodeType) -> list[Any]:
 def _constant(value: Any) -> Any:
     if isinstance(value, types.CodeType):
         return _code_parts(value)
-    if isinstance(value, tuple):
+    if isinstance(value, (tuple, list)):
         return [_constant(v) for v in value]
-    if isinstance(value, frozenset):  # its order follows string hashing, which varies by process
-        return sorted(repr(v) for v in value)
+    if isinstance(value, (dict, set, frozenset)):  # their order may follow string hashing (per process)
+        entries = [_constant(v) for v in (value.items() if isinstance(value, dict) else value)]
+        return sorted(e if isinstance(e, str) else repr(e) for e in entries)
     if hasattr(value, "shape") and hasattr(value, "dtype"):  # a tensor or array bound by a partial
         return f"{type(value).__name__}{tuple(value.shape)}:{value.dtype}"
-    return repr(value)
+    text = repr(value)
+    if not _ADDRESS.search(text):
+        return text
+    # the repr holds a memory address, new in every process: hashing it would give the experiment
+    # a new key each run, so resuming never matched. A function is named by where it is defined
+    # (its code is not followed, as for anything the variant calls); any other object counts by
+    # its type only, and its value is not in the key.
+    if isinstance(value, (type, types.FunctionType, types.BuiltinFunctionType)):
+        return f"{value.__module__ or ''}:{getattr(value, '__qualname__', value.__name__)}"
+    kind = f"{type(value).__module__}.{type(value).__qualname__}"
+    _unkeyed(kind)
+    return f"<{kind}>"
+
+
+def _unkeyed(kind: str) -> None:
+    """Warn (once per type) and count (every time) a bound value left out of an experiment key."""
+    telemetry.count(_UNKEYED_COUNTER)
+    if kind in _unkeyed_types_warned:
+        return
+    _unkeyed_types_warned.add(kind)
+    log.warning(
+        "a bound object's value is not part of the experiment key: only its type is",
+        type=kind,
+        reason="its repr holds a memory address, which differs in every process",
+        fix="bind plain values (numbers, strings, tuples), give the type a __repr__ of its "
+        "content, or name what differs in the variant's description",
+    )
 
 
 def warn_resumed(fingerprint: dict[str, Any], experiment: str, resumed: int) -> None:

@@ -55,6 +55,16 @@ if TYPE_CHECKING:
 log = telemetry.get_logger("torchhal.evaluation.harness")
 
 ORDERS = ("interleaved", "random", "blocked")
+
+VARIANT_NOTE = "in variant "
+"""How the PEP 678 note `Variant.call` adds to an exception of the variant's code begins."""
+
+
+def raised_in_variant(exc: BaseException) -> bool:
+    """Whether `exc` came out of a variant's own code (it carries `Variant.call`'s note)."""
+    return any(isinstance(n, str) and n.startswith(VARIANT_NOTE) for n in getattr(exc, "__notes__", ()))
+
+
 Progress = Callable[[int, int], None]
 
 
@@ -120,7 +130,7 @@ class Variant:
         try:
             return self.fn(*self.inputs.for_call(index), **self.inputs.kwargs)
         except Exception as exc:
-            note = f"in variant {self.name!r} ({self.description}) on input set {index % len(self.inputs)}"
+            note = f"{VARIANT_NOTE}{self.name!r} ({self.description}) on input set {index % len(self.inputs)}"
             exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # add_note() from Python 3.11
             raise
 

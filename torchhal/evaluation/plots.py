@@ -50,20 +50,19 @@ def _pyplot() -> Any:
 def _distributions(plt: Any, result: ExperimentResult, metric: str, out: Path) -> Path:
     unit = METRICS[metric].unit
     fig, (hist, cdf) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in result.variants:
+    for index, name in enumerate(result.variants):
+        color = f"C{index}"  # one colour per variant in both panels, whichever way each is drawn
         values = np.sort(result.samples(name, metric))
         if constant(values):  # deterministic: one value, one line
-            hist.axvline(
-                values[0], label=f"{name} (every sample)", color=f"C{list(result.variants).index(name)}"
-            )
+            hist.axvline(values[0], label=f"{name} (every sample)", color=color)
         else:
-            hist.hist(values, bins=min(30, max(5, values.size // 3)), alpha=0.5, label=name)
+            hist.hist(values, bins=min(30, max(5, values.size // 3)), alpha=0.5, label=name, color=color)
         cdf.step(
             values,
             np.arange(1, values.size + 1) / values.size,
             where="post",
             label=name,
-            color=f"C{list(result.variants).index(name)}",
+            color=color,
         )
     hist.set(title=f"{metric}: distribution", xlabel=unit, ylabel="samples")
     cdf.set(title=f"{metric}: empirical CDF", xlabel=unit, ylabel="fraction <= x")
@@ -92,7 +91,8 @@ def _comparisons(plt: Any, result: ExperimentResult, out: Path) -> Path:
             ax.annotate(
                 c.verdict.value, (hi, y), xytext=(6, -3), textcoords="offset points", fontsize="small"
             )
-            ax.axvspan(ref - band, ref + band, alpha=0.1)
+            if np.isfinite(band):  # NaN: a relative threshold of a baseline median of 0 (no threshold)
+                ax.axvspan(ref - band, ref + band, alpha=0.1)
         ax.axvline(ref, color="grey", linestyle="--")
         ax.set_yticks(range(len(rows)), [c.variant for c in rows])
         unit = METRICS[metric].unit

@@ -101,7 +101,8 @@ def measure_quality(
     done, total, resumed = 0, n * len(variants), 0
     with telemetry.span("torchhal.evaluation.quality", variants=sorted(by_name), reference=reference, sets=n):
         for i in range(n):
-            key = f"quality:{kind}:{ref.inputs.hash(i)}"
+            # the set's index as well as its content: equal sets are still separate samples
+            key = f"quality:{kind}:{i}:{ref.inputs.hash(i)}"
             cached = {v.name: store.get(experiment, v.name, key) if store else None for v in variants}
             missing = [v for v in variants if cached[v.name] is None]
             expected = _host(_call(ref, i)) if missing else None

@@ -13,8 +13,12 @@
 a table {shape = [...], dtype = "...", distribution = "normal"|"uniform"} a tensor made so
 ("uniform" is U[0.5, 1.5), never zero); {value = x} a plain number. Inputs are drawn on the
 host from a generator seeded by (workload seed, set index), then copied explicitly to each
-variant's device and dtype. `callable` imports and runs code named by the spec, as pytest
-runs a test file: use spec files you trust.
+variant's device. Dtypes: an argument that declares its own `dtype` keeps it in every
+variant; the variant's `dtype` (else [workload] dtype, else float32) applies to the floating
+arguments that declare none. Where a variant's or the workload's `dtype` is given and a floating
+argument declares another, the spec is refused, naming the argument and both dtypes (a variant
+cannot both be "in bfloat16" and take that argument in float64). `callable` imports and runs code
+named by the spec, as pytest runs a test file: use spec files you trust.
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ class _Builder:
                 f"{where}: [workload] input_sets must be an integer >= 1, got {self.sets!r}"
             )
         self.host_inputs = self._host_inputs()
+        self.declared = self._declared_dtypes()  # kept in every variant
 
     def variant(self, raw: Any, where: str) -> Variant:
         if not isinstance(raw, dict):
@@ -180,8 +185,8 @@ class _Builder:
         env = raw.get("env")
         hal = self.hal if env is None else hal_for_environment(_str_map(env, f"{where}: env"))
         device = self._device(hal, raw.get("device", self.workload.get("device")), where)
-        dtype = _dtype(raw.get("dtype", self.workload.get("dtype", "float32")), where)
-        inputs = self.host_inputs.map(lambda t: device.to_device(t.to(dtype) if t.is_floating_point() else t))
+        dtype = self._variant_dtype(raw, name, where)
+        inputs = self._inputs_for(device, dtype)
         try:
             if "kernel" in raw:
                 if not isinstance(self.op, str):
@@ -197,13 +202,51 @@ class _Builder:
                 description = f"callable {raw['callable']}"
             if env is not None:
                 description += f" with {env}"
-            return Variant(
-                name, fn, device, inputs, hal, self.items, f"{description} on {device.id} in {dtype}"
+            kept = ", ".join(
+                f"args[{k}] {d}"
+                for k, d in sorted(self.declared.items())
+                if d.is_floating_point and d != dtype
             )
+            description += f" on {device.id} in {dtype}" + (f" ({kept} as declared)" if kept else "")
+            return Variant(name, fn, device, inputs, hal, self.items, description)
         except ConfigurationError:
             raise
         except TorchHALError as exc:
             raise ConfigurationError(f"{where} ({name}): {exc}") from exc
+
+    def _variant_dtype(self, raw: dict[str, Any], name: str, where: str) -> torch.dtype:
+        """The dtype of the floating arguments that declare none; where the variant or the workload
+        names it, a floating argument declaring another dtype is refused, not silently replaced."""
+        if "dtype" in raw:
+            source = f"{where} dtype"
+            dtype = _dtype(raw["dtype"], where)
+        elif "dtype" in self.workload:
+            source = f"{self.where}: [workload] dtype"
+            dtype = _dtype(self.workload["dtype"], f"{self.where}: [workload]")
+        else:
+            return torch.float32  # the default never overrides an argument's own dtype
+        for k, declared in sorted(self.declared.items()):
+            if declared.is_floating_point and declared != dtype:
+                raise ConfigurationError(
+                    f"{where} ({name}): [workload] args[{k}] declares dtype {declared} "
+                    f"({self.where}: [workload] args[{k}].dtype), but the variant's dtype is {dtype} "
+                    f"({source}); make them agree, or drop one of them"
+                )
+        return dtype
+
+    def _inputs_for(self, device: Device, dtype: torch.dtype) -> Inputs:
+        """The host sets on `device`: floating tensors of arguments without a declared dtype in
+        `dtype`, every other argument as made."""
+
+        def place(k: int, value: Any) -> Any:
+            if not isinstance(value, torch.Tensor):
+                return value
+            if value.is_floating_point() and k not in self.declared:
+                value = value.to(dtype)
+            return device.to_device(value)
+
+        host = self.host_inputs
+        return Inputs([tuple(place(k, a) for k, a in enumerate(s)) for s in host.sets], host.kwargs)
 
     def _device(self, hal: HardwareAbstractionLayer, device_id: Any, where: str) -> Device:
         try:
@@ -227,6 +270,15 @@ class _Builder:
             return tuple(_argument(a, gen, f"{where}[{k}]") for k, a in enumerate(args))
 
         return Inputs([make(i) for i in range(self.sets)], kwargs)  # kwargs may be named `count`
+
+    def _declared_dtypes(self) -> dict[int, torch.dtype]:
+        """The positions of the arguments that declare their own dtype (checked by `_host_inputs`)."""
+        args = self.workload.get("args", [])
+        return {
+            k: _dtype(a["dtype"], f"{self.where}: [workload] args[{k}]")
+            for k, a in enumerate(args)
+            if isinstance(a, dict) and "dtype" in a and "value" not in a
+        }
 
 
 def _argument(spec: Any, gen: torch.Generator, where: str) -> Any:
