@@ -13,7 +13,18 @@ restarted generation can read the previous one's rendezvous keys and fail or han
 (pytorch/pytorch#135712). `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1` in torchrun's own environment
 turns the sharing off, so every round gets a fresh store; `torchrun_env()` / `torchrun_command()`
 set it. A worker cannot set it for its agent, so `start()` logs a warning when it finds itself
-restarted on a shared store (the generation prefix still keeps the keys apart).
+restarted on a shared store (the generation prefix still keeps the keys apart), and logs (info)
+and counts the shared store on the first generation too.
+
+The prefix does not keep two rounds apart when torchelastic restarts the workers for a membership
+change (a node joined): that restart keeps TORCHELASTIC_RESTART_COUNT, so the new round reuses
+`gen<n>` on the same shared store and would read the old round's keys (its process group's
+addresses too: gloo then fails after its connect timeout). `start()` finds the old round's join
+keys before it builds anything and raises a ConfigurationError that says so and names
+`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`.
+
+Arguments are checked before the rank joins; a failure after the process group was made stops
+the monitor and destroys the groups, so a retry in the same process starts clean.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchhal.distributed.checkpoint import Checkpointer
-from torchhal.distributed.health import HealthMonitor
+from torchhal.distributed.health import HealthMonitor, check_timing
 from torchhal.distributed.init import DistContext, init
 from torchhal.hal_core import CollectiveError, ConfigurationError, InvalidArgumentError, telemetry
 from torchhal.hal_core.process_groups import env_int
@@ -126,29 +137,50 @@ class ElasticJob:
         Outside torchrun, pass the rendezvous `store` and the generation `gen` explicitly
         (RANK and WORLD_SIZE still come from the environment).
         """
-        if save_every < 1:
-            raise InvalidArgumentError(f"ElasticJob: save_every must be >= 1, got {save_every}")
+        # everything the monitor and checkpointer would refuse, refused before this rank joins
+        for name, value in (("save_every", save_every), ("keep", keep)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidArgumentError(f"ElasticJob: {name} must be an integer >= 1, got {value!r}")
+        check_timing(
+            heartbeat_interval,
+            heartbeat_deadline,
+            owner="ElasticJob (heartbeat_interval, heartbeat_deadline)",
+        )
         gen = generation() if gen is None else gen
-        if gen > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            log.warning(
-                "restarted on torchrun's shared rendezvous store; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
-                "for torchrun (see torchhal.distributed.elastic)",
-                generation=gen,
-            )
-            telemetry.count("torchhal.elastic.shared_store_restart")
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            if gen > 0:
+                log.warning(
+                    "restarted on torchrun's shared rendezvous store; set "
+                    "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (see torchhal.distributed.elastic)",
+                    generation=gen,
+                )
+                telemetry.count("torchhal.elastic.shared_store_restart")
+            else:  # a membership change restarts this generation under the same prefix
+                log.info(
+                    "on torchrun's shared rendezvous store: a membership change would restart the "
+                    "workers under this same generation and fail; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                    "for torchrun avoids it",
+                    generation=gen,
+                )
+            telemetry.count("torchhal.elastic.shared_store")
         prefix = f"gen{gen}"
         store = store if store is not None else _rendezvous_store(join_timeout)
         _join(store, prefix, join_timeout)
         ctx = init(hal, device=device, store=store, prefix=prefix, timeout=timeout)
-        monitor = HealthMonitor(
-            dist.PrefixStore(prefix + "/", store),
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            interval=heartbeat_interval,
-            deadline=heartbeat_deadline,
-            on_failure=on_failure,
-        ).start()
-        checkpointer = Checkpointer(directory, ctx, keep=keep, timeout=join_timeout)
+        monitor: HealthMonitor | None = None
+        try:
+            monitor = HealthMonitor(
+                dist.PrefixStore(prefix + "/", store),
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+                interval=heartbeat_interval,
+                deadline=heartbeat_deadline,
+                on_failure=on_failure,
+            ).start()
+            checkpointer = Checkpointer(directory, ctx, keep=keep, timeout=join_timeout)
+        except BaseException as exc:
+            _undo_start(ctx, monitor, exc, prefix)
+            raise
         log.info("elastic generation started", generation=gen, rank=ctx.rank, world_size=ctx.world_size)
         return cls(ctx, gen, checkpointer, monitor, save_every)
 
@@ -195,10 +227,42 @@ class ElasticJob:
         return after
 
     def close(self) -> None:
-        """Commit a pending checkpoint, stop the monitor, destroy the process groups."""
-        self.checkpointer.close()
-        self.monitor.stop()
-        self.ctx.shutdown()
+        """Commit a pending checkpoint, stop the monitor, destroy the process groups. The monitor
+        stops and the groups go even when the commit fails (its error is raised after)."""
+        try:
+            self.checkpointer.close()
+        finally:
+            try:
+                self.monitor.stop()
+            finally:
+                self.ctx.shutdown()
+
+
+def _undo_start(ctx: DistContext, monitor: HealthMonitor | None, exc: BaseException, prefix: str) -> None:
+    """Stop the monitor and destroy the groups `start` made before `exc`; an error on the way is
+    logged (the caller raises `exc`)."""
+    telemetry.count("torchhal.elastic.start_undone")
+    log.warning(
+        "elastic start failed after the process group was made; stopping the monitor and destroying "
+        "the groups",
+        generation=prefix,
+        rank=ctx.rank,
+        error=f"{type(exc).__name__}: {exc}",
+    )
+    steps: list[tuple[str, Callable[[], None]]] = [("destroy the process groups", ctx.shutdown)]
+    if monitor is not None:
+        steps.insert(0, ("stop the health monitor", monitor.stop))
+    for what, undo in steps:
+        try:
+            undo()
+        except Exception as undo_exc:  # the start's own error is the one to raise
+            telemetry.count("torchhal.elastic.undo_failed")
+            log.error(
+                f"elastic start: could not {what} after the start failed",
+                generation=prefix,
+                rank=ctx.rank,
+                error=f"{type(undo_exc).__name__}: {undo_exc}",
+            )
 
 
 def _rendezvous_store(timeout: timedelta) -> Store:
@@ -217,10 +281,18 @@ def _rendezvous_store(timeout: timedelta) -> Store:
 
 
 def _join(store: Store, prefix: str, timeout: timedelta) -> None:
-    """Wait (up to `timeout`) until every rank of the generation reached the store."""
+    """Wait (up to `timeout`) until every rank of the generation reached the store.
+
+    The all-joined key is written only when the last rank adds itself, so finding it before this
+    rank's add, or a count above the world size after it, means an earlier round of this
+    generation wrote them: refused (see the module's note on membership changes)."""
     world = env_int("WORLD_SIZE", default=1)
     joined = dist.PrefixStore(prefix + "/", store)
+    if joined.check(["torchhal_all_joined"]):
+        _stale_generation(prefix, world, "its all-joined key was already set before this rank joined")
     count = joined.add("torchhal_joined", 1)
+    if count > world:
+        _stale_generation(prefix, world, f"this rank was number {count} to join a world of {world}")
     if count == world:
         joined.set("torchhal_all_joined", "1")
     try:
@@ -230,3 +302,20 @@ def _join(store: Store, prefix: str, timeout: timedelta) -> None:
             f"generation {prefix}: not every one of {world} ranks joined within "
             f"{timeout.total_seconds():g} s ({count} had when this rank did): {exc}"
         ) from exc
+
+
+def _stale_generation(prefix: str, world: int, found: str) -> None:
+    rank = os.environ.get("RANK", "?")
+    telemetry.count("torchhal.elastic.stale_generation")
+    message = (
+        f"generation {prefix} (rank {rank} of {world}): the rendezvous store already holds this "
+        f"generation's keys from an earlier round ({found}), so this round would read that round's "
+        "process-group keys and fail to connect. torchelastic restarts workers for a membership change "
+        "without raising TORCHELASTIC_RESTART_COUNT, and its agent's shared TCPStore "
+        f"(TORCHELASTIC_USE_AGENT_STORE={os.environ.get('TORCHELASTIC_USE_AGENT_STORE')}) outlives "
+        "the round: launch torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment "
+        "(torchhal.distributed.elastic.torchrun_env() sets it) so every round gets a fresh store; "
+        "outside torchrun, pass a fresh store or another gen"
+    )
+    log.error("stale generation on the rendezvous store", generation=prefix, rank=rank, found=found)
+    raise ConfigurationError(message)

@@ -8,19 +8,32 @@ rank weighted by its share of the batch, through the Communicator's hierarchical
 The sync is explicit (after backward, before the optimizer) rather than a DDP comm hook: DDP
 averages ranks equally, which is wrong for unequal batch shares, and needs one backend for
 every rank's tensors.
+
+`create` and `rebalance` are collectives that exchange each rank's figure together with whether
+it could give one: a rank whose profile lookup (or figure) failed makes every rank raise a
+CollectiveError naming it and its error, where its peers used to get gloo's bare "Connection
+closed by peer" (or wait out the timeout).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchhal.hal_core import Device, DType, InvalidArgumentError, UnsupportedError, telemetry
+from torchhal.hal_core import (
+    CollectiveError,
+    Device,
+    DType,
+    InvalidArgumentError,
+    UnsupportedError,
+    telemetry,
+)
 
 if TYPE_CHECKING:
     from torchhal.distributed.init import DistContext
@@ -44,6 +57,7 @@ def split_batch(global_batch: int, throughputs: Sequence[float]) -> tuple[int, .
     if n == 0:
         raise InvalidArgumentError("split_batch: needs at least one rank's throughput, got none")
     _check_throughputs("split_batch", throughputs)
+    throughputs = [float(t) for t in throughputs]  # a NumPy or other real number from here on
     if not isinstance(global_batch, int) or global_batch < n:
         raise InvalidArgumentError(
             f"split_batch: global_batch must be an integer >= the number of ranks ({n}), got {global_batch!r}"
@@ -61,12 +75,19 @@ def split_batch(global_batch: int, throughputs: Sequence[float]) -> tuple[int, .
 
 
 def _check_throughputs(what: str, throughputs: Sequence[float]) -> None:
-    """Rates divide batches and FLOPs: zero, negative or NaN ones give nonsense, not an error."""
-    bad = [
-        (r, t)
+    """Rates divide batches and FLOPs: zero, negative or NaN ones give nonsense, not an error.
+    Any real number is a rate (a NumPy float32 too); a bool is not."""
+    not_real = [
+        f"rank {r}: {t!r} ({type(t).__name__})"
         for r, t in enumerate(throughputs)
-        if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0)
+        if isinstance(t, bool) or not isinstance(t, numbers.Real)
     ]
+    if not_real:
+        raise InvalidArgumentError(
+            f"{what}: throughputs must be real numbers (int, float, a NumPy float; not bool), got "
+            f"{'; '.join(not_real)}"
+        )
+    bad = [(r, t) for r, t in enumerate(throughputs) if not (math.isfinite(t) and t > 0)]
     if bad:
         raise InvalidArgumentError(f"{what}: throughputs must be finite and > 0, got {bad} (rank, value)")
 
@@ -171,10 +192,11 @@ class HeteroGroup:
         `throughput` (TFLOP/s) defaults to this device's profiled matmul rate in `dtype`.
         Islands are keyed by (vendor/adapter, backend), so two runtimes of one vendor stay apart.
         """
-        mine = profiled_throughput(ctx.hal, ctx.device, dtype) if throughput is None else throughput
-        gathered: list[Any] = [None] * ctx.world_size
-        dist.all_gather_object(gathered, float(mine), group=ctx.communicator.group)
-        throughputs = tuple(float(t) for t in gathered)
+
+        def mine() -> Any:  # looked up inside the exchange, so a failed lookup reaches every rank
+            return profiled_throughput(ctx.hal, ctx.device, dtype) if throughput is None else throughput
+
+        throughputs = _exchange(ctx, "HeteroGroup.create", "throughput", mine)
         sizes = split_batch(global_batch, throughputs)
         caps = ctx.device.capabilities
         islands = ctx.communicator.islands(vendor=f"{caps.vendor}/{caps.adapter}")
@@ -235,15 +257,14 @@ class HeteroGroup:
         same new sizes, which `local_batch`, `offset` and `local_slice` then follow. Call it
         between steps, on every rank.
         """
-        gathered: list[Any] = [None] * self.ctx.world_size
-        dist.all_gather_object(gathered, float(compute_s), group=self.ctx.communicator.group)
+        gathered = _exchange(self.ctx, "HeteroGroup.rebalance", "compute time", lambda: compute_s)
         before = self.batch_sizes
         self.batch_sizes = rebalanced_split(self.global_batch, before, gathered)
         telemetry.count("torchhal.distributed.rebalanced")
         log.info(
             "batch re-split by measured compute times",
             rank=self.ctx.rank,
-            compute_s=gathered,
+            compute_s=list(gathered),
             before=list(before),
             after=list(self.batch_sizes),
         )
@@ -258,6 +279,38 @@ class HeteroGroup:
             "modelled_step_time_imbalance": max(times) / min(times),
             "islands": [list(i.ranks) for i in self.islands.layout],
         }
+
+
+def _exchange(ctx: DistContext, what: str, figure: str, mine: Callable[[], Any]) -> tuple[float, ...]:
+    """Collective: every rank's `mine()` as a float, rank order. Each rank sends (True, value) or
+    (False, its error), so where one rank's figure failed every rank raises the same
+    CollectiveError naming the failed rank(s) and their errors (on a failed rank, from its own)."""
+    local: Exception | None = None
+    try:
+        value = mine()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise InvalidArgumentError(
+                f"{figure} must be a real number, got {value!r} ({type(value).__name__})"
+            )
+        payload: tuple[bool, Any] = (True, float(value))
+    except Exception as exc:  # sent to every peer, then raised on every rank
+        local = exc
+        payload = (False, f"{type(exc).__name__}: {exc}")
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, payload, group=ctx.communicator.group)
+    failed = {r: text for r, (ok, text) in enumerate(gathered) if not ok}
+    if failed:
+        telemetry.count("torchhal.distributed.hetero_exchange_failed")
+        detail = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
+        error = CollectiveError(
+            f"{what} (rank {ctx.rank} of {ctx.world_size}): rank(s) {sorted(failed)} could not give "
+            f"their {figure}, so no rank goes on: {detail}"
+        )
+        log.error("heterogeneous exchange failed", rank=ctx.rank, what=what, failed=sorted(failed))
+        if local is not None:
+            raise error from local
+        raise error
+    return tuple(float(v) for _, v in gathered)
 
 
 def _buckets(params: Sequence[nn.Parameter]) -> list[list[nn.Parameter]]:
