@@ -51,7 +51,7 @@ def test_a_step_holds_one_micro_batch_at_a_time(ctx, strategy):
     )  # fmt: skip
     assert_same_parameters(prepared.model, reference.model)
     assert [s.loss for s in stats] == [s.loss for s in expected]
-    assert [s.tokens for s in stats] == [k * rows * DIM] * steps
+    assert [s.tokens for s in stats] == [k * rows] * steps  # a floating (rows, DIM) batch: its rows
 
 
 def test_waiting_on_the_loader_is_not_step_time(ctx):

@@ -114,7 +114,8 @@ def test_accumulated_micro_batches_equal_one_batch_of_them_all(ctx, strategy):
         [s.grad_norm for s in stats], [s.grad_norm for s in reference], rtol=1e-5, atol=1e-7
     )
     torch.testing.assert_close([s.loss for s in stats], [s.loss for s in reference], rtol=1e-6, atol=1e-7)
-    assert [s.tokens for s in stats] == [s.tokens for s in reference] == [k * rows * DIM] * steps
+    # a floating (rows, DIM) batch counts its rows: one token a row, not each of its DIM features
+    assert [s.tokens for s in stats] == [s.tokens for s in reference] == [k * rows] * steps
     assert [s.step for s in stats] == list(range(steps))
 
 

@@ -69,7 +69,8 @@ def test_train_emits_a_span_per_step_and_a_log_line_every_few_steps(ctx):
     for span, stat in zip(spans, stats, strict=True):
         assert span.attributes["loss"] == stat.loss and span.attributes["grad_norm"] == stat.grad_norm
         assert span.attributes["step_time_s"] == stat.step_time_s > 0
-        assert span.attributes["tokens_per_s"] == pytest.approx(data[0][0].numel() / stat.step_time_s)
+        # a floating (rows, dim) batch counts its rows
+        assert span.attributes["tokens_per_s"] == pytest.approx(len(data[0][0]) / stat.step_time_s)
     lines = [line for line in stream.getvalue().splitlines() if "train step" in line]
     assert len(lines) == 2 and "step=10" in lines[0] and "step=12" in lines[1]  # first, then every 2nd
     assert "trace_id=" in lines[0]
@@ -96,7 +97,7 @@ def test_first_loss_and_gradient_norm_match_an_independent_computation(ctx):
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in twin.parameters()]))
     assert stats[0].loss == pytest.approx(loss.item(), rel=1e-6)
     assert stats[0].grad_norm == pytest.approx(norm.item(), rel=1e-5)
-    assert stats[0].tokens == data[0][0].numel() and stats[0].scale is None
+    assert stats[0].tokens == len(data[0][0]) and stats[0].scale is None  # the floating batch's rows
 
 
 def test_ddp_with_a_bf16_policy_computes_in_bf16_and_keeps_fp32_parameters(ctx):

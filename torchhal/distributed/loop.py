@@ -6,7 +6,9 @@ as it is run so that one is held at a time, forward under the policy's autocast 
 runs), unscale and clip, optimizer step. Ops inside run with `ctx.hal.use(ctx.device)` active,
 so `torchhal.ops` dispatch to this rank's device (a simulated ASIC included). Step time is host
 wall time after the device synchronised, less the time spent waiting on the loader; tokens
-counts this rank's tokens (the first tensor of each batch).
+counts this rank's tokens (see `_tokens`: a mapping's `input_ids`, else its `labels`, else the
+batch's first tensor; a floating tensor counts its elements over all but its last dimension), and
+is None where a batch holds no tensor to count (said once per `train` call).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import contextlib
 import inspect
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +43,8 @@ class StepStats:
     step: int
     loss: float
     step_time_s: float
-    tokens: int
-    tokens_per_s: float
+    tokens: int | None  # None: a batch held no tensor to count tokens in
+    tokens_per_s: float | None
     grad_norm: float | None  # before clipping; None when not clipping
     scale: float | None = None  # the gradient scaler's scale after the step (fp16)
     scaler_skipped: bool = False  # the scaler found inf/nan gradients and skipped the optimizer step
@@ -51,9 +53,14 @@ class StepStats:
     # gradient accumulation, summed over the micro-batches (not the loader or the ranks' agreement
     # between them)
     compute_s: float | None = None
-    # the forward's real elapsed time (set by train), summed over the step's micro-batches: no
-    # collective runs in it under DDP, local and heterogeneous training, so it shows a straggler
-    # that the synchronised step_time_s hides
+    # the forward's real elapsed time (set by train), summed over the step's micro-batches. No
+    # collective runs in it under local and heterogeneous training. Under DDP the gradient
+    # all-reduce runs in backward, but with broadcast_buffers=True (DDP's default) and a model
+    # that has buffers, DDP's forward first broadcasts rank 0's buffers: a collective that waits
+    # until every rank has reached its forward (their loaders and optimizer steps differ a
+    # little), before any of the forward's compute, so a rank slow in its own forward still shows
+    # here, where the synchronised step_time_s hides it. Under FSDP the forward waits on
+    # parameter all-gathers, so a straggler shows only in part.
     forward_s: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -79,9 +86,12 @@ def train(
 ) -> list[StepStats]:
     """Run `steps` optimizer steps over `batches`; return each step's statistics.
 
-    A batch is a tensor or a tuple of tensors on `ctx.device`; `loss_fn(model, batch)` returns
-    the scalar loss (default: `model(*batch)`). `grad_sync(model)` runs after backward, for
-    gradients synchronised outside DDP/FSDP. `first_step` numbers the steps of a resumed run.
+    A batch is a tensor, a tuple of tensors or a mapping of names to tensors (Hugging Face's
+    `{"input_ids", "labels", "attention_mask"}`) on `ctx.device`; `loss_fn(model, batch)` returns
+    the scalar loss (default: `model(*batch)`, `model(**batch)` for a mapping, `model(batch)` for a
+    tensor; an output that is not a tensor gives its `.loss`, as a Hugging Face model's).
+    `grad_sync(model)` runs after backward, for gradients synchronised outside DDP/FSDP.
+    `first_step` numbers the steps of a resumed run.
     Each step consumes `gradient_accumulation_steps` batches (micro-batches): each one's loss is
     divided by that count before backward, so the gradient is the mean over the micro-batches
     (one batch of them all under a mean loss, when they are of equal size), and gradients are
@@ -104,7 +114,25 @@ def train(
     optimizer's step is called without a closure: one that needs one (LBFGS) is refused.
     A model in training mode keeps its submodules' modes (a BatchNorm frozen with `.eval()` for
     fine-tuning stays frozen, as Lightning keeps them); one in evaluation mode is put in training
-    mode whole, and that is logged.
+    mode whole, and that is logged. Where `on_step` leaves the model (or the module a DDP or
+    compiled wrapper wraps) in evaluation mode (a validation pass), every module's mode recorded
+    when training began is put back before the next step (logged once a call, counted).
+    Gradients that parameters hold when `train` begins (a backward run before it) are dropped
+    before the first step (logged as a warning naming how many, counted), not added into it.
+    The strategy (DDP, FSDP2, local) is the model's: a policy that never went through `prepare`
+    (`choose_precision`'s) takes it from the DDP or FSDP2 module inside the model, so the batch
+    agreement and autocast are the same whichever of the two policies is passed; a policy
+    prepared for another strategy than the model's is refused. Where steps synchronise gradients
+    across ranks, the ranks agree once at the start (one host-side all-gather of a small code)
+    that their gradients are scaled alike (a gradient scaler on every rank or on none), their
+    strategy is the same and, under FSDP2, their parameter dtype; a mismatch is refused on every
+    rank naming each rank's policy and scaler (scaled and unscaled gradients were averaged).
+    Ranks may compute in different formats otherwise (fp32 on one, bf16 on another: gradients
+    are fp32 on both), which is logged. Under FSDP2 with a parameter dtype below fp32, FSDP2
+    casts every floating-point tensor passed to the model's forward to that dtype (targets
+    included), where DDP's autocast leaves them as given: the first forward of a `train` call
+    that has such a cast logs it as a warning (counted); give the loss's targets to `loss_fn`
+    outside the model to keep them in fp32.
     """
     if steps < 0:
         raise InvalidArgumentError(f"train: steps must be >= 0, got {steps}")
@@ -123,14 +151,21 @@ def train(
         raise InvalidArgumentError(
             f"train: precision policy {policy.name!r} needs a gradient scaler (pass prepared.scaler)"
         )
+    policy = _policy_for_model(model, policy)
     compute_loss = loss_fn or _call_model
-    stats: list[StepStats] = []
     source = iter(batches)
     agree = steps_synchronise(ctx.world_size, policy, grad_sync)
     no_sync = _gradient_sync_off(model) if accumulate > 1 else None
+    if agree and steps > 0:
+        _agree_on_gradients(ctx, policy, scaler, accumulate)
+    if steps > 0:
+        _drop_stale_gradients(model, optimizer)
     _to_training_mode(model)
+    modes = _Modes(model)
     buffers = Buffers(model)
-    with ctx.hal.use(ctx.device):
+    stats: list[StepStats] = []
+    uncounted = False  # said once a call: a batch held no tensor to count tokens in
+    with ctx.hal.use(ctx.device), _CastWatch(model, policy):
         for step in range(first_step, first_step + steps):
             feed = _MicroBatches(source, ctx, accumulate, agree, step - first_step, steps)
             try:
@@ -156,16 +191,26 @@ def train(
                 )
                 span.set_attribute("loss", result.loss)
                 span.set_attribute("step_time_s", result.step_time_s)
-                span.set_attribute("tokens_per_s", result.tokens_per_s)
+                if result.tokens_per_s is not None:
+                    span.set_attribute("tokens_per_s", result.tokens_per_s)
                 if result.grad_norm is not None:
                     span.set_attribute("grad_norm", result.grad_norm)
                 if result.scale is not None:
                     span.set_attribute("scaler_skipped", result.scaler_skipped)
                 if (step - first_step) % log_every == 0 or step == first_step + steps - 1:
                     log.info("train step", rank=ctx.rank, device=ctx.device.id, **result.as_dict())
+            if result.tokens is None and not uncounted:
+                uncounted = True
+                log.warning(
+                    "train: a batch holds no tensor to count tokens in (a mapping's input_ids or labels, "
+                    "else the batch's first tensor): tokens and tokens_per_s are None, not a count",
+                    step=step,
+                )
+                telemetry.count("torchhal.train.tokens_uncounted")
             stats.append(result)
             if on_step is not None:
                 on_step(result)
+                modes.put_back_after_on_step(step)
     return stats
 
 
@@ -265,22 +310,40 @@ class _MicroBatches:
         differently) are told so, rather than pairing one's agreement with another's."""
         place = self._done * self.count + index
         values = self._ctx.communicator.host_all_gather(float(code + 4 * (place % _PLACES)))
-        places = [place + (int(v) // 4 - place) % _PLACES for v in values]
-        places = [there - _PLACES if there - place > _PLACES // 2 else there for there in places]
+        places = [_place_of(v, place) for v in values]
         apart = [rank for rank, there in enumerate(places) if there != place]
         if apart:
-
-            def where(there: int) -> str:
-                return f"step {there // self.count} micro-batch {there % self.count}"
-
-            raise CollectiveError(
-                f"train: ranks out of step: rank(s) {apart} at "
-                f"{', '.join(where(places[r]) for r in apart)} of their train call, this rank at "
-                f"{where(place)}: an earlier error stopped ranks at different points (recreate the "
-                "process group before training again), or ranks split their steps into train "
-                "calls differently (every rank must make the same calls)"
-            )
+            raise _out_of_step(apart, places, place, self.count)
         return [int(v) % 4 for v in values]
+
+
+def _place_of(value: float, near: int) -> int | None:
+    """The place a rank's agreement value carries, taken as the one nearest `near` of those
+    alike modulo 2**20; None for a rank at the start of a train call (`_agree_on_gradients`
+    sends a negative value)."""
+    if value < 0:
+        return None
+    there = near + (int(value) // 4 - near) % _PLACES
+    return there - _PLACES if there - near > _PLACES // 2 else there
+
+
+def _out_of_step(
+    apart: list[int], places: list[int | None], place: int | None, count: int
+) -> CollectiveError:
+    """Ranks `apart` agree at other places than this rank (None: a train call's start)."""
+
+    def where(there: int | None) -> str:
+        if there is None:
+            return "step 0 micro-batch 0 (the start, where ranks agree on their gradients' scaling)"
+        return f"step {there // count} micro-batch {there % count}"
+
+    return CollectiveError(
+        f"train: ranks out of step: rank(s) {apart} at "
+        f"{', '.join(where(places[r]) for r in apart)} of their train call, this rank at "
+        f"{where(place)}: an earlier error stopped ranks at different points (recreate the "
+        "process group before training again), or ranks split their steps into train "
+        "calls differently (every rank must make the same calls)"
+    )
 
 
 _PLACES = 2**20
@@ -403,13 +466,14 @@ def _step(
     ctx.device.synchronize()
     elapsed = time.perf_counter() - start - feed.loading_s
     forward_s = sum(clock.elapsed_ms(*m.forward) for m in micro) / 1e3
-    tokens = sum(m.tokens for m in micro)
+    counts = [m.tokens for m in micro]
+    tokens = None if None in counts else sum(c for c in counts if c is not None)
     return StepStats(
         step=step,
         loss=value,
         step_time_s=elapsed,
         tokens=tokens,
-        tokens_per_s=tokens / elapsed if elapsed > 0 else math.inf,
+        tokens_per_s=None if tokens is None else tokens / elapsed if elapsed > 0 else math.inf,
         grad_norm=norm,
         scale=scale,
         scaler_skipped=skipped,
@@ -467,7 +531,7 @@ class _Micro:
     loss: torch.Tensor  # undivided, detached
     forward: tuple[object, object]  # marks on the real-time clock
     compute: tuple[object, object]  # forward to end of backward on the device timer (a grad_sync)
-    tokens: int
+    tokens: int | None  # None: no tensor to count them in
 
 
 def _forward_backward(
@@ -511,6 +575,257 @@ def _to_training_mode(model: nn.Module) -> None:
     model.train()
 
 
+class _Modes:
+    """Each module's training mode when `train` began, put back after an `on_step` that left the
+    model in evaluation mode (a validation pass: `model.eval()`, or `.eval()` of the module a DDP
+    or compiled wrapper wraps, which is the caller's own model). Every later step ran in evaluation
+    mode before: dropout off, BatchNorm normalising with its running statistics and not updating
+    them. A change `on_step` makes to a submodule alone (freezing a BatchNorm) is its author's and
+    is kept."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._modes = [(module, module.training) for module in model.modules()]
+        self._roots = [root for root in _trained_roots(model) if root.training]
+        self._said = False
+
+    def put_back_after_on_step(self, step: int) -> None:
+        if all(root.training for root in self._roots):
+            return
+        for module, mode in self._modes:  # each module's own, not .train(mode) of a subtree
+            module.training = mode
+        telemetry.count("torchhal.train.modes_put_back")
+        if not self._said:
+            self._said = True
+            frozen = sum(1 for _, mode in self._modes if not mode)
+            log.info(
+                "train: on_step left the model in evaluation mode; the modes its modules had when "
+                "train began were put back for the next step (this is said once a train call)",
+                step=step,
+                modules=len(self._modes),
+                kept_in_evaluation_mode=frozen,
+            )
+
+
+def _trained_roots(model: nn.Module) -> list[nn.Module]:
+    """The model, and the module each DDP or compiled (torch.compile) wrapper inside it wraps."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    roots = [model]
+    for module in model.modules():
+        inner = module.module if isinstance(module, DistributedDataParallel) else None
+        compiled = getattr(module, "_orig_mod", None)
+        for found in (inner, compiled):
+            if isinstance(found, nn.Module) and all(found is not r for r in roots):
+                roots.append(found)
+    return roots
+
+
+def _drop_stale_gradients(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Gradients held when `train` begins (a gradient check, a learning-rate probe, a backward
+    the caller ran) were added into the first step's: dropped here, as every step drops its own
+    after the optimizer's step, and said (a warning naming how many parameters held one)."""
+    params = {id(p): p for p in model.parameters()}
+    for group in optimizer.param_groups:
+        params.update((id(p), p) for p in group["params"])
+    held = [p for p in params.values() if p.grad is not None]
+    if not held:
+        return
+    log.warning(
+        "train: parameters held gradients when train began (from a backward run before it); they "
+        "were dropped before the first step instead of being added into it",
+        parameters_with_gradients=len(held),
+        parameters=len(params),
+    )
+    telemetry.count("torchhal.train.stale_gradients_dropped", value=len(held))
+    for p in held:
+        p.grad = None
+
+
+def _model_strategy(model: nn.Module) -> str | None:
+    """The strategy a model was wrapped for: "ddp" where it holds a DistributedDataParallel module
+    (a compiled DDP model included), "fsdp" where it holds an FSDP2 module, else None."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    modules = list(model.modules())
+    if any(isinstance(m, DistributedDataParallel) for m in modules):
+        return "ddp"
+    if any(isinstance(m, FSDPModule) for m in modules):
+        return "fsdp"
+    return None
+
+
+_WRAPPERS = {"ddp": "a DistributedDataParallel module", "fsdp": "an FSDP2 (fully_shard) module"}
+
+
+def _policy_for_model(model: nn.Module, policy: PrecisionPolicy) -> PrecisionPolicy:
+    """The policy with the model's strategy. A policy that never went through `prepare`
+    (`choose_precision`'s, the one given to prepare) has none: it skipped the ranks' batch
+    agreement under DDP (a rank whose batches ran out left its peer in DDP's all-reduce until
+    the group's timeout), and under FSDP2 it added autocast to FSDP2's own casting. It takes the
+    strategy of the DDP or FSDP2 module inside the model (logged, counted). A policy prepared
+    for another strategy than the model's is refused: it is another model's."""
+    found = _model_strategy(model)
+    mine = policy.strategy
+    if found == mine or (found is None and mine in (None, "local")):
+        return policy
+    if mine is None:
+        assert found is not None
+        log.info(
+            "train: the precision policy did not come from prepare (it has no strategy); the "
+            "model's strategy is used",
+            policy=policy.name,
+            strategy=found,
+        )
+        telemetry.count("torchhal.train.strategy_from_model", strategy=found)
+        return policy.for_strategy(found)
+    holds = (
+        f"holds {_WRAPPERS[found]} (strategy {found!r})"
+        if found is not None
+        else "holds no DistributedDataParallel or FSDP2 module, so its gradients are not "
+        "synchronised (was the module inside prepared.model passed?)"
+    )
+    raise InvalidArgumentError(
+        f"train: precision policy {policy.name!r} was prepared for strategy {mine!r}, but the model "
+        f"{holds}; pass prepared.model with prepared.policy of the same prepare call"
+    )
+
+
+_POLICY_CODES = ("fp32", "bf16", "fp16")
+_STRATEGY_CODES = (None, "ddp", "fsdp")  # "local" (with a grad_sync) as None
+
+
+def _agree_on_gradients(
+    ctx: DistContext, policy: PrecisionPolicy, scaler: torch.amp.GradScaler | None, accumulate: int
+) -> None:
+    """Before the first step of a `train` call whose steps synchronise gradients: the ranks
+    agree, in one host-side all-gather of a small negative code (told apart from the batch
+    agreement's codes, which are >= 0), that their gradients can be combined: a gradient scaler
+    on every rank or on none (a heterogeneous run with fp32 on one rank and fp16 with a scaler on
+    another averaged scaled with unscaled gradients, and the replicas diverged silently), the
+    same strategy, and under FSDP2 the same parameter dtype (its all-gathers and reductions run
+    in it). A mismatch is refused on every rank, naming each rank's policy and scaler. Different
+    compute formats otherwise (fp32 beside bf16 under DDP or a grad_sync: fp32 gradients on
+    both) are allowed, and logged."""
+    scaled = scaler is not None and scaler.is_enabled()
+    strategy = policy.strategy if policy.strategy in _STRATEGY_CODES else None
+    code = _POLICY_CODES.index(policy.name) + 3 * int(scaled) + 6 * _STRATEGY_CODES.index(strategy)
+    values = ctx.communicator.host_all_gather(float(-1 - code))
+    places = [_place_of(v, 0) for v in values]  # a rank in a step's agreement sent a value >= 0
+    apart = [rank for rank, there in enumerate(places) if there is not None]
+    if apart:
+        raise _out_of_step(apart, places, None, accumulate)
+    codes = [-1 - int(v) for v in values]
+    ranks = [(_POLICY_CODES[c % 3], bool(c // 3 % 2), _STRATEGY_CODES[c // 6]) for c in codes]
+
+    def param_dtype(name: str, strat: str | None) -> str:
+        return name if strat == "fsdp" else "fp32"
+
+    problems, advice = [], []
+    if len({s for _, _, s in ranks}) > 1:
+        problems.append("the same strategy")
+        advice.append("prepare the model with the same strategy on every rank")
+    elif len({param_dtype(n, s) for n, _, s in ranks}) > 1:
+        problems.append("the same parameter dtype under FSDP2 (its all-gathers and reductions run in it)")
+        advice.append("under FSDP2 give every rank the same precision policy")
+    if len({sc for _, sc, _ in ranks}) > 1:
+        problems.append(
+            "a gradient scaler on every rank or on none (scaled and unscaled gradients would be averaged)"
+        )
+        advice.append("train fp16 with prepared.scaler on every rank, or bf16/fp32 on every rank")
+    described = "; ".join(
+        f"rank {r}: policy {n!r}, {'a' if sc else 'no'} gradient scaler, strategy {s or 'local'!r}"
+        for r, (n, sc, s) in enumerate(ranks)
+    )
+    if problems:
+        raise InvalidArgumentError(
+            f"train: the ranks synchronise gradients, so they need {' and '.join(problems)}; "
+            f"{described}. To fix: {'; '.join(advice)} (choose_precision(device, prefer=...))"
+        )
+    if len({n for n, _, _ in ranks}) > 1:
+        log.info(
+            "train: ranks compute in different formats; their gradients are fp32 on every rank",
+            ranks=described,
+        )
+
+
+class _CastWatch:
+    """Under FSDP2 with a parameter dtype below fp32, FSDP2 casts every floating-point tensor
+    passed to a sharded module's forward to that dtype (`MixedPrecisionPolicy`'s
+    `cast_forward_inputs`, on by default): targets passed to `model(*batch)` reach the loss in
+    bf16, where DDP's autocast leaves them fp32. It cannot be turned off without breaking models
+    whose root computes with its own (cast) parameters on its inputs, and which input is a target
+    cannot be told. So, while `train` runs, hooks around the outermost FSDP2 modules' own
+    pre-forward hook (one before it, one after) see the tensors FSDP2 cast, and the first
+    forward of a call that had any says so: a warning naming how many and their shapes, counted.
+    Integer inputs (token ids, class labels) are never cast, and not reported."""
+
+    def __init__(self, model: nn.Module, policy: PrecisionPolicy) -> None:
+        self._handles: list[Any] = []
+        self._before: list[torch.Tensor] | None = None
+        self._said = policy.strategy != "fsdp" or policy.name == "fp32"
+        if self._said:
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        inside: set[int] = set()
+        for module in model.modules():
+            if id(module) in inside or not isinstance(module, FSDPModule):
+                continue
+            inside.update(id(m) for m in module.modules())
+            self._handles.append(module.register_forward_pre_hook(self._see, prepend=True, with_kwargs=True))
+            self._handles.append(module.register_forward_pre_hook(self._compare, with_kwargs=True))
+
+    def __enter__(self) -> _CastWatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _see(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self._before = None if self._said else _tensor_leaves((args, kwargs))
+
+    def _compare(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        before, self._before = self._before, None
+        if before is None or self._said:
+            return
+        after = _tensor_leaves((args, kwargs))
+        if len(after) != len(before):  # another hook changed the inputs' structure: nothing to pair
+            return
+        cast = [
+            (b, a) for b, a in zip(before, after, strict=True) if b.is_floating_point() and b.dtype != a.dtype
+        ]
+        if not cast:
+            return
+        self._said = True
+        log.warning(
+            "train: FSDP2 cast floating-point inputs of the model's forward to its parameter dtype "
+            "(MixedPrecisionPolicy's cast_forward_inputs), where DDP's autocast leaves them as given: "
+            "targets or masks passed to the model lose precision; compute the loss from them in "
+            "loss_fn, outside the model, to keep them as they are (said once a train call)",
+            cast=len(cast),
+            tensors=[f"{tuple(b.shape)} {_dtype_name(b.dtype)}->{_dtype_name(a.dtype)}" for b, a in cast[:4]],
+        )
+        telemetry.count("torchhal.train.fsdp_cast_inputs")
+
+
+def _tensor_leaves(value: object) -> list[torch.Tensor]:
+    """The tensors in nested tuples, lists and mappings, in order."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in _tensor_leaves(item)]
+    return []
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _check_closure_free(optimizer: torch.optim.Optimizer) -> None:
     """`train` calls `optimizer.step()` with no closure, so an optimizer whose step needs one
     (LBFGS re-evaluates the loss several times a step) is refused before any batch is taken;
@@ -535,18 +850,49 @@ def _real_time(ctx: DistContext) -> DeviceTimer:
 
 
 def _call_model(model: nn.Module, batch: Batch) -> torch.Tensor:
-    out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+    """The default loss: `model(*batch)` for a tuple or list, `model(**batch)` for a mapping (a
+    Hugging Face model given its labels), `model(batch)` for a tensor; an output that is not a
+    tensor gives its `loss` (a Hugging Face ModelOutput's)."""
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    else:
+        out = model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+    if not isinstance(out, torch.Tensor) and isinstance(getattr(out, "loss", None), torch.Tensor):
+        return out.loss  # type: ignore[no-any-return]
     return out  # type: ignore[no-any-return]
 
 
 def _tensors(batch: Batch) -> Sequence[torch.Tensor]:
-    items = batch if isinstance(batch, (tuple, list)) else (batch,)
+    """The batch's tensors: a tensor itself, a tuple's or list's items, a mapping's values."""
+    if isinstance(batch, Mapping):
+        items: Iterable[object] = batch.values()
+    elif isinstance(batch, (tuple, list)):
+        items = batch
+    else:
+        items = (batch,)
     return [t for t in items if isinstance(t, torch.Tensor)]
 
 
-def _tokens(batch: Batch) -> int:
-    tensors = _tensors(batch)
-    return tensors[0].numel() if tensors else 0
+_TOKEN_KEYS = ("input_ids", "labels")
+"""A mapping's tensors that hold its tokens, in the order they are looked for (Hugging Face's names)."""
+
+
+def _tokens(batch: Batch) -> int | None:
+    """This batch's tokens: a mapping's `input_ids`, else its `labels`, else the batch's first
+    tensor (a mapping's first tensor value). Integer ids count each element; a floating tensor
+    (features: (B, D), or embeddings: (B, T, D)) counts its elements over all but its last
+    dimension, a 1-D one each element. None where the batch holds no tensor."""
+    chosen: torch.Tensor | None = None
+    if isinstance(batch, Mapping):
+        chosen = next((batch[k] for k in _TOKEN_KEYS if isinstance(batch.get(k), torch.Tensor)), None)
+    if chosen is None:
+        tensors = _tensors(batch)
+        if not tensors:
+            return None
+        chosen = tensors[0]
+    if (chosen.is_floating_point() or chosen.is_complex()) and chosen.dim() >= 2:
+        return math.prod(chosen.shape[:-1])
+    return chosen.numel()
 
 
 def _check_batch(batch: Batch, ctx: DistContext) -> None:

@@ -36,6 +36,13 @@ class PrecisionPolicy:
     Parameters and optimizer state stay fp32. Under DDP (and `local`) the forward runs in
     `torch.autocast(compute_dtype)`; under FSDP2 the same policy is FSDP's
     `MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=fp32)` and no autocast.
+    The two differ on the forward's inputs: autocast casts what each op computes with (a
+    matmul's operands) and leaves the tensors passed to the model as they are, while FSDP2 casts
+    every floating-point tensor passed to a sharded module's forward (the model's root: the
+    batch's) to `compute_dtype`, regression targets and float masks included (see
+    `fsdp_policy`). `train` warns once a call where that cast happens.
+    `strategy` is set by `prepare`; `train` takes it from the model (its DDP or FSDP2 module)
+    where a policy has none, so `choose_precision`'s policy and `prepared.policy` train alike.
     """
 
     name: PolicyName
@@ -62,7 +69,19 @@ class PrecisionPolicy:
         return torch.autocast(device_type=self.device_type, dtype=self.compute_dtype)
 
     def fsdp_policy(self) -> Any:
-        """FSDP2's MixedPrecisionPolicy for this policy (fp32: no casting at all)."""
+        """FSDP2's MixedPrecisionPolicy for this policy (fp32: no casting at all).
+
+        `cast_forward_inputs` stays on (FSDP2's default): a sharded module's own parameters are
+        in `compute_dtype` during its forward and FSDP2 runs no autocast, so a root that computes
+        with its parameters on its inputs (an input projection, a norm before the blocks) needs
+        them cast. The price: every floating-point tensor passed to the model's forward arrives
+        in `compute_dtype`, targets included (a target of 1.001 reaches an MSE loss as 1.0 in
+        bf16), where DDP's autocast leaves it fp32. Which input is a target cannot be told, so
+        the cast stays, and `train` warns once a call where it happens (counted as
+        `torchhal.train.fsdp_cast_inputs`); compute the loss from the targets in `loss_fn`,
+        outside the model, to keep them in fp32. Integer inputs (token ids, class labels) are
+        never cast.
+        """
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if self.name == "fp32":
