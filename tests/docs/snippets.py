@@ -15,6 +15,7 @@ from torchhal.testing import tolerance
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 GUIDE = ROOT / "docs" / "adapter-authoring.md"
+USER_GUIDE = ROOT / "docs" / "user-guide.md"
 
 
 def fenced_blocks(path: Path, language: str = "python") -> list[str]:
