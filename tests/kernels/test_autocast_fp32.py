@@ -118,7 +118,9 @@ def test_a_backends_autocast_kernels_registered_after_the_op_was_built_are_follo
     autocast call comes after the fp32 policy was registered on AutocastCPU."""
     lib = torch.library.Library("aten", "IMPL")
     try:
-        op = autograd.DifferentiableOp(NORMS["layer_norm"].spec, NORMS["layer_norm"]._dispatch)
+        op = autograd.DifferentiableOp(
+            NORMS["layer_norm"].spec, NORMS["layer_norm"]._dispatch, namespace="torchhal_test_late_autocast"
+        )
         lib.impl("layer_norm", _fp32_policy(torch.ops.aten.layer_norm.default), "AutocastCPU")
         x, weight, bias = _args("layer_norm", AUTOCAST, AUTOCAST)
         with torch.autocast("cpu", dtype=AUTOCAST):

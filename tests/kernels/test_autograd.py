@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torchhal
-from torchhal.hal_core import UnsupportedError
+from torchhal.hal_core import ConfigurationError, UnsupportedError
 from torchhal.kernels import layer_norm, rms_norm, rope
 from torchhal.kernels.autograd import AutogradSpec, DifferentiableOp
 
@@ -282,3 +282,14 @@ def test_bad_input_under_compile_names_the_op_and_the_constraint(op):
     make, fn, message = COMPILED_BAD_INPUT[op]
     with pytest.raises(Exception, match=message):
         torch.compile(fn, backend="aot_eager", fullgraph=True)(*make())
+
+
+def test_an_op_of_a_name_already_defined_is_refused():
+    """torch.library.custom_op replaced the op without a word, and when the replaced op's library
+    was collected its registrations went too: calls through the first op's handles crashed in the
+    dispatcher (segfaults under Dynamo's fake tensors, `ValueError('vector::reserve')`)."""
+    spec = torchhal.ops._RMS_NORM.__self__.spec
+    with pytest.raises(ConfigurationError, match=r"custom op torchhal::rms_norm is already defined"):
+        DifferentiableOp(spec, lambda op, *args: None)
+    x, w = torch.randn(3, 8, requires_grad=True), torch.randn(8)
+    torch.testing.assert_close(torchhal.ops.rms_norm(x, w), torch.nn.functional.rms_norm(x, (8,), w))

@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchhal.hal_core import UnsupportedError, telemetry
+from torchhal.hal_core import ConfigurationError, UnsupportedError, telemetry
 from torchhal.hal_core.hal import active_use, resumed_use
 from torchhal.hal_core.kernels import NOT_SEEN
 
@@ -207,6 +207,14 @@ class DifferentiableOp:
         return tuple(a.to(dtype) if i in cast and _autocast_eligible(a) else a for i, a in enumerate(args))
 
     def _custom_op(self, namespace: str, op: str, fake: Callable[..., Any]) -> Any:
+        # torch.library.custom_op replaces an op of the same name without a word, and when the
+        # replaced one's library is collected its registrations go too: calls through the first
+        # op's handles then crashed inside the dispatcher (segfaults under Dynamo's fake tensors)
+        if hasattr(getattr(torch.ops, namespace), op):
+            raise ConfigurationError(
+                f"custom op {namespace}::{op} is already defined in this process: custom ops are "
+                "process-wide, so make each DifferentiableOp once (or give another its own namespace)"
+            )
         schema = torch.library.infer_schema(fake, mutates_args=())
 
         def impl(*args: Any) -> Any:
