@@ -124,7 +124,11 @@ def _hf_fallback(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' SDPA attention with the mask; its eager attention when weights are requested
-    (SDPA returns none), with a boolean mask made additive as eager expects."""
+    (SDPA returns none), with a boolean mask made additive as eager expects. A call with `softcap`
+    or `s_aux` (attention sinks) runs `nn.masked_attention`, which computes both: transformers' SDPA
+    refuses the first and ignored the second (a model of another family set to "torchhal" by hand)."""
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        return thnn.masked_attention(module, query, key, value, attention_mask, **kwargs)
     config = getattr(module, "config", None)
     if kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
         if attention_mask is not None and attention_mask.dtype == torch.bool:

@@ -29,7 +29,7 @@ from torch import nn
 from torchhal import ops
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 from torchhal.hal_core.kernels import is_finite_number
-from torchhal.kernels.autograd import _any_autocast, _autocast_off
+from torchhal.kernels.autograd import _AUTOCAST_DEVICE_TYPES, _any_autocast, _autocast_off, _is_compiling
 
 __all__ = [
     "FALLBACK_COUNTER",
@@ -129,6 +129,12 @@ class RMSNorm(nn.Module):
             x32 = x.float()
             normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
             return weight * normed.to(x.dtype)
+        if _is_compiling():  # Dynamo cannot trace _autocast_off; torch.autocast it traces
+            device_type = x.device.type
+            if device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type):
+                with torch.autocast(device_type, enabled=False):  # the op reads x's device type only
+                    return ops.rms_norm(x, weight, eps)
+            return ops.rms_norm(x, weight, eps)
         if _any_autocast():  # Hugging Face's dtype, not the op's autocast policy (see the docstring)
             with _autocast_off():
                 return ops.rms_norm(x, weight, eps)
@@ -312,14 +318,41 @@ def _why_not_exact(
 
 
 def _record_fallback(reason: str, why: str) -> None:
+    """Count a module call that falls back (FALLBACK_COUNTER, attribute `reason`) and log it once per
+    reason and process: a padded batch every step is not news.
+
+    While Dynamo traces, neither the logger nor the counter can be traced (the counter's value became
+    a guard: one recompilation per call, FailOnRecompileLimitHit at the 9th under fullgraph), so both
+    run once per traced graph, in `_record_traced`: the count with attribute `compiled="true"` (each
+    graph compiled with the fallback counts once, not each of its calls) and the warning, if not
+    said yet."""
+    if _is_compiling():
+        _record_traced(reason, why)
+        return
     telemetry.count(FALLBACK_COUNTER, reason=reason)
-    if reason not in _warned:  # once per reason and process: a padded batch every step is not news
+    _warn_once(reason, why)
+
+
+def _warn_once(reason: str, why: str) -> None:
+    if reason not in _warned:
         _warned.add(reason)
         log.warning(
             f"module falls back to plain PyTorch: {why} (counted in telemetry, logged once per reason)",
             reason=reason,
             counter=FALLBACK_COUNTER,
         )
+
+
+def _record_traced(reason: str, why: str) -> None:
+    """`_record_fallback` while Dynamo traces: Dynamo calls this function itself, once per trace, and
+    keeps its result (None) as a constant of the graph, as `torch.compiler.assume_constant_result`
+    marks a function (its one line, set by hand: importing torch._dynamo here costs seconds at import;
+    a test holds the mark to the public decorator's)."""
+    telemetry.count(FALLBACK_COUNTER, reason=reason, compiled="true")
+    _warn_once(reason, why)
+
+
+_record_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _record_mixed_dtypes(op: str, x: torch.Tensor, weight: torch.Tensor, instead: str) -> None:
@@ -354,18 +387,37 @@ def masked_attention(
     """Attention with an explicit mask in plain PyTorch: the fallback of modules used on their own.
 
     attention_mask is boolean (True: may attend) or additive float, broadcastable to (batch,
-    heads_q, seq_q, seq_k). Weights are materialised only when `output_attentions` asks for them.
+    heads_q, seq_q, seq_k). Weights are materialised only when `output_attentions` asks for them or
+    one of Hugging Face's score modifiers is given, each as transformers' eager attention of the
+    model that has it computes it: `softcap` (Gemma 2: scores = tanh(scores / softcap) * softcap,
+    before the mask), `position_bias` (T5-style: added to the scores, before the mask), `s_aux`
+    (attention sinks, gpt-oss: one logit per query head that joins each row's softmax and is then
+    dropped, so a row's weights sum to less than 1).
     """
+    softcap, bias, sinks = kwargs.get("softcap"), kwargs.get("position_bias"), kwargs.get("s_aux")
+    if softcap is not None and (not is_finite_number(softcap) or softcap <= 0):
+        raise InvalidArgumentError(f"attention: softcap must be a finite number > 0, got {softcap!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.numel() != query.shape[1]):
+        got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise InvalidArgumentError(
+            f"attention: s_aux (attention sinks) must be a tensor of one logit per query head "
+            f"({query.shape[1]}), got {got}"
+        )
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     config = getattr(module, "config", None)
-    if not kwargs.get("output_attentions", getattr(config, "output_attentions", False)):
+    weights_wanted = kwargs.get("output_attentions", getattr(config, "output_attentions", False))
+    if not weights_wanted and softcap is None and bias is None and sinks is None:
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
         )
         return out.transpose(1, 2), None
     scale = 1.0 / math.sqrt(query.shape[-1]) if scaling is None else scaling
     scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if bias is not None:
+        scores = scores + bias
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         # the dtype's lowest, not -inf: a row with every key masked (a padding token) gets uniform
         # weights, as transformers' eager attention gives it, where -inf made it NaN, and the NaN
@@ -373,9 +425,14 @@ def masked_attention(
         scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
     elif attention_mask is not None:
         scores = scores + attention_mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    else:  # the sink's column joins the softmax in fp32 and is dropped after it
+        sink = sinks.reshape(1, -1, 1, 1).float().expand(*scores.shape[:-1], 1)
+        logits = torch.cat([scores.float(), sink], dim=-1)
+        weights = torch.softmax(logits, dim=-1)[..., :-1].to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout, training=dropout > 0)
-    return torch.matmul(weights, value).transpose(1, 2), weights
+    return torch.matmul(weights, value).transpose(1, 2), weights if weights_wanted else None
 
 
 def attention_function(
@@ -461,6 +518,62 @@ def _update_takes_kwargs(cache_type: type) -> bool:
     return takes
 
 
+def _filled_slots(
+    module: nn.Module,
+    cache: Any,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    seq_q: int,
+    cache_position: torch.Tensor | None,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Keys, values and mask for a fixed-length cache called without a mask: its `update` returns every
+    slot, the empty ones after the filled ones, and the queries are the newest `seq_q` filled slots.
+    Each attends the filled slots up to its own, causally (and within the window): bottom-right
+    causal over the filled slots, whichever position the call starts at (the first prefill, a later
+    chunk, a decode step).
+
+    How many slots are filled: `cache_position[-1] + 1` where the call gives the positions (as
+    transformers before 5.x does, whose caches write there), else the cache's own
+    `get_seq_length(layer_idx)` after the update, at most the slots returned (a sliding layer that has
+    wrapped returns only filled ones). A count on the host (an int) slices the keys, and ops.attention
+    computes the call; a tensor (StaticCache's count, cache_position) becomes a mask built on the
+    device, computed by the fallback: no host sync, and a graph of fixed shapes under torch.compile.
+    """
+    seq_k = key.shape[2]
+    if cache_position is not None:
+        filled: Any = cache_position[..., -1] + 1
+    else:
+        seq_length = getattr(cache, "get_seq_length", None)
+        if seq_length is None:
+            raise UnsupportedError(
+                f"{type(module).__name__}: a fixed-length KV cache ({type(cache).__name__}) without "
+                "attention_mask needs cache_position or the cache's get_seq_length(layer_idx) to tell "
+                "its filled slots from the empty ones; it has neither"
+            )
+        filled = seq_length(module.layer_idx)
+    if isinstance(filled, int):
+        filled = min(filled, seq_k)
+        if filled < seq_q:
+            raise InvalidArgumentError(
+                f"{type(module).__name__}: the fixed-length KV cache holds {filled} filled slots after "
+                f"its update, fewer than the {seq_q} queries just added to it"
+            )
+        return key[:, :, :filled], value[:, :, :filled], None
+    if not isinstance(filled, torch.Tensor):
+        raise UnsupportedError(
+            f"{type(module).__name__}: {type(cache).__name__}.get_seq_length returned "
+            f"{type(filled).__name__}, expected an int or a tensor"
+        )
+    slots = torch.arange(seq_k, device=key.device)
+    # the slot of each query: (batch or 1, 1, seq_q, 1)
+    newest = filled.to(key.device).clamp(max=seq_k).reshape(-1, 1, 1, 1) - seq_q + slots[:seq_q, None]
+    allowed = slots <= newest
+    if sliding_window is not None:
+        allowed &= slots > newest - sliding_window
+    return key, value, allowed
+
+
 def rotary_attention(
     module: nn.Module,
     hidden_states: torch.Tensor,
@@ -479,6 +592,8 @@ def rotary_attention(
     Shared by `Attention` and the attention modules `torchhal.kernels.patch` rewires, so both run
     the same code. `past_key_values` is a Hugging Face Cache (`update(k, v, layer_idx, ...)` returns
     the keys and values to attend to; called as the cache's transformers version calls it) or None.
+    A fixed-length cache returns its empty slots too: without a mask, the queries attend its filled
+    slots only (`_filled_slots`).
     """
     if position_embeddings is None:
         raise InvalidArgumentError(
@@ -503,11 +618,11 @@ def rotary_attention(
         else:
             cache_kwargs = {"sin": sin, "cos": cos, "cache_position": kwargs.get("cache_position")}
             key, value = past_key_values.update(key, value, module.layer_idx, cache_kwargs)
-        if attention_mask is None and 1 < query.shape[2] < key.shape[2] and _fixed_length(past_key_values):
-            # a static cache's prefill, to which transformers gives no mask, meaning SDPA's top-left
-            # causal mask over all the cache's slots: the prompt fills the first ones, and the empty
-            # ones after it are never seen (bottom-right causal would see them)
-            key, value = key[:, :, : query.shape[2]], value[:, :, : query.shape[2]]
+        if attention_mask is None and query.shape[2] < key.shape[2] and _fixed_length(past_key_values):
+            key, value, attention_mask = _filled_slots(
+                module, past_key_values, key, value, query.shape[2], kwargs.get("cache_position"),
+                sliding_window,
+            )  # fmt: skip
     out, weights = attention_fn(
         module,
         query,
@@ -531,7 +646,8 @@ class Attention(nn.Module):
     meaning). forward takes a Hugging Face attention module's arguments, (hidden_states,
     position_embeddings, attention_mask, past_key_values, **kwargs) -> (output, weights), the KV
     cache also as `cache` (transformers >= 5.24 passes that name), so it can stand in for one;
-    attention_mask=None means causal, a mask goes to `masked_attention`.
+    attention_mask=None means causal (with a fixed-length cache: over its filled slots, see
+    `_filled_slots`), a mask goes to `masked_attention`.
     """
 
     def __init__(
