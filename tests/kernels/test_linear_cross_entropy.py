@@ -416,7 +416,7 @@ BAD_INPUTS = [  # change of (hidden, weight, target, bias), keyword arguments, e
         lambda h, w, t, b: (h.int(), w.int(), t),
         {},
         UnsupportedError,
-        r"hidden must be a floating-point tensor",
+        r"hidden must be a floating-point tensor of float64, float32, bfloat16 or float16",
         id="int-hidden",
     ),
     pytest.param(

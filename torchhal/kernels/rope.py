@@ -30,6 +30,7 @@ from torchhal.hal_core import (
 from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import (
+    ARITHMETIC_FLOATS,
     TRITON_DTYPES,
     RowLaunch,
     block_unsupported,
@@ -38,8 +39,6 @@ from torchhal.kernels.triton_rows import (
     triton_unsupported,
     unbound,
 )
-
-TABLE_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)  # of cos and sin
 
 
 class RopeSignature(NamedTuple):
@@ -57,7 +56,7 @@ def _check(
     require_rank(op, qn, q, 4)
     require_rank(op, kn, k, 4)
     require_floating(op, qn, q)
-    if cos.dtype not in TABLE_DTYPES:  # float8 has no type promotion with q's dtype
+    if cos.dtype not in ARITHMETIC_FLOATS:  # float8 has no type promotion with q's dtype
         raise UnsupportedError(
             f"{op}: cos and sin must be float64, float32, bfloat16 or float16, got dtype {cos.dtype}"
         )

@@ -68,9 +68,20 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
+ARITHMETIC_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+"""The floating dtypes the ops compute in: float8 is a storage format torch does no arithmetic or
+type promotion in (on a device that declares fp8, every candidate raised)."""
+
+
 def require_floating(op: str, name: str, t: torch.Tensor) -> None:
-    if not t.dtype.is_floating_point:
-        raise UnsupportedError(f"{op}: {name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.dtype not in ARITHMETIC_FLOATS:
+        kind = (
+            "a float8 storage format, not computed in" if t.dtype.is_floating_point else "not floating-point"
+        )
+        raise UnsupportedError(
+            f"{op}: {name} must be a floating-point tensor of float64, float32, bfloat16 or float16, "
+            f"got dtype {t.dtype} ({kind})"
+        )
 
 
 def unbound(*args: object, **kwargs: object) -> None:
