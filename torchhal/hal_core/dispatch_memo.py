@@ -175,18 +175,32 @@ def _guard_type() -> Any:
 def _argument_key(route: Hashable, args: tuple[Any, ...]) -> tuple[Hashable, ...]:
     """What a signature may depend on: each tensor's type, dtype, shape, strides and device; each
     scalar's type and value (True == 1 == 1.0 hash alike), and a tuple's item types too (a
-    window of (True, 0) is refused where (1, 0) is not); and the route."""
+    window of (True, 0) is refused where (1, 0) is not); and the route. A tuple holding anything
+    but plain scalars and tuples of them raises TypeError (its call is validated every time, as
+    the guards, which take no tuple, never admit it either): a tensor there hashes by identity,
+    so the memo's key would keep the caller's tensors alive, one new entry each call."""
     tensor = _TENSOR or _tensor_type()
     parts: list[Hashable] = [route]
     for a in args:
         kind = type(a)
         if kind is tuple:
-            parts.append((kind, a, tuple(map(type, a))))
+            parts.append((kind, *_scalars_key(a)))
         elif kind in _PLAIN or not isinstance(a, tensor):
             parts.append((kind, a))
         else:
             parts.append((kind, a.dtype, a.shape, a.stride(), a.device))
     return tuple(parts)
+
+
+def _scalars_key(items: tuple[Any, ...]) -> tuple[Hashable, Hashable]:
+    """A tuple argument's key: its items and their types, a nested tuple keyed alike; TypeError
+    where an item is neither a plain scalar nor a tuple (see `_argument_key`)."""
+    types = tuple(map(type, items))
+    if _PLAIN.issuperset(types):  # the common case (a window of two ints): the items themselves
+        return items, types
+    if not all(kind in _PLAIN or kind is tuple for kind in types):
+        raise TypeError("a tuple argument holding more than plain scalars is not memoised")
+    return tuple(_scalars_key(a) if type(a) is tuple else a for a in items), types
 
 
 def _guard(route: Hashable, args: tuple[Any, ...]) -> _Guard | None:

@@ -17,7 +17,7 @@ import math
 import reprlib
 import threading
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
@@ -31,6 +31,7 @@ from torchhal.hal_core.dispatch_memo import (
 )
 from torchhal.hal_core.errors import (
     CallDeclined,
+    ConfigurationError,
     InvalidArgumentError,
     KernelFailedError,
     TorchHALError,
@@ -159,40 +160,68 @@ class Selection:
     rejected: tuple[Rejection, ...]
     fn: Callable[..., Any]  # the candidate's callable, bound to the device when it has `bind`
     timings_ms: tuple[tuple[str, float], ...] = ()  # when chosen by measurement, fastest first
-    # chosen by priority, unmeasured: while the device's stream captured a graph (timing would break
-    # the capture), or for arguments without storage (fake tensors, torch.func's wrappers), which a
-    # kernel may not read: neither cached nor memoised, so a later plain call measures
+    # chosen by priority, not settled by measurement, and never memoised; a later plain call
+    # measures. Made while the device's stream captured a graph (timing would break the capture:
+    # not cached); for arguments without storage (fake tensors, torch.func's wrappers), which a
+    # kernel may not read (cached under a key of its own, `UNMEASURED`, that plain calls never
+    # read); or where every contender raised while measured (the arguments may be the cause: not
+    # cached). A failure of a provisional selection demotes nothing, but in that last case once a
+    # later candidate has run on the same arguments (as `_fall_back` judges any call).
     provisional: bool = False
 
     def explain(self) -> str:
         lines = [f"{self.op} on {self.device} for {self.signature}: {self.candidate.qualified_name}"]
         lines += [f"  measured {name}: {ms:.4g} ms" for name, ms in self.timings_ms]
         if self.provisional:
-            lines.append(
-                "  provisional: priority order, not measured (a graph capture, or arguments without storage)"
+            why = (
+                "every contender raised while measured"
+                if _raised_while_measured(self)
+                else "not measured: a graph capture, or arguments without storage"
             )
+            lines.append(f"  provisional: priority order ({why})")
         lines += [f"  rejected {r}" for r in self.rejected]
         return "\n".join(lines)
 
 
-@dataclass
 class KernelRegistry:
     """Ops and candidates for one HAL. Selections are cached; fallbacks are counted."""
 
-    disabled: frozenset[str] = frozenset()
-    tuner: Tuner | None = None  # measures valid candidates once per (device, signature)
-    _ops: dict[str, OpDef] = field(default_factory=dict)
-    _candidates: dict[str, list[Candidate]] = field(default_factory=dict)
-    # (device id, signature), or for arguments without storage (device id, signature, UNMEASURED)
-    _cache: dict[str, dict[tuple[Hashable, ...], Selection]] = field(default_factory=dict)
-    # per memoised op: the argument layouts already validated, and the selection each leads to
-    _seen: dict[str, _ArgumentMemo] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-    # "op:provider/name" -> how often that candidate failed for that op (the same candidate name,
-    # e.g. torchhal/triton, serves several ops)
-    fallback_counts: dict[str, int] = field(default_factory=dict)
-    _call_routes: dict[Device, Hashable] = field(default_factory=dict)  # see `_route_of`
-    _declines_said: set[tuple[str, str]] = field(default_factory=set)  # (op, candidate) logged once
+    def __init__(self, disabled: Iterable[str] = frozenset(), tuner: Tuner | None = None) -> None:
+        """`disabled`: candidate names (or provider/name) never selected, as `disabled` takes them;
+        `tuner` measures valid candidates once per (device, signature)."""
+        self._disabled = _checked_disabled(disabled)
+        self.tuner = tuner
+        self._ops: dict[str, OpDef] = {}
+        self._candidates: dict[str, list[Candidate]] = {}
+        # (device id, signature), or for arguments without storage (device id, signature, UNMEASURED)
+        self._cache: dict[str, dict[tuple[Hashable, ...], Selection]] = {}
+        # per memoised op: the argument layouts already validated, and the selection each leads to
+        self._seen: dict[str, _ArgumentMemo] = {}
+        self._lock = threading.Lock()
+        # "op:provider/name" -> how often that candidate failed for that op (the same candidate
+        # name, e.g. torchhal/triton, serves several ops)
+        self.fallback_counts: dict[str, int] = {}
+        self._call_routes: dict[Device, Hashable] = {}  # see `_route_of`
+        self._declines_said: set[tuple[str, str]] = set()  # (op, candidate) logged once
+
+    @property
+    def disabled(self) -> frozenset[str]:
+        """Candidate names (or provider/name) never selected (TORCHHAL_DISABLE_KERNELS)."""
+        return self._disabled
+
+    @disabled.setter
+    def disabled(self, names: Iterable[str]) -> None:
+        """Refused as Settings refuses it where it names the reference; otherwise every selection and
+        memoised layout is dropped (they were judged under the old names), and a selection being
+        made meanwhile is not cached (each op's candidate list is replaced, as `register` does)."""
+        checked = _checked_disabled(names)
+        with self._lock:
+            self._disabled = checked
+            for op, candidates in self._candidates.items():
+                self._candidates[op] = list(candidates)
+                self._cache[op].clear()
+                self._forget_layouts(op)
+        log.info("disabled kernels changed: selections dropped", disabled=sorted(checked))
 
     def define_op(
         self,
@@ -332,6 +361,8 @@ class KernelRegistry:
                     key = _argument_key(route, args)
                 except RuntimeError:  # a tensor without sizes or strides (nested): validate every time
                     key = None
+                except TypeError:  # a tuple holding a tensor (or any non-scalar): as above
+                    key = None
                 else:
                     try:
                         hit = seen.found(key, route, args)
@@ -390,11 +421,16 @@ class KernelRegistry:
         return route
 
     def clear_cache(self) -> None:
+        """Drop the in-process choices: the selections, the memoised layouts and the tuner's winners
+        held in memory (the next selection reads the selections file again, and measures what it
+        does not hold; delete the file to measure everything again)."""
         with self._lock:
             for selections in self._cache.values():
                 selections.clear()
             for op in self._seen:
                 self._forget_layouts(op)
+        if self.tuner is not None:
+            self.tuner.forget()
 
     def _forget_layouts(self, op: str) -> None:
         """Start `op`'s argument memo over (under the lock). A new memo, not the old one cleared:
@@ -417,7 +453,8 @@ class KernelRegistry:
         args: tuple[Any, ...] | None = None,
         kwargs: dict[str, Any] | None = None,
     ) -> Selection:
-        """The selection for `sig` on `device`, cached unless provisional (`Selection.provisional`);
+        """The selection for `sig` on `device`, cached unless provisional (`Selection.provisional`;
+        one for arguments without storage is cached under a key of its own, `UNMEASURED`);
         `args` (and `kwargs`) to measure the valid candidates on, where the tuner measures."""
         caps = device.capabilities
         dtype = getattr(sig, "dtype", None)
@@ -579,17 +616,22 @@ class KernelRegistry:
         timings, the winner remembered from an earlier measurement of these same contenders (its
         timings are not kept), and whether the order is provisional: the device's stream captures
         a graph, where timing would synchronise and invalidate the capture, and nothing was
-        remembered (`_say_unmeasured_in_capture`). The reference is the ground truth, not a contender:
-        it stays last, unmeasured (it may materialise what the fast kernels avoid, e.g. a seq²
-        score matrix)."""
+        remembered (`_say_unmeasured_in_capture`); or every contender that did not decline raised
+        while measured, where the arguments are the likely cause (as `_fall_back` judges a call):
+        none is counted, and a later call measures. The reference is the ground truth, not a
+        contender: it stays last, unmeasured (it may materialise what the fast kernels avoid, e.g. a
+        seq² score matrix). A contender that declines the call it is measured on (CallDeclined)
+        keeps its place in priority order, unmeasured, the measured ones filling the other places:
+        a decline is of that call, and demotes nothing."""
         assert self.tuner is not None
         contenders = [c for c in valid if c.name != REFERENCE]
         if len(contenders) < 2:
             return valid, (), None, False
         if not all(map(_has_storage, (*args, *kwargs.values()))):
             # fake tensors, torch.func's wrappers: a kernel that reads memory raises on them, and
-            # was ranked last for the plain calls of this signature too. Priority order, provisional
-            # (neither cached nor memoised): a call with real tensors measures.
+            # was ranked last for the plain calls of this signature too. Priority order, provisional:
+            # not memoised, and cached only under a key of its own (`UNMEASURED`, in `_select`) that
+            # plain calls never read, so a call with real tensors measures.
             return valid, (), None, True
         by_name = {c.qualified_name: c for c in contenders}
         remembered = self.tuner.recall(device, op, sig, by_name)
@@ -603,17 +645,46 @@ class KernelRegistry:
         timings = self.tuner.measure(
             device, [(c.qualified_name, _bound_or_raiser(c, caps)) for c in contenders], args, kwargs
         )
+        timed = {name for name, _ in timings}
+        declined = [c for c in contenders if c.qualified_name not in timed]  # the tuner left them out
         measured = [name for name, ms in timings if math.isfinite(ms)]
-        for name, _ in timings[len(measured) :]:  # raised while measured (the tuner logged it)
+        raised = [name for name, ms in timings if not math.isfinite(ms)]  # the tuner logged each
+        span = trace.get_current_span()
+        for name in (c.qualified_name for c in declined):
+            telemetry.count("torchhal.kernel.declined_while_measured", op=op, candidate=name)
+            span.add_event("candidate declined while measured", {"candidate": name})
+            if (op, name) not in self._declines_said:  # a decline is said once, as in `_fall_back`
+                self._declines_said.add((op, name))
+                log.warning(
+                    "kernel declined the call it was measured on: unmeasured, kept in its place by "
+                    "priority (said once; counted each time)",
+                    op=op,
+                    device=device.id,
+                    candidate=name,
+                )
+        if raised and not measured:  # a bad call's arguments, most likely: nothing counted or kept
+            telemetry.count("torchhal.kernel.all_raised_while_measured", op=op)
+            log.warning(
+                "every contender raised while measured: priority order, provisional (not cached); "
+                "a later call measures",
+                op=op,
+                device=device.id,
+                signature=str(sig),
+                raised=raised,
+            )
+            span.add_event("every contender raised while measured", {"candidates": raised})
+            return valid, tuple(timings), None, True
+        for name in raised:
             self._count_fallback(op, name)
-            trace.get_current_span().add_event("candidate raised while measured", {"candidate": name})
-        if measured:  # one that raised is not beaten for good: the next process measures again
+            span.add_event("candidate raised while measured", {"candidate": name})
+        if measured:  # one that raised or declined is not beaten for good: the next process measures
             self.tuner.remember(device, op, sig, measured[0], measured)
-        order = [by_name[name] for name in measured]
-        return order + [c for c in valid if c not in order], tuple(timings), None, False
+        ranked = iter([by_name[name] for name in (*measured, *raised)])
+        order = [c if c in declined else next(ranked) for c in contenders]
+        return order + [c for c in valid if c not in contenders], tuple(timings), None, False
 
     def _judge(self, cand: Candidate, caps: DeviceCapabilities, sig: Hashable) -> Unsupported | None:
-        if cand.name in self.disabled or cand.qualified_name in self.disabled:
+        if cand.name in self._disabled or cand.qualified_name in self._disabled:
             return Unsupported(RejectionReason.DISABLED, "listed in TORCHHAL_DISABLE_KERNELS")
         if cand.supports is None:
             return None
@@ -638,7 +709,10 @@ class KernelRegistry:
         torch.func's vmap or grad, a kernel that reads memory cannot run), the fallback is logged
         and counted but demotes nothing: the signature does not tell those tensors from plain ones,
         and a demotion would send every later plain call to the fallback too. A CallDeclined is a
-        refusal of this call only: counted, said once, never demoted."""
+        refusal of this call only: counted, said once, never demoted (where another candidate's
+        failure demotes it, the decliner keeps its place). A fallback from a selection made while
+        every contender raised while measured demotes as any other does: only once a candidate has
+        run on these arguments, which then are not the cause."""
         failures = [exc]
         try:
             if _not_a_kernel_fault(exc):
@@ -648,12 +722,15 @@ class KernelRegistry:
             candidates = self._candidates[op]
             current = selection
             demote = False  # only declines (CallDeclined) so far: this call's, not the signature's
+            declines: set[str] = set()  # the candidates that declined this call
             while True:
                 name = current.candidate.qualified_name
                 raised.append(name)
                 failed.append(Rejection(name, RejectionReason.FAILED, f"{type(exc).__name__}: {exc}"))
                 declined = isinstance(exc, CallDeclined)
                 demote = demote or not declined
+                if declined:
+                    declines.add(name)
                 with telemetry.span(
                     "torchhal.kernel.fallback", op=op, device=device.id, candidate=name, error=repr(exc)
                 ):
@@ -675,6 +752,9 @@ class KernelRegistry:
                             f"op {op!r} on {device.id}: every candidate failed (so no kernel was demoted: "
                             "the arguments are the likely cause): " + "; ".join(str(r) for r in failed)
                         ) from failures[0]
+                    # with those whose bind raised in `_next` (counted there): not bound and counted
+                    # again at the next step of this chain
+                    failed = [r for r in current.rejected if r.reason is RejectionReason.FAILED]
                 try:
                     result = current.fn(*args, **kwargs)
                 except Exception as next_exc:
@@ -686,17 +766,24 @@ class KernelRegistry:
                 for name in raised:
                     self._count_fallback(op, name)
                 # demoted for later calls, unless the failure may be the arguments' or the moment's:
-                # a decline, tensors without storage, or a selection made (or a failure met) during
-                # a graph capture, whose "not permitted while capturing" errors pass with it; nor
-                # where a candidate was registered after `selection` was made (its order is stale)
+                # only declines, tensors without storage (positional or keyword), or a selection made
+                # (or a failure met) during a graph capture, whose "not permitted while capturing"
+                # errors pass with it; nor where a candidate was registered after `selection` was
+                # made (its order is stale). Provisional selections demote nothing, but one made
+                # because every contender raised while measured: a candidate has run on these
+                # arguments now, so the contenders' failures were theirs.
                 if (
                     demote
-                    and all(map(_has_storage, args))
-                    and not selection.provisional
+                    and all(map(_has_storage, (*args, *kwargs.values())))
+                    and (not selection.provisional or _raised_while_measured(selection))
                     and not device.capturing()
                     and _knows_all(selection, candidates)
                 ):
-                    self._store(current, candidates)
+                    if declines:  # demote only those that failed: decliners keep their places
+                        current = self._next(
+                            selection, device, [r for r in failed if r.candidate not in declines]
+                        )
+                    self._store(replace(current, provisional=False), candidates)
                 return result
         finally:
             # an error raised from here holds this frame in its traceback, and this frame held the
@@ -707,6 +794,32 @@ class KernelRegistry:
 
 # The third part of the cache key of a selection made for arguments without storage, unmeasured
 UNMEASURED = "unmeasured"
+
+
+def _checked_disabled(names: object) -> frozenset[str]:
+    """`KernelRegistry.disabled` checked as Settings checks TORCHHAL_DISABLE_KERNELS: candidate names
+    or provider/name, none naming the reference (every op's ground truth and last fallback). A lone
+    string is refused: it would read as the names of its letters."""
+    items = tuple(names) if isinstance(names, Iterable) and not isinstance(names, str) else None
+    if items is None or not all(isinstance(name, str) and name for name in items):
+        raise ConfigurationError(
+            "KernelRegistry.disabled must be a collection of candidate names (name or provider/name), "
+            f"got {_seen(names)}"
+        )
+    refused = [name for name in items if name.rpartition("/")[2] == REFERENCE]
+    if refused:
+        raise ConfigurationError(
+            f"KernelRegistry.disabled names {', '.join(map(repr, refused))}: the reference implementation "
+            "cannot be disabled (it is every op's ground truth and last fallback); name the other "
+            "candidates to disable instead"
+        )
+    return frozenset(items)
+
+
+def _raised_while_measured(selection: Selection) -> bool:
+    """Whether `selection` is provisional because every contender raised while measured (the only
+    provisional selections that carry timings)."""
+    return selection.provisional and bool(selection.timings_ms)
 
 
 def _knows_all(selection: Selection, candidates: list[Candidate]) -> bool:
@@ -818,12 +931,21 @@ def _outranked(
     torchhal/aten's" of a priority-10 winner), or ranked lower. Every valid candidate but the
     reference was measured then (`Tuner.recall` matches the contenders exactly); when the winner
     cannot run now (its bind raised), the rest are ranked by priority, as nothing says how they
-    compared with each other."""
+    compared with each other. A contender that declined the call it was to be measured on has no
+    timing: it keeps its place by priority among the measured ones."""
     measured = dict(timings)
     ms, best = measured.get(cand.qualified_name), measured.get(chosen.qualified_name)
     if ms is not None and best is not None:
         return (
             "raised while measured" if math.isinf(ms) else f"measured {ms:.4g} ms a call against {best:.4g}"
+        )
+    if measured and cand.name != REFERENCE and ms is None:
+        return "declined the call it was to be measured on: unmeasured, in its place by priority"
+    if best is None and ms is not None:
+        own = "raised while measured" if math.isinf(ms) else f"measured {ms:.4g} ms a call"
+        return (
+            f"{own}; {chosen.qualified_name} declined the call it was to be measured on: unmeasured, "
+            "in its place by priority"
         )
     if chosen.qualified_name == remembered and cand.name != REFERENCE:
         return f"measured slower than {chosen.qualified_name} in an earlier run (remembered)"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.capabilities import Feature
+from torchhal.hal_core.errors import CallDeclined
 
 if TYPE_CHECKING:
     from torchhal.hal_core.device import Device
@@ -107,16 +108,28 @@ class Tuner:
     ) -> list[tuple[str, float]]:
         """Milliseconds per call for each candidate, fastest first; one that raises gets inf. Under
         graph timing on a device that captures graphs, replays of each candidate's calls are
-        timed, and one that cannot be captured gets inf too (a caller's graph would fail with it)."""
+        timed, and one that cannot be captured gets inf too (a caller's graph would fail with it).
+        One that declines the call (CallDeclined: a refusal of this call, not a failure) is left
+        out, unmeasured; the registry, which knows the op, says so and places it."""
         per_call = _ms_per_replay if self._graphs(device) else _ms_per_call
         timings = []
         for name, fn in candidates:
             try:
                 timings.append((name, per_call(device, fn, args, kwargs)))
+            except CallDeclined as exc:
+                log.debug("candidate declined the call it was measured on", candidate=name, error=repr(exc))
             except Exception as exc:
                 log.warning("candidate raised while being measured", candidate=name, error=repr(exc))
                 timings.append((name, math.inf))
         return sorted(timings, key=lambda t: t[1])
+
+    def forget(self) -> None:
+        """Drop the winners held in memory (measured here or read from the files), not the files:
+        the next selection reads its file again, and measures where the file has no winner
+        (`KernelRegistry.clear_cache`)."""
+        with self._lock:
+            self._winners = {}
+            self._measured = set()
 
     def _graph_timed(self, device: Device) -> bool:
         """Whether candidates are timed as graph replays on `device`: graph timing asked and the
