@@ -108,10 +108,13 @@ def test_timer_reads_simulated_time(sim_hal):
 
 
 def test_copy_charges_twice_the_bytes_over_bandwidth_plus_launch(sim_hal):
+    """A copy within device memory (both tensors on the ledger); an upload crosses the host link
+    (tests/simasic/test_cost_edges.py)."""
     dev = sim_hal().device("simasic:0")
-    src = torch.randn(250)
+    src = dev.empty((250,), torch.float32).normal_()
+    dst = dev.empty((250,), torch.float32)
     clock = dev.adapter.state(0).clock
-    dst = dev.to_device(src)
+    dev.copy_(dst, src)
     assert torch.equal(dst, src)
     assert clock.now() == pytest.approx(2 * 1000 / 1e11 + 1e-6, rel=1e-12)  # bytes/B + one launch
     with pytest.raises(InvalidArgumentError, match="same dtype and shape"):

@@ -34,7 +34,7 @@ from torchhal.hal_core import (
 )
 
 from torchhal_simasic import __version__
-from torchhal_simasic.cost import collective_time_s, copy_time_s
+from torchhal_simasic.cost import collective_time_s, copy_time_s, transfer_time_s
 from torchhal_simasic.kernels import register_simasic_kernels
 from torchhal_simasic.spec import SimASICSpec, spec_from_env
 from torchhal_simasic.state import DeviceState, SimulatedTimer
@@ -62,6 +62,7 @@ class SimASICAdapter(VendorAdapter):
         self._states: tuple[DeviceState, ...] | None = None
         self._lock = threading.Lock()
         self._warned_no_link = False  # collectives uncharged: said once per adapter
+        self._warned_unlinked_transfer = False  # host transfers without the link's time: said once
 
     @property
     def spec(self) -> SimASICSpec:
@@ -225,14 +226,42 @@ class SimASICAdapter(VendorAdapter):
         return tensor
 
     def copy_(self, index: int, dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-        """Copy and charge 2 × bytes / bandwidth (read and write) plus the launch overhead. Never
-        converts dtype or shape."""
+        """Copy and charge the clock. Never converts dtype or shape.
+
+        Where both tensors are on this device's ledger (made by `Device.empty`, an op or
+        `to_device` here, or views of those), a copy within device memory: 2 × bytes / memory
+        bandwidth (read and write) plus the launch overhead (`cost.copy_time_s`). Otherwise the
+        bytes cross the host link: an upload (`Device.to_device` copies a host tensor this way)
+        or a download, bytes / min(host link, memory bandwidth) plus the launch overhead
+        (`cost.transfer_time_s`). A spec without `host_link_bytes_per_s` charges such a
+        transfer only its device-memory side: said once per adapter, counted each time
+        (`torchhal.simasic.unlinked_transfers`)."""
         state = self.state(index)
         if dst.dtype != src.dtype or dst.shape != src.shape:
             raise InvalidArgumentError(
                 f"copy on {state.device}: dst and src must have the same dtype and shape, got "
                 f"dst {dst.dtype} {tuple(dst.shape)} and src {src.dtype} {tuple(src.shape)}"
             )
+        nbytes = src.numel() * src.element_size()
+        src_here, dst_here = state.ledger.holds(src), state.ledger.holds(dst)
+        if src_here and dst_here:
+            seconds = copy_time_s(self.spec, nbytes)
+        else:
+            seconds = transfer_time_s(self.spec, nbytes)
+            if self.spec.host_link_bytes_per_s is None:
+                self._say_unlinked_transfer(state.device, "download" if src_here else "upload")
         dst.copy_(src)
-        state.clock.advance(copy_time_s(self.spec, src.numel() * src.element_size()))
+        state.clock.advance(seconds)
         return dst
+
+    def _say_unlinked_transfer(self, device: str, direction: str) -> None:
+        telemetry.count("torchhal.simasic.unlinked_transfers", device=device, direction=direction)
+        if not self._warned_unlinked_transfer:
+            self._warned_unlinked_transfer = True
+            log.warning(
+                "simulated host transfers are charged only their device-memory side: the spec "
+                "declares no host_link_bytes_per_s",
+                spec=self.spec.name,
+                device=device,
+                direction=direction,
+            )

@@ -163,9 +163,23 @@ def elementwise_cost(spec: SimASICSpec, op: str, dtype: DType, nbytes: int) -> O
 
 
 def copy_time_s(spec: SimASICSpec, nbytes: int) -> float:
-    """A device copy reads and writes every byte, after one launch: 2 × bytes / bandwidth + overhead."""
+    """A copy within device memory reads and writes every byte, after one launch:
+    2 × bytes / bandwidth + overhead."""
     require_sizes("copy", nbytes=nbytes)
     return 2 * nbytes / spec.memory_bandwidth_bytes_per_s + spec.launch_overhead_s
+
+
+def transfer_time_s(spec: SimASICSpec, nbytes: int) -> float:
+    """A copy between host and device memory (an upload, as `Device.to_device` makes, or a
+    download) streams every byte over the host link and through device memory once, after one
+    launch: bytes / min(host_link_bytes_per_s, memory bandwidth) + overhead. A spec without a
+    host link gives only the device-memory side, bytes / memory bandwidth + overhead (the
+    adapter says so: the link's time is missing)."""
+    require_sizes("transfer", nbytes=nbytes)
+    rate = spec.memory_bandwidth_bytes_per_s
+    if spec.host_link_bytes_per_s is not None:
+        rate = min(rate, spec.host_link_bytes_per_s)
+    return nbytes / rate + spec.launch_overhead_s
 
 
 # Bytes each rank sends over its host link, per byte of its own buffer, with n ranks: ring
@@ -190,6 +204,11 @@ def collective_time_s(spec: SimASICSpec, collective: str, nbytes: int, world_siz
     sends (`_RING_TRAFFIC`) / `host_link_bytes_per_s` + overhead. None when the spec declares no
     host link: the transfer then has no cost to charge."""
     require_sizes(collective, nbytes=nbytes, world_size=world_size)
+    if world_size < 1:  # a ring of no ranks: its traffic divides by zero, or comes out negative
+        raise InvalidArgumentError(
+            f"{collective} cost: world_size must be an integer >= 1 (the ranks taking part), "
+            f"got {world_size!r}"
+        )
     if collective not in _RING_TRAFFIC:
         raise InvalidArgumentError(
             f"simulated collective: no cost model for {collective!r}; known: {', '.join(_RING_TRAFFIC)}"

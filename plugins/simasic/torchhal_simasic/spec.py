@@ -39,6 +39,9 @@ MAX_DEVICES = 64
 # conformance kit bounds at 4096 lanes (torchhal.testing.checks_adapter.MAX_SIMD_WIDTH): a wider
 # array was a valid spec whose device failed adapter.discover. Real arrays have a few hundred.
 MAX_COLS = 4096
+# The least clock, memory bandwidth or host link a spec may give: the smallest normal float. Its
+# reciprocal is finite (about 4.5e307), and it stays above 0 in GB/s and, for a clock, in TFLOP/s.
+MIN_RATE = sys.float_info.min
 
 # Strict, so a bool or a string ("800e6") is refused rather than read as a number; a float
 # field takes an integer (`clock_hz = 800000000`), which TOML and JSON write without a point.
@@ -83,6 +86,20 @@ class SimASICSpec(BaseModel):
             raise ValueError(
                 f"must be at most {MAX_COLS} (the array's columns are the device's SIMD width, "
                 "which the conformance kit bounds there)"
+            )
+        return value
+
+    @field_validator("clock_hz", "memory_bandwidth_bytes_per_s", "host_link_bytes_per_s")
+    @classmethod
+    def _rate_is_a_normal_float(cls, value: float | None) -> float | None:
+        """A rate the cost model divides by: a subnormal one (1e-310) validated, then its
+        reciprocal overflowed to inf (every op's time) or its GB/s rounded to 0 (discovery's
+        declared peaks refused it), in errors that named no spec field."""
+        if value is not None and value < MIN_RATE:
+            raise ValueError(
+                f"must be at least {MIN_RATE!r}, the smallest normal float: below it 1 / rate, "
+                "which the cost model divides by, overflows to inf, and the declared GB/s or "
+                "TFLOP/s round to 0"
             )
         return value
 

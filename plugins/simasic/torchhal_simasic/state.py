@@ -49,6 +49,8 @@ class MemoryLedger:
         self._used = 0
         self._peak = 0
         self._lock = threading.RLock()  # re-entrant: a finalizer may run while this thread holds it
+        # the storages charged here, while torch holds them: what is on this device (`holds`)
+        self._held: weakref.WeakSet[torch.UntypedStorage] = weakref.WeakSet()
 
     @property
     def used(self) -> int:
@@ -77,17 +79,50 @@ class MemoryLedger:
             self._peak = self._used
 
     def release_with(self, tensor: torch.Tensor, nbytes: int) -> None:
-        """Give `nbytes` back when the tensor's storage is freed."""
-        finalizer = weakref.finalize(tensor.untyped_storage(), self.release, nbytes)
+        """Give `nbytes` back when the tensor's storage is freed; until then the storage is on
+        this device (`holds`)."""
+        storage = tensor.untyped_storage()
+        finalizer = weakref.finalize(storage, self.release, nbytes)
         finalizer.atexit = False  # nothing to give back once the process ends
+        with self._lock:
+            self._held.add(storage)
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether the tensor's storage was charged to this ledger (allocated on this device or
+        an op's result there, or a view of one) and is still alive."""
+        import torch
+
+        if tensor.layout != torch.strided:
+            return False  # no plain storage (sparse, mkldnn): never charged here
+        with self._lock:
+            return tensor.untyped_storage() in self._held
 
     def track(self, *tensors: torch.Tensor) -> None:
-        """Charge tensors that already exist (an op's results) for their storage: all of them
-        at once, or none (DeviceOutOfMemoryError, the ledger as it was)."""
+        """Charge tensors that already exist for their storage: all of them at once, or none
+        (DeviceOutOfMemoryError, the ledger as it was)."""
+        self.settle(0, *tensors)
+
+    def settle(self, reserved: int, *tensors: torch.Tensor) -> int:
+        """Exchange `reserved` bytes, charged before an op ran (so that results beyond capacity
+        are refused before they are computed), for its results' storage; returns what they take.
+        All at once, or nothing: DeviceOutOfMemoryError (the results do not fit beside what else
+        is held) leaves the reservation charged, for the caller to release."""
         sizes = [t.untyped_storage().nbytes() for t in tensors]
-        self.charge(sum(sizes))
-        for tensor, nbytes in zip(tensors, sizes, strict=True):
-            self.release_with(tensor, nbytes)
+        needed = sum(sizes)
+        with self._lock:
+            if reserved < 0 or reserved > self._used:
+                raise InvalidArgumentError(
+                    f"{self.device}: a reservation must be between 0 and the {self._used} bytes "
+                    f"charged, got {reserved} bytes"
+                )
+            others = self._used - reserved
+            if others + needed > self.capacity:
+                raise DeviceOutOfMemoryError(self.device, needed, others, self.capacity)
+            self._used = others + needed
+            self._peak = max(self._peak, self._used)
+            for tensor, nbytes in zip(tensors, sizes, strict=True):
+                self.release_with(tensor, nbytes)
+        return needed
 
 
 class SimulatedMark(NamedTuple):

@@ -30,6 +30,10 @@ fp32 by the ops' contract, so 4 bytes each.
 
 Like attention's scores, the logits are modelled as going through memory once: the array's
 outputs cannot feed it directly, so a chunked kernel stores them to read them back.
+
+`OUTPUT_BYTES` gives, for each op, the device memory its results take, from its arguments
+alone (shapes and dtypes, as the ops' fake implementations give them: every result a fresh
+dense tensor), so that a bound kernel charges the ledger before computing anything.
 """
 
 from __future__ import annotations
@@ -297,6 +301,92 @@ ARRAY_WORKLOADS: dict[str, Workload] = {  # ops with matmuls: they need the dtyp
     "linear_cross_entropy_backward": linear_cross_entropy_backward,
 }
 WORKLOADS: dict[str, Workload] = {**{op: streamed(op) for op in STREAMED_OPS}, **ARRAY_WORKLOADS}
+
+OutputBytes = Callable[..., int]  # (**the op's arguments by name) -> bytes of its results
+
+
+def _matmul_out(*, a: torch.Tensor, b: torch.Tensor) -> int:
+    batch, m, _, n = matmul_dims(a.shape, b.shape)
+    return batch * m * n * a.element_size()
+
+
+def _attention_out(*, q: torch.Tensor, v: torch.Tensor, **_: Any) -> int:
+    """out: q's shape with v's head dim, q's dtype (dense or packed)."""
+    return math.prod(q.shape[:-1]) * v.shape[-1] * q.element_size()
+
+
+def _attention_forward_out(*, q: torch.Tensor, v: torch.Tensor, **_: Any) -> int:
+    """out and the fp32 lse, one per query row and head."""
+    return _attention_out(q=q, v=v) + math.prod(q.shape[:-1]) * STATISTIC_BYTES
+
+
+def _loss_bytes(hidden: torch.Tensor, target: torch.Tensor, reduction: str) -> int:
+    """The loss, in the references' compute dtype (fp32, fp64 for fp64): one per token for
+    "none", else a scalar."""
+    size = torch.promote_types(hidden.dtype, torch.float32).itemsize
+    return (target.numel() if reduction == "none" else 1) * size
+
+
+def _cross_entropy_out(*, hidden: torch.Tensor, target: torch.Tensor, reduction: str, **_: Any) -> int:
+    return _loss_bytes(hidden, target, reduction)
+
+
+def _cross_entropy_forward_out(
+    *, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+    reduction: str, **_: Any,
+) -> int:  # fmt: skip
+    """The loss, then dhidden, dweight and dbias like their inputs ("none": empty gradients)."""
+    gradients = 0 if reduction == "none" else _bytes(hidden, weight, bias)
+    return _loss_bytes(hidden, target, reduction) + gradients
+
+
+def _cross_entropy_backward_out(
+    *, grad_hidden: torch.Tensor, grad_weight: torch.Tensor, grad_bias: torch.Tensor,
+    hidden: torch.Tensor | None, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    reduction: str, **_: Any,
+) -> int:  # fmt: skip
+    """The forward's gradients scaled ("mean", "sum"), or recomputed like hidden, weight, bias."""
+    if reduction != "none":
+        return _bytes(grad_hidden, grad_weight, grad_bias)
+    return _bytes(hidden, weight, bias)
+
+
+def _like(*names: str, twice: str | None = None) -> OutputBytes:
+    """Results shaped and typed as the named arguments (`twice`: two results like that one)."""
+
+    def out(**arguments: Any) -> int:
+        return _bytes(*(arguments[name] for name in names)) + (2 * _bytes(arguments[twice]) if twice else 0)
+
+    return out
+
+
+def _layer_norm_forward_out(*, x: torch.Tensor, **_: Any) -> int:
+    """y like x, then mean and rstd per row in the compute dtype."""
+    rows = math.prod(x.shape[:-1])
+    return _bytes(x) + 2 * rows * torch.promote_types(x.dtype, torch.float32).itemsize
+
+
+OUTPUT_BYTES: dict[str, OutputBytes] = {
+    "matmul": _matmul_out,
+    "matmul_backward": _like("a", "b"),
+    "rms_norm": _like("x"),
+    "rms_norm_backward": _like("x", "weight"),
+    "layer_norm": _like("x"),
+    "layer_norm_forward": _layer_norm_forward_out,
+    "layer_norm_backward": _like("x", twice="weight"),
+    "swiglu": _like("gate"),
+    "swiglu_backward": _like(twice="gate"),
+    "geglu": _like("gate"),
+    "geglu_backward": _like(twice="gate"),
+    "rope": _like("q", "k"),
+    "rope_backward": _like("dq_out", "dk_out"),
+    **{f"attention{infix}": _attention_out for infix in ("", "_varlen")},
+    **{f"attention{infix}_forward": _attention_forward_out for infix in ("", "_varlen")},
+    **{f"attention{infix}_backward": _like("q", "k", "v") for infix in ("", "_varlen")},
+    "linear_cross_entropy": _cross_entropy_out,
+    "linear_cross_entropy_forward": _cross_entropy_forward_out,
+    "linear_cross_entropy_backward": _cross_entropy_backward_out,
+}
 
 
 def _dtype(t: torch.Tensor) -> DType:
