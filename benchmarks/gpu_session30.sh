@@ -3,8 +3,9 @@
 # benchmarks/build_device_wheels.sh). Every result goes to $OUT/raw, packed into $OUT/results.tgz:
 #   bash benchmarks/gpu_session30.sh norms  # one GPU: bench_norms, two processes, every op and shape,
 #                                           # forwards now with their host and kernel times too
-#   bash benchmarks/gpu_session30.sh final  # one GPU: the conformance kit, the GPU tests of the
-#                                           # session's changes (drop-in modules, norms, plugin)
+#   bash benchmarks/gpu_session30.sh final  # one GPU: the conformance kit, the GPU tests (plugin,
+#                                           # real GPU, every kernel file but attention's shape
+#                                           # sweep, prepare on a GPU)
 set -uo pipefail
 phase=${1:?norms}
 source "$(dirname "$0")/gpu_setup.sh"
@@ -23,8 +24,9 @@ if [ "$phase" = final ]; then
   timeout 150 python3 -m torchhal conformance nvidia --json > "$RAW/conformance_nvidia.json" 2> "$RAW/conformance_nvidia.err"
   echo "conformance rc=$?"
   python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['summary']); [print(' ', c['check'], c['status'], c['reason'][:150]) for c in r['checks'] if c['status']!='passed']" "$RAW/conformance_nvidia.json"
-  timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/plugins/test_nvidia.py tests/gpu \
-    tests/kernels/gpu -k "not shape_sweep" 2>&1 | tee "$RAW/gpu_tests_final.log" | tail -6
+  timeout 440 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/plugins/test_nvidia.py tests/gpu \
+    tests/kernels/gpu tests/distributed/gpu/test_prepare_gpu.py -k "not shape_sweep" 2>&1 \
+    | tee "$RAW/gpu_tests_final.log" | tail -8
   echo "gpu tests rc=${PIPESTATUS[0]}"
   pack; exit 0
 fi
