@@ -8,9 +8,9 @@ what makes a checkpoint safe to resume from after a crash:
   so a directory named `step_<n>` is complete;
 - `latest_valid(dir)` walks back from the newest step to the newest one whose manifest verifies,
   logging and counting every one it skips (truncated, edited, incomplete);
-- each rank's RNG states (torch's CPU generator and its device's, asked through the device type
-  the HAL reports, and Python's and NumPy's) sit beside the shards in `rng_rank<r>.pt`, so a
-  resumed run draws the same random numbers as an uninterrupted one;
+- each rank's RNG states (torch's CPU generator and its device's: `ctx.device`, or without a ctx
+  the device the model's parameters are on; and Python's and NumPy's) sit beside the shards in
+  `rng_rank<r>.pt`, so a resumed run draws the same random numbers as an uninterrupted one;
 - each rank's data loader state (`data=`: an object with `state_dict`/`load_state_dict`, as
   torchdata's StatefulDataLoader) in `data_rank<r>.pt`, so a resumed run continues its epoch
   where it stopped, every rank from its own position;
@@ -20,38 +20,45 @@ what makes a checkpoint safe to resume from after a crash:
   committed (a run resumed from an earlier step) are set aside, so a crash never resumes the
   abandoned timeline.
 `step` is the number of optimizer steps completed: resume with `train(first_step=step)`. An
-optimizer that has not stepped is saved as fresh (torch's `get_state_dict` would make its state by
-stepping it at learning rate 0: Adam's step count, Rprop's step sizes and any step hook would move)
-and loads as fresh. The directory must be storage every rank sees (DCP's file writer and the
-commit both assume it).
+optimizer without state (one that has not stepped, or SGD without momentum, which keeps none) is
+saved as fresh with its parameter groups' hyperparameters (torch's `get_state_dict` would make its
+state by stepping it at learning rate 0: Adam's step count, Rprop's step sizes and any step hook
+would move) and loads as fresh with them (a scheduler's lowered learning rate included). A load
+never steps the optimizer either: what it loads is what the checkpoint holds (state for the
+parameters that had it, none for those that had none), refused before anything changes where it
+does not fit. The directory must be storage every rank sees (DCP's file writer and the commit
+both assume it); what rank 0 alone does there (choose the checkpoint to load, commit, prune) it
+tells every rank, so a failure there is a CheckpointError on every rank at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import io
+import itertools
 import json
 import random
 import re
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -71,10 +78,16 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^\.step_(\d+)\.tmp$")
 _SUPERSEDED = re.compile(r"^superseded_step_(\d+)_by_(\d+)$")
 _REPLACED_DIR = re.compile(r"^\.step_(\d+)\.replaced$")
+_T = TypeVar("_T")
 
 
 class CheckpointError(TorchHALError, RuntimeError):
     """A checkpoint is missing, incomplete or corrupt, or cannot be applied to the model."""
+
+
+class CheckpointIOError(CheckpointError, OSError):
+    """A CheckpointError whose cause was an OSError (a full disk during the commit's rename), on
+    every rank: `except OSError` catches it as it caught the cause where it happened."""
 
 
 @dataclass(frozen=True)
@@ -118,8 +131,12 @@ def verify(path: Path | str) -> CheckpointInfo:
 
 
 def latest_valid(directory: Path | str) -> CheckpointInfo | None:
-    """The newest checkpoint under `directory` that verifies; each newer one skipped is logged and counted."""
-    for step, path in sorted(_steps(Path(directory)), reverse=True):
+    """The newest checkpoint under `directory` that verifies; each newer one skipped is logged and
+    counted. A checkpoint a commit left aside and did not put back (it stopped between its two
+    renames) is put back first (logged, counted)."""
+    directory = Path(directory)
+    _recover_replaced(directory)
+    for step, path in sorted(_steps(directory), reverse=True):
         try:
             return verify(path)
         except CheckpointError as exc:
@@ -134,7 +151,9 @@ class Checkpointer:
     Collective: every rank makes one (it creates a gloo group of all ranks, so DCP's planning and
     torchhal's commit never interleave with training collectives, even while an async save runs
     in the background) and calls `save`/`wait`/`load`/`close` at the same points. Without a
-    default process group it works in this process alone.
+    default process group it works in this process alone. The device whose RNG state is saved is
+    `ctx.device`; without a ctx, the device the model's parameters and buffers are on (the first
+    of several, said once and counted each save: `torchhal.checkpoint.rng_devices_not_saved`).
     """
 
     def __init__(
@@ -158,6 +177,7 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if self._group is not None else 1
         self._alone = self._group is None  # no process group: DCP reads and writes in this process only
         self._pending: tuple[int, Path, Future[Any], list[int]] | None = None
+        self._said_devices = False
         if self.rank == 0:
             self.directory.mkdir(parents=True, exist_ok=True)
 
@@ -191,12 +211,9 @@ class Checkpointer:
         self.wait()
         self._check_every_rank_passes_data(data is not None)
         tmp = self.directory / f".step_{step}.tmp"
-        if self.rank == 0 and tmp.exists():
-            log.warning("stale temporary checkpoint removed", path=str(tmp))
-            shutil.rmtree(tmp)
-        self._barrier()
+        self._on_rank0(f"removal of the stale temporary checkpoint {tmp}", lambda: _remove_stale(tmp))
         tmp.mkdir(parents=True, exist_ok=True)
-        torch.save(rng_state(self.device), tmp / f"rng_rank{self.rank}.pt")
+        torch.save(rng_state(self._rng_device(model)), tmp / f"rng_rank{self.rank}.pt")
         if data_state is not None:
             (tmp / _data_file(self.rank)).write_bytes(data_state)
         if scheduler_state is not None and self.rank == 0:
@@ -245,10 +262,14 @@ class Checkpointer:
             )
 
     def _commit(self, step: int, tmp: Path, groups: list[int]) -> CheckpointInfo:
-        """After every rank wrote its files: manifest last, rename into place, prune old steps."""
+        """After every rank wrote its files: manifest last, rename into place, prune old steps.
+        Rank 0 does both and tells every rank how they went: a failure (a full disk at the
+        rename) is a CheckpointError on every rank at once, where the others waited for it until
+        the group's timeout."""
         self._barrier()
         final = step_dir(self.directory, step)
-        if self.rank == 0:
+
+        def commit() -> None:
             files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
             meta = {
                 "format": FORMAT_VERSION,
@@ -259,8 +280,12 @@ class Checkpointer:
             }
             (tmp / MANIFEST).write_text(json.dumps(meta, indent=1, sort_keys=True))
             _rename_replacing(tmp, final)
-            self._prune(step)
-        self._barrier()
+
+        self._on_rank0(f"commit of the checkpoint of step {step} into {final}", commit)
+        self._on_rank0(
+            f"pruning beside the checkpoint of step {step} (committed at {final})",
+            lambda: self._prune(step),
+        )
         log.info("checkpoint committed", step=step, path=str(final), rank=self.rank)
         telemetry.count("torchhal.checkpoint.saved")
         return CheckpointInfo(step, final, self.world_size, groups)
@@ -270,7 +295,9 @@ class Checkpointer:
         steps belong to a timeline this run abandoned when it resumed from an earlier one (a
         rollback past a loss spike): they are set aside as `superseded_step_<n>_by_<newest>`,
         kept for inspection but never resumed from, since `latest_valid` would have preferred
-        them after the next crash and silently undone the rollback."""
+        them after the next crash and silently undone the rollback. A checkpoint an interrupted
+        commit left aside as `.step_<n>.replaced` without a `step_<n>` is put back first."""
+        _recover_replaced(self.directory)
         steps = sorted(_steps(self.directory), reverse=True)
         for step, path in steps:
             if step > newest:
@@ -307,7 +334,7 @@ class Checkpointer:
             if match and int(match.group(1)) < newest:
                 shutil.rmtree(child)
                 log.info("abandoned temporary checkpoint removed", path=str(child))
-            elif _REPLACED_DIR.match(child.name):  # a commit that stopped between its renames
+            elif _REPLACED_DIR.match(child.name):  # its step_<n> is in place: the older copy
                 shutil.rmtree(child)
                 log.info("replaced checkpoint left by an interrupted commit removed", path=str(child))
 
@@ -325,84 +352,113 @@ class Checkpointer:
     ) -> CheckpointInfo | None:
         """Restore the newest valid checkpoint (or `path`) into `model`, `optimizer`, `scaler`, the
         RNGs, this rank's data loader `data` and the learning-rate `scheduler`; None when there is
-        none. Rank 0 chooses, so every rank loads the same step. Refused before anything is
-        loaded: a checkpoint of another model (keys, shapes), of another optimizer layout
-        (parameter groups), without this rank's loader state when `data` is given (saved without
-        it, or by another world size), without a scaler or scheduler state when `scaler` or
-        `scheduler` is. A saved loader, scaler or
-        scheduler state that load is not given is left unused (logged and counted), as are RNG
-        states of another world size or device type. A loader or scheduler that refuses its state,
-        or a DCP load that fails, leaves them and a fresh optimizer as they were."""
+        none. Rank 0 chooses, so every rank loads the same step (a checkpoint it finds incomplete
+        is a CheckpointError on every rank). Refused before anything is loaded: a checkpoint of
+        another model (keys, shapes, dtypes), of another optimizer layout (parameter groups, or
+        state for parameters the optimizer does not hold), without this rank's loader state when
+        `data` is given (saved without it, or by another world size), without a scaler or
+        scheduler state when `scaler` or `scheduler` is. The optimizer gets the state the
+        checkpoint holds, for the parameters that had it, and the saved hyperparameters of each
+        group; it is never stepped (torch's `set_state_dict` steps a fresh one at learning rate 0
+        to make its state, running its step hooks). A saved loader, scaler or scheduler state
+        that load is not given is left unused (logged and counted), as are RNG states of another
+        world size or device type. A loader or scheduler that refuses its state, or a DCP load
+        that fails, leaves them and a fresh optimizer as they were."""
         if data is not None:
             _check_stateful(data, "Checkpointer.load", "data", "torchdata's StatefulDataLoader")
         if scheduler is not None:
             _check_stateful(scheduler, "Checkpointer.load", "scheduler", "torch's LRScheduler")
         self.wait()
-        chosen: list[Any] = [None]
-        if self.rank == 0:
-            chosen[0] = verify(path) if path is not None else latest_valid(self.directory)
-        if self._group is not None:
-            dist.broadcast_object_list(chosen, src=0, group=self._group)
-        info: CheckpointInfo | None = chosen[0]
+        where = path if path is not None else self.directory
+        info: CheckpointInfo | None = self._on_rank0(
+            f"choice of the checkpoint to load from {where}",
+            lambda: verify(path) if path is not None else latest_valid(self.directory),
+        )
         if info is None:
             log.info("no valid checkpoint to resume from", directory=str(self.directory))
             return None
         data_state = self._data_state(info, data)
-        # before get_state_dict steps a fresh optimizer
         wants_scaler = scaler is not None and bool(scaler.state_dict())  # a disabled scaler has none
-        metadata = dcp.FileSystemReader(info.path).read_metadata().state_dict_metadata
-        _check_fits(info.path, metadata, get_model_state_dict(model), scaler=wants_scaler)
-        _check_optimizer_groups(info, metadata, optimizer)
+        metadata = dcp.FileSystemReader(info.path).read_metadata()
+        model_state = get_model_state_dict(model)
+        _check_fits(info.path, metadata.state_dict_metadata, model_state, scaler=wants_scaler)
+        _check_optimizer_groups(info, metadata.state_dict_metadata, optimizer)
         scheduler_state = _scheduler_state(info, scheduler)
-        rng = self._rng_to_restore(info)
+        device = self._rng_device(model)
+        rng = self._rng_to_restore(info, device)
+        target = _OptimizerTarget.of(info.path, metadata, model, optimizer)
+        hyperparameters = self._saved_hyperparameters(info, target)
         # the loader and scheduler first: one that refuses its state finds everything as it was
         restored: list[tuple[Stateful, Any]] = []
-        fresh_before = not optimizer.state
         try:
             for stateful, saved in ((data, data_state), (scheduler, scheduler_state)):
                 if stateful is not None:
                     before = stateful.state_dict()
                     stateful.load_state_dict(saved)
                     restored.append((stateful, before))
-            state = self._load_training_state(info, metadata, model, optimizer, scaler)
+            state = self._load_training_state(info, model, model_state, optimizer, target, scaler)
+            target.apply(optimizer, hyperparameters)
         except BaseException:
-            if fresh_before:  # get_state_dict stepped it at learning rate 0 to make its state
-                optimizer.state.clear()
             for stateful, before in reversed(restored):
                 stateful.load_state_dict(before)
             raise
         if scaler is not None:
             scaler.load_state_dict(state["scaler"])
-        elif any(key.startswith("scaler.") for key in metadata):
+        elif any(key.startswith("scaler.") for key in metadata.state_dict_metadata):
             _left_unused("scaler", "a fresh scaler starts at its initial scale", info.path, rank=self.rank)
         if rng is not None:
-            set_rng_state(rng, self.device)
+            set_rng_state(rng, device)
         log.info("checkpoint loaded", step=info.step, path=str(info.path), saved_world_size=info.world_size)
         return info
+
+    def _saved_hyperparameters(
+        self, info: CheckpointInfo, target: _OptimizerTarget
+    ) -> list[dict[str, Any]] | None:
+        """The saved step and parameter groups, read (DCP's small values only) and checked against
+        the manifest and the optimizer before anything is loaded; each of the optimizer's groups'
+        saved hyperparameters, or None for a checkpoint of an earlier version saved fresh, which
+        holds none (logged, counted)."""
+        small: dict[str, Any] = {"step": None}
+        if target.saved_groups:
+            small["optimizer"] = {"param_groups": target.saved_groups}
+        with _dcp_errors("load of", info.step, info.path):
+            dcp.load(small, checkpoint_id=info.path, process_group=self._group, no_dist=self._alone)
+        if int(small["step"]) != info.step:
+            raise CheckpointError(f"checkpoint {info.path}: holds step {small['step']}, manifest {info.step}")
+        if not target.saved_groups:
+            log.warning(
+                "the checkpoint holds no optimizer hyperparameters (saved fresh by an earlier "
+                "version): the optimizer keeps its own learning rate and the rest",
+                path=str(info.path),
+                rank=self.rank,
+            )
+            telemetry.count("torchhal.checkpoint.hyperparameters_not_restored")
+            return None
+        return target.match_groups(small["optimizer"]["param_groups"])
 
     def _load_training_state(
         self,
         info: CheckpointInfo,
-        metadata: Mapping[str, Any],
         model: nn.Module,
+        model_state: dict[str, Any],
         optimizer: torch.optim.Optimizer,
+        target: _OptimizerTarget,
         scaler: torch.amp.GradScaler | None,
     ) -> dict[str, Any]:
-        """DCP's load into the model and optimizer; an optimizer saved fresh is made fresh."""
-        fresh = FRESH_OPTIMIZER in metadata
-        state = _training_state(model, optimizer, scaler, info.step, fresh=fresh)
+        """DCP's load of the model and of the optimizer state the checkpoint holds; the optimizer
+        gets it afterwards (`_OptimizerTarget.apply`)."""
+        state: dict[str, Any] = {"model": model_state}
+        if target.state:
+            state["optimizer"] = {"state": target.state}
+        if scaler is not None:
+            state["scaler"] = scaler.state_dict()
         with telemetry.span("torchhal.checkpoint.load", step=info.step, rank=self.rank):
-            with _dcp_errors("load of", info.step, info.path):
-                dcp.load(state, checkpoint_id=info.path, process_group=self._group, no_dist=self._alone)
-            if fresh:
-                set_model_state_dict(model, state["model"])
-                optimizer.state.clear()
-            else:
-                set_state_dict(
-                    model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-                )
-        if int(state["step"]) != info.step:
-            raise CheckpointError(f"checkpoint {info.path}: holds step {state['step']}, manifest {info.step}")
+            try:
+                with _dcp_errors("load of", info.step, info.path):
+                    dcp.load(state, checkpoint_id=info.path, process_group=self._group, no_dist=self._alone)
+            except CheckpointError as exc:
+                raise target.refused(exc) from exc.__cause__
+            set_model_state_dict(model, state["model"])
         return state
 
     def _data_state(self, info: CheckpointInfo, data: Stateful | None) -> Any:
@@ -428,14 +484,38 @@ class Checkpointer:
             )
         return torch.load(info.path / _data_file(self.rank), weights_only=True)
 
-    def _rng_to_restore(self, info: CheckpointInfo) -> dict[str, Any] | None:
+    def _rng_device(self, model: nn.Module) -> Device | torch.device | None:
+        """The device whose generator is checkpointed: ctx's, or without a ctx the one the model's
+        tensors are on (None: the host's alone). The first of several is taken, said once."""
+        if self.device is not None:
+            return self.device
+        found: list[torch.device] = []
+        for tensor in itertools.chain(model.parameters(), model.buffers()):
+            if tensor.device.type not in ("cpu", "meta") and tensor.device not in found:
+                found.append(tensor.device)
+        if len(found) > 1:
+            telemetry.count("torchhal.checkpoint.rng_devices_not_saved")
+            if not self._said_devices:
+                self._said_devices = True
+                log.warning(
+                    "the model's tensors are on several devices and the Checkpointer has no ctx: the "
+                    "RNG state of the first alone is checkpointed",
+                    devices=[str(d) for d in found],
+                    saved=str(found[0]),
+                )
+        return found[0] if found else None
+
+    def _rng_to_restore(
+        self, info: CheckpointInfo, device: Device | torch.device | None
+    ) -> dict[str, Any] | None:
         """This rank's saved RNG states, read before anything is loaded; None (logged, counted)
         where they cannot apply: another world size, or another device type (a checkpoint of a
         GPU run resumed on the host: its host generators alone would leave the run's random
         stream half restored)."""
         file = info.path / f"rng_rank{self.rank}.pt"
         saved = torch.load(file, weights_only=True) if file.is_file() else None
-        here = self.device.torch_device.type if self.device is not None else "cpu"
+        off_host = _off_host(device)
+        here = off_host[0] if off_host is not None else "cpu"
         saved_type = saved.get("device_type", "cpu") if saved is not None else None
         if info.world_size == self.world_size and saved is not None and saved_type == here:
             return saved
@@ -456,6 +536,28 @@ class Checkpointer:
         telemetry.count("torchhal.checkpoint.rng_not_restored")
         return None
 
+    def _on_rank0(self, what: str, work: Callable[[], _T]) -> _T:
+        """`work` done by rank 0 alone (the shared directory's commit and pruning, the choice of
+        the checkpoint to load), its result given to every rank. Where it raised, every rank
+        raises a CheckpointError naming `what` and rank 0's error (a CheckpointIOError where that
+        was an OSError), at once: the others waited for rank 0 until the group's timeout and got
+        gloo's "Timed out ... recv", naming nothing."""
+        outcome: list[Any] = [None]
+        cause: Exception | None = None
+        if self.rank == 0:
+            try:
+                outcome[0] = (True, work())
+            except Exception as exc:
+                cause = exc
+                outcome[0] = (False, _reason(exc), isinstance(exc, OSError))
+        if self._group is not None:
+            dist.broadcast_object_list(outcome, src=0, group=self._group)
+        if outcome[0][0]:
+            return outcome[0][1]
+        _, reason, os_error = outcome[0]
+        error = CheckpointIOError if os_error else CheckpointError
+        raise error(f"{what} failed on rank 0: {reason}") from cause
+
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:
@@ -470,7 +572,17 @@ class Checkpointer:
             dist.barrier(group=self._group)
 
 
-def rng_state(device: Device | None) -> dict[str, Any]:
+def _off_host(device: Device | torch.device | None) -> tuple[str, int | None] | None:
+    """(device type, index) of a device off the host, a HAL Device or a torch.device; else None."""
+    if device is None:
+        return None
+    if isinstance(device, torch.device):
+        return None if device.type == "cpu" else (device.type, device.index)
+    kind = device.torch_device.type
+    return None if kind == "cpu" else (kind, device.index)
+
+
+def rng_state(device: Device | torch.device | None) -> dict[str, Any]:
     """torch's CPU generator state, `device`'s generator when its tensors live off the host, and
     Python's and NumPy's global generators, which data pipelines draw from (shuffles, crops)."""
     numpy_state = np.random.get_state(legacy=False)
@@ -485,14 +597,16 @@ def rng_state(device: Device | None) -> dict[str, Any]:
             "gauss": numpy_state["gauss"],
         },
     }
-    if device is not None and device.torch_device.type != "cpu":
-        module = torch.get_device_module(device.torch_device.type)
-        state["device_type"] = device.torch_device.type
-        state["device"] = module.get_rng_state(device.index)
+    off_host = _off_host(device)
+    if off_host is not None:
+        kind, index = off_host
+        module = torch.get_device_module(kind)
+        state["device_type"] = kind
+        state["device"] = module.get_rng_state() if index is None else module.get_rng_state(index)
     return state
 
 
-def set_rng_state(state: dict[str, Any], device: Device | None) -> None:
+def set_rng_state(state: dict[str, Any], device: Device | torch.device | None) -> None:
     torch.set_rng_state(state["cpu"])
     if "python" in state:  # checkpoints of earlier versions hold torch's generators only
         random.setstate(state["python"])
@@ -506,13 +620,19 @@ def set_rng_state(state: dict[str, Any], device: Device | None) -> None:
             }
         )
     saved = state.get("device_type")
-    here = device.torch_device.type if device is not None and device.torch_device.type != "cpu" else None
+    off_host = _off_host(device)
+    here = off_host[0] if off_host is not None else None
     if saved != here:
         raise ConfigurationError(
             f"RNG state: saved for device type {saved or 'host only'}, restoring on {here or 'host only'}"
         )
-    if device is not None and here is not None:
-        torch.get_device_module(here).set_rng_state(state["device"], device.index)
+    if off_host is not None:
+        kind, index = off_host
+        module = torch.get_device_module(kind)
+        if index is None:
+            module.set_rng_state(state["device"])
+        else:
+            module.set_rng_state(state["device"], index)
 
 
 def _data_file(rank: int) -> str:
@@ -576,7 +696,7 @@ def _serialised_state(value: Stateful, name: str, example: str) -> bytes:
 
 
 FRESH_OPTIMIZER = "optimizer_fresh"
-"""The key a checkpoint of an optimizer that had not stepped holds instead of its state."""
+"""The key a checkpoint of an optimizer without state holds (beside its parameter groups)."""
 
 
 def _training_state(
@@ -587,18 +707,348 @@ def _training_state(
     *,
     fresh: bool,
 ) -> dict[str, Any]:
-    """What DCP saves or loads. A `fresh` optimizer (saved before its first step) has no state in
-    the checkpoint: torch's get_state_dict would make it by stepping the optimizer (at learning
-    rate 0, with zero gradients), which moves Adam's step count and Rprop's step sizes and runs
-    every step hook."""
+    """What DCP saves. A `fresh` optimizer (one without state: before its first step, or SGD
+    without momentum after any number) has its parameter groups in the checkpoint, laid out as
+    torch's get_state_dict lays them (each group's hyperparameters and its parameters' names), and
+    no state: get_state_dict would make its state by stepping it (at learning rate 0, with zero
+    gradients), which moves Adam's step count and Rprop's step sizes and runs every step hook."""
     state: dict[str, Any] = {"step": step}
     if fresh:
         state["model"], state[FRESH_OPTIMIZER] = get_model_state_dict(model), True
+        names = _optimizer_names(model, optimizer)
+        state["optimizer"] = {
+            "param_groups": [
+                {**{k: v for k, v in group.items() if k != "params"}, "params": list(group_names)}
+                for group, group_names in zip(optimizer.param_groups, names, strict=True)
+            ]
+        }
     else:
         state["model"], state["optimizer"] = get_state_dict(model, optimizer)
     if scaler is not None:
         state["scaler"] = scaler.state_dict()
     return state
+
+
+def _parameter_names(model: nn.Module) -> dict[int, str]:
+    """Each parameter's name as torch's get_state_dict keys its optimizer state: without DDP's
+    `module.` and torch.compile's `_orig_mod.` (torch's own `_get_fqns`, where it has one)."""
+    try:
+        from torch.distributed.checkpoint.state_dict import _get_fqns
+    except ImportError:  # pragma: no cover - every torch this supports has it
+        _get_fqns = None
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters():
+        clean = name
+        if _get_fqns is not None:
+            fqns = _get_fqns(model, name)
+            if len(fqns) == 1:
+                clean = next(iter(fqns))
+        else:
+            clean = ".".join(part for part in name.split(".") if part not in ("module", "_orig_mod"))
+        names[id(param)] = clean
+    return names
+
+
+def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[list[str]]:
+    """Each parameter group's parameters by name; a parameter that is not the model's is refused."""
+    names = _parameter_names(model)
+    out: list[list[str]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        out.append([])
+        for i, param in enumerate(group["params"]):
+            if id(param) not in names:
+                raise CheckpointError(
+                    f"the optimizer's parameter group {g} holds a parameter (position {i}, shape "
+                    f"{tuple(param.shape)}) that is not the model's; make the optimizer over "
+                    "model.parameters()"
+                )
+            out[-1].append(names[id(param)])
+    return out
+
+
+_STATE_PREFIX = "optimizer.state."
+_NOT_HYPERPARAMETERS = {"params", "param_names", "initial_lr"}  # initial_lr: set by a scheduler
+_GROUP_VALUE = re.compile(r"^optimizer\.param_groups\.(\d+)\.(.+)$")
+
+
+@dataclass
+class _OptimizerTarget:
+    """The optimizer part of a load, worked out from DCP's metadata before anything is read: the
+    state the checkpoint holds (for the parameters that had state when it was saved: an unused
+    expert's had none), to be loaded into tensors of their own or, where this optimizer's state
+    has one of the same shape and dtype, into that; the keys this optimizer's class makes at a
+    first step, where the checkpoint lacks them (another optimizer type), so DCP refuses them by
+    name before it reads anything; and the saved parameter groups' values. Built without
+    stepping the optimizer, as torch's get_state_dict and set_state_dict do for a fresh one."""
+
+    path: Path
+    kind: str
+    names: list[list[str]]
+    state: dict[str, dict[str, Any]]
+    missing: dict[str, list[str]]
+    saved_groups: list[dict[str, Any]]
+    current_groups: list[set[str]]
+    state_checked: bool
+
+    @classmethod
+    def of(
+        cls, path: Path, metadata: Metadata, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> _OptimizerTarget:
+        names = _optimizer_names(model, optimizer)
+        params = {
+            name: param
+            for group, group_names in zip(optimizer.param_groups, names, strict=True)
+            for param, name in zip(group["params"], group_names, strict=True)
+        }
+        saved_state, saved_groups, foreign = _saved_optimizer_layout(metadata, set(params))
+        if foreign:
+            listed = ", ".join(repr(n) for n in sorted(foreign)[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise CheckpointError(
+                f"checkpoint {path} does not fit the optimizer: it holds optimizer state for "
+                f"{len(foreign)} parameter(s) the optimizer does not hold ({listed}); make the "
+                "optimizer over the parameters it was saved with"
+            )
+        made = _first_step_state_keys(optimizer, names)
+        state: dict[str, dict[str, Any]] = {}
+        missing: dict[str, list[str]] = {}
+        checked = False
+        for name, keys in saved_state.items():
+            param = params[name]
+            current = optimizer.state.get(param, {})
+            checked = checked or made is not None or bool(current)
+            entry: dict[str, Any] = {}
+            for key, meta in keys.items():
+                _nest(entry, key, _placeholder(meta, current.get(key[0]) if len(key) == 1 else None, param))
+            expected = made.get(name, set()) if made is not None else set(current)
+            lacking = sorted(expected - {key[0] for key in keys})
+            for key in lacking:
+                entry[key] = torch.empty(0)  # not in the checkpoint: DCP refuses it by name, reading nothing
+            if lacking:
+                missing[name] = lacking
+            state[name] = entry
+        groups: list[dict[str, Any]] = [{} for _ in range(max(saved_groups, default=-1) + 1)]
+        for index, values in saved_groups.items():
+            current_group = optimizer.param_groups[index] if index < len(optimizer.param_groups) else {}
+            for key, meta in values.items():
+                like = current_group.get(key[0]) if len(key) == 1 else None
+                like = like if isinstance(like, torch.Tensor) else None
+                _nest(groups[index], key, _placeholder(meta, None, like))
+        current_groups = [set(group) - _NOT_HYPERPARAMETERS for group in optimizer.param_groups]
+        return cls(path, type(optimizer).__name__, names, state, missing, groups, current_groups, checked)
+
+    def refused(self, error: CheckpointError) -> CheckpointError:
+        """DCP's refusal of the keys the checkpoint lacks, with what they mean."""
+        if not self.missing:
+            return error
+        name, keys = next(iter(sorted(self.missing.items())))
+        return CheckpointError(
+            f"{error}; the checkpoint lacks optimizer state this {self.kind} keeps for "
+            f"{len(self.missing)} parameter(s) ({name!r}: {', '.join(keys)}"
+            f"{'; ...' if len(self.missing) > 1 else ''}): it was saved by another optimizer type, "
+            "or with other settings (Adam's amsgrad); make the optimizer it was saved with"
+        )
+
+    def match_groups(self, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each of the optimizer's groups' saved hyperparameters: those of the saved group that
+        holds exactly its parameters (by name, as torch's set_state_dict matches them), else
+        refused naming them."""
+        out = []
+        for index, names in enumerate(self.names):
+            want = set(names)
+            candidates = ([saved[index]] if index < len(saved) else []) + saved
+            match = next((g for g in candidates if set(g.get("params") or ()) == want), None)
+            if match is None:
+                there = (
+                    f"saved group {index} holds {_listed(sorted(saved[index].get('params') or ()))}"
+                    if index < len(saved)
+                    else f"the checkpoint has {len(saved)} groups"
+                )
+                raise CheckpointError(
+                    f"checkpoint {self.path} does not fit the optimizer: its parameter group {index} "
+                    f"holds {_listed(sorted(want))}, which no saved group holds exactly ({there}); "
+                    "make the optimizer with the groups it was saved with"
+                )
+            if not self.state_checked:
+                self._check_same_kind(index, set(match) - _NOT_HYPERPARAMETERS)
+            out.append({k: v for k, v in match.items() if k != "params"})
+        return out
+
+    def _check_same_kind(self, index: int, saved: set[str]) -> None:
+        """Where no saved state could be compared with what this optimizer keeps (a checkpoint
+        saved fresh), its hyperparameters' names tell another optimizer type: each side has some
+        the other lacks (SGD's momentum, Adam's betas). A torch version adds names on one side
+        only (Adam's decoupled_weight_decay), which its optimizers' __setstate__ defaults."""
+        here = self.current_groups[index]
+        saved_only, here_only = sorted(saved - here), sorted(here - saved)
+        if saved_only and here_only:
+            raise CheckpointError(
+                f"checkpoint {self.path} does not fit the optimizer: its parameter group {index} was "
+                f"saved with hyperparameters {saved_only} this {self.kind} does not have, and without "
+                f"{here_only}, which it has: it was saved by another optimizer type; make the "
+                "optimizer it was saved with"
+            )
+
+    def apply(self, optimizer: torch.optim.Optimizer, hyperparameters: list[dict[str, Any]] | None) -> None:
+        """Give `optimizer` the loaded state (none for the parameters that had none) and each
+        group's saved hyperparameters, through its own load_state_dict: nothing steps it."""
+        state: dict[int, Any] = {}
+        groups: list[dict[str, Any]] = []
+        index = 0
+        for g, (group, names) in enumerate(zip(optimizer.param_groups, self.names, strict=True)):
+            ids = []
+            for name in names:
+                if name in self.state:
+                    state[index] = self.state[name]
+                ids.append(index)
+                index += 1
+            values = (
+                hyperparameters[g]
+                if hyperparameters is not None
+                else {k: v for k, v in group.items() if k != "params"}
+            )
+            groups.append({**values, "params": ids})
+        try:
+            optimizer.load_state_dict({"state": state, "param_groups": groups})
+        except (KeyError, TypeError, ValueError, RuntimeError) as exc:
+            raise CheckpointError(
+                f"checkpoint {self.path}: the optimizer ({self.kind}) refused the state loaded for "
+                f"{len(self.state)} parameter(s) ({_listed(sorted(self.state))}): {_reason(exc)}"
+            ) from exc
+
+
+def _listed(names: list[str]) -> str:
+    return "[" + ", ".join(repr(n) for n in names[:5]) + (", ..." if len(names) > 5 else "") + "]"
+
+
+def _saved_optimizer_layout(
+    metadata: Metadata, names: set[str]
+) -> tuple[dict[str, dict[tuple[Any, ...], Any]], dict[int, dict[tuple[Any, ...], Any]], set[str]]:
+    """From DCP's metadata: for each parameter with saved optimizer state, its keys (as paths) and
+    their storage metadata; for each saved parameter group, its values'; and the names of saved
+    parameters not in `names`. DCP's planner keeps each key's path in the saved state dict (the
+    key alone is ambiguous: parameter names hold dots); a checkpoint without them is parsed
+    against `names`."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    state: dict[str, dict[tuple[Any, ...], Any]] = {}
+    groups: dict[int, dict[tuple[Any, ...], Any]] = {}
+    foreign: set[str] = set()
+    for key, meta in metadata.state_dict_metadata.items():
+        path = paths.get(key)
+        if not isinstance(path, (tuple, list)):
+            path = _parsed_path(key, names)
+            if path is None:
+                continue
+        path = tuple(path)
+        if path[:2] == ("optimizer", "state") and len(path) >= 4:
+            if path[2] in names:
+                state.setdefault(path[2], {})[path[3:]] = meta
+            else:
+                foreign.add(str(path[2]))
+        elif path[:2] == ("optimizer", "param_groups") and len(path) >= 4:
+            groups.setdefault(int(path[2]), {})[path[3:]] = meta
+    return state, groups, foreign
+
+
+def _parsed_path(key: str, names: set[str]) -> tuple[Any, ...] | None:
+    """The path of an optimizer key of a checkpoint whose metadata holds no paths."""
+    if key.startswith(_STATE_PREFIX):
+        rest = key[len(_STATE_PREFIX) :]
+        owner = max((n for n in names if rest.startswith(n + ".")), key=len, default=None)
+        if owner is None:
+            owner, _, leaf = rest.rpartition(".")
+            return ("optimizer", "state", owner, leaf)
+        return ("optimizer", "state", owner, *rest[len(owner) + 1 :].split("."))
+    match = _GROUP_VALUE.match(key)
+    if match:
+        return ("optimizer", "param_groups", int(match.group(1)), match.group(2))
+    return None
+
+
+def _nest(into: Any, path: tuple[Any, ...], value: Any) -> None:
+    """Set `value` at `path` below `into`, making the dicts and (for integer parts: LBFGS's lists
+    of tensors) lists on the way, as DCP's unflattening does."""
+    for part, following in itertools.pairwise(path):
+        made = [] if isinstance(following, int) else {}
+        if isinstance(into, list):
+            into.extend([None] * (part + 1 - len(into)))
+            into[part] = made if into[part] is None else into[part]
+            into = into[part]
+        else:
+            into = into.setdefault(part, made)
+    if isinstance(into, list):
+        into.extend([None] * (path[-1] + 1 - len(into)))
+    into[path[-1]] = value
+
+
+def _placeholder(meta: Any, current: Any, like: torch.Tensor | None) -> Any:
+    """Where DCP loads a saved value: the optimizer's current tensor of the same shape and dtype
+    (loaded in place), else a new tensor like `like` (a parameter: an FSDP2 DTensor stays one) or
+    on the host; a saved object (a number, a tuple) needs none."""
+    if not isinstance(meta, TensorStorageMetadata):
+        return None
+    size, dtype = tuple(meta.size), meta.properties.dtype
+    if isinstance(current, torch.Tensor) and tuple(current.shape) == size and current.dtype == dtype:
+        return current
+    if like is not None and tuple(like.shape) == size:
+        return torch.empty_like(like, dtype=dtype, requires_grad=False)
+    return torch.empty(size, dtype=dtype)
+
+
+def _first_step_state_keys(
+    optimizer: torch.optim.Optimizer, names: list[list[str]]
+) -> dict[str, set[str]] | None:
+    """The state keys `optimizer` makes for each parameter at a first step, learned by stepping a
+    new optimizer of its class, with its groups' hyperparameters at learning rate 0, over
+    stand-ins of one element a dimension with zero gradients (as torch's `_init_optim_state`,
+    frozen parameters get none), its step hooks and the global ones left out: the optimizer
+    itself never steps. None (logged, counted) where that cannot be told: a class outside
+    torch.optim (its step may run collectives) or one whose step needs more (LBFGS's closure)."""
+    kind = type(optimizer)
+    if kind.__module__ != "torch.optim" and not kind.__module__.startswith("torch.optim."):
+        _keys_unchecked(kind, "its class is not one of torch.optim's")
+        return None
+    stand_ins: list[list[torch.Tensor]] = []
+    groups = []
+    for group in optimizer.param_groups:
+        made = []
+        for param in group["params"]:
+            local = param.to_local() if hasattr(param, "to_local") else param
+            stand_in = torch.zeros(
+                (1,) * param.dim(), dtype=param.dtype, device=local.device, requires_grad=param.requires_grad
+            )
+            if param.requires_grad:
+                stand_in.grad = torch.zeros_like(stand_in)
+            made.append(stand_in)
+        stand_ins.append(made)
+        values = {k: v for k, v in group.items() if k in optimizer.defaults}
+        if "lr" in values:
+            values["lr"] = torch.tensor(0.0) if isinstance(values["lr"], torch.Tensor) else 0.0
+        groups.append({**values, "params": made})
+    try:  # the defaults its constructor takes (AdamW's sets decoupled_weight_decay itself)
+        accepted = inspect.signature(kind.__init__).parameters
+        probe = kind(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
+        step = kind.step
+        if getattr(step, "hooked", False):  # Optimizer's wrapper, which runs the step hooks
+            step = step.__wrapped__
+        step(probe)
+    except Exception as exc:
+        _keys_unchecked(kind, f"a step of it over stand-ins raised {_reason(exc)}")
+        return None
+    return {
+        name: set(probe.state[stand_in]) if stand_in in probe.state else set()
+        for made, group_names in zip(stand_ins, names, strict=True)
+        for stand_in, name in zip(made, group_names, strict=True)
+    }
+
+
+def _keys_unchecked(kind: type, why: str) -> None:
+    log.info(
+        "the optimizer state keys a checkpoint must hold are not known for this optimizer: the "
+        "state it holds is loaded as it is",
+        optimizer=kind.__qualname__,
+        reason=why,
+    )
+    telemetry.count("torchhal.checkpoint.optimizer_keys_unchecked")
 
 
 def _check_optimizer_groups(
@@ -622,6 +1072,45 @@ def _check_optimizer_groups(
 
 
 _GROUP_KEY = re.compile(r"^optimizer\.param_groups\.(\d+)\.")
+
+
+def _remove_stale(tmp: Path) -> None:
+    if tmp.exists():
+        log.warning("stale temporary checkpoint removed", path=str(tmp))
+        shutil.rmtree(tmp)
+
+
+def _recover_replaced(directory: Path) -> None:
+    """Put back each checkpoint a commit moved aside (`.step_<n>.replaced`, a step saved again) and
+    did not replace, as it stopped between its two renames: without this `latest_valid` never
+    found it and the next prune deleted it. Logged and counted; one that cannot be put back
+    (read-only storage) is logged and left."""
+    if not directory.is_dir():
+        return
+    for child in sorted(directory.iterdir()):
+        match = _REPLACED_DIR.match(child.name)
+        if not match or not child.is_dir():
+            continue
+        final = step_dir(directory, int(match.group(1)))
+        if final.exists():
+            continue
+        try:
+            child.rename(final)
+        except FileNotFoundError:  # another process put it back first
+            continue
+        except OSError as exc:
+            log.error(
+                "a checkpoint an interrupted commit left aside could not be put back",
+                path=str(child),
+                reason=_reason(exc),
+            )
+            continue
+        log.warning(
+            "checkpoint left aside by an interrupted commit put back",
+            path=str(final),
+            step=int(match.group(1)),
+        )
+        telemetry.count("torchhal.checkpoint.replaced_recovered")
 
 
 def _rename_replacing(tmp: Path, final: Path) -> None:
@@ -666,44 +1155,60 @@ def _dcp_errors(what: str, step: int, path: Path) -> Iterator[None]:
 def _check_fits(
     path: Path, metadata: Mapping[str, Any], model_state: dict[str, Any], *, scaler: bool
 ) -> None:
-    """Refuse a checkpoint of another model before anything is loaded, naming the keys and shapes
-    that differ. DCP loads only the keys the model asks for, so a checkpoint holding more (a bigger
+    """Refuse a checkpoint of another model before anything is loaded, naming the keys, shapes and
+    dtypes that differ. DCP loads only the keys the model asks for, so a checkpoint holding more (a bigger
     model) would load in part, silently; a shape mismatch was DCP's traceback inside another, as
     was a gradient scaler asked for but not saved. Every rank reads the same metadata, so every
     rank refuses alike."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     if scaler and not any(key.startswith("scaler.") for key in metadata):
         raise CheckpointError(
             f"checkpoint {path} holds no gradient scaler state (saved without scaler=); load without "
             "scaler= and start a fresh one"
         )
     saved = {
-        key.removeprefix("model."): tuple(meta.size)
+        key.removeprefix("model."): (tuple(meta.size), meta.properties.dtype)
         for key, meta in metadata.items()
         if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
     }
-    here = {key: tuple(value.shape) for key, value in model_state.items() if isinstance(value, torch.Tensor)}
-    shapes = [
-        f"{k!r}: saved {saved[k]}, model {here[k]}"
-        for k in sorted(here.keys() & saved.keys())
-        if saved[k] != here[k]
+    here = {
+        key: (tuple(value.shape), value.dtype)
+        for key, value in model_state.items()
+        if isinstance(value, torch.Tensor)
+    }
+    both = sorted(here.keys() & saved.keys())
+    shapes = [f"{k!r}: saved {saved[k][0]}, model {here[k][0]}" for k in both if saved[k][0] != here[k][0]]
+    dtypes = [
+        f"{k!r}: saved {_dtype(saved[k][1])}, model {_dtype(here[k][1])}"
+        for k in both
+        if saved[k][0] == here[k][0] and saved[k][1] != here[k][1]
     ]
     only_model, only_saved = (
         [repr(k) for k in sorted(a.keys() - b.keys())] for a, b in ((here, saved), (saved, here))
     )
-    if not (shapes or only_model or only_saved):
+    if not (shapes or dtypes or only_model or only_saved):
         return
     problems = [
         f"{len(items)} {what} ({'; '.join(items[:5])}{'; ...' if len(items) > 5 else ''})"
         for what, items in (
             ("shape(s) differ", shapes),
+            ("dtype(s) differ", dtypes),
             ("key(s) only in the model", only_model),
             ("key(s) only in the checkpoint", only_saved),
         )
         if items
     ]
-    raise CheckpointError(f"checkpoint {path} does not fit the model: {', '.join(problems)}")
+    hint = (
+        "; DCP would cast the saved values to the model's dtypes, silently (fp32 weights rounded to "
+        "bf16): cast the model to the checkpoint's dtypes before load (model.to(dtype)) and cast it "
+        "after, if it is to train in another"
+        if dtypes
+        else ""
+    )
+    raise CheckpointError(f"checkpoint {path} does not fit the model: {', '.join(problems)}{hint}")
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _steps(directory: Path) -> list[tuple[int, Path]]:

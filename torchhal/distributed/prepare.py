@@ -107,6 +107,8 @@ def prepare(
     names = _parameter_names(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_optimizer_covers(optimizer, names)
+    if strategy == "fsdp":  # FSDP2's sharding cannot be undone: what would fail after it, refused now
+        _check_shardable(model, optimizer, names)
     device = ctx.device.torch_device
     moved = [n for n, p in model.named_parameters() if p.device != device]
     placement = Placement.of(model)
@@ -531,6 +533,28 @@ def _check_optimizer_covers(optimizer: torch.optim.Optimizer, names: dict[int, s
         )
 
 
+def _check_shardable(
+    model: nn.Module, optimizer: torch.optim.Optimizer | OptimizerFactory, names: dict[int, str]
+) -> None:
+    """Under "fsdp", refuse before anything moves what would be refused after FSDP2 sharded the
+    model, which cannot be undone (a retry was then refused as "already sharded"): a model without
+    parameters (no optimizer can be made over none), and an optimizer instance with state (FSDP2
+    replaces the parameters the state is keyed by)."""
+    if not names:
+        raise InvalidArgumentError(
+            f"prepare(strategy='fsdp'): the model ({type(model).__name__}) has no parameters, so "
+            "FSDP2 has nothing to shard and no optimizer can be made over it; use strategy 'local' "
+            "or give the model its parameters"
+        )
+    if isinstance(optimizer, torch.optim.Optimizer) and optimizer.state:
+        raise InvalidArgumentError(
+            "prepare(strategy='fsdp'): the optimizer has state (it has stepped, or made state for "
+            "its parameters when it was made, as Adagrad does), and FSDP2 replaces the parameters "
+            f"it holds (this {type(optimizer).__name__} holds state for {len(optimizer.state)}); "
+            "make the optimizer after prepare, or pass a factory"
+        )
+
+
 def _optimizer_for(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | OptimizerFactory,
@@ -542,14 +566,9 @@ def _optimizer_for(
         return optimizer(model.parameters())
     if not resharded:
         return optimizer
-    if optimizer.state:
-        raise InvalidArgumentError(
-            "prepare(strategy='fsdp'): the optimizer has state (it has stepped, or made state for "
-            "its parameters when it was made, as Adagrad does), and FSDP2 replaces the parameters "
-            "it holds; make the optimizer after prepare, or pass a factory"
-        )
-    # in place, not a new optimizer: an LR scheduler or a hook made on this one must keep working,
-    # and each list too (LBFGS holds its group's list as `_params`)
+    # its state was found empty before sharding (_check_shardable). In place, not a new optimizer:
+    # an LR scheduler or a hook made on this one must keep working, and each list too (LBFGS
+    # holds its group's list as `_params`)
     current = dict(model.named_parameters())
     for group in optimizer.param_groups:
         group["params"][:] = [current[names[id(p)]] for p in group["params"]]
