@@ -6,6 +6,8 @@
 #   bash benchmarks/gpu_session30.sh final  # one GPU: the conformance kit, the GPU tests (plugin,
 #                                           # real GPU, every kernel file but attention's shape
 #                                           # sweep, prepare on a GPU)
+#   bash benchmarks/gpu_session30.sh ckpt   # one GPU: the checkpoint tests on torch 2.11, prepare's
+#                                           # GPU tests after memory-hungry kernel tests
 set -uo pipefail
 phase=${1:?norms}
 source "$(dirname "$0")/gpu_setup.sh"
@@ -28,6 +30,21 @@ if [ "$phase" = final ]; then
     tests/kernels/gpu tests/distributed/gpu/test_prepare_gpu.py -k "not shape_sweep" 2>&1 \
     | tee "$RAW/gpu_tests_final.log" | tail -8
   echo "gpu tests rc=${PIPESTATUS[0]}"
+  pack; exit 0
+fi
+if [ "$phase" = ckpt ]; then
+  # torch 2.11's DCP for the checkpoint changes (gloo, host tensors), then prepare's GPU tests after
+  # memory-hungry kernel tests (the out-of-memory move failed to fail after them, on an H200)
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_checkpoint_resume_state.py \
+    tests/distributed/test_checkpoint_ranks_fail_together.py tests/distributed/test_prepare_refuses_first.py \
+    tests/distributed/test_checkpoint_integrity.py tests/distributed/test_checkpoint.py \
+    tests/distributed/test_checkpoint_reshard.py tests/distributed/test_resume.py 2>&1 \
+    | tee "$RAW/ckpt_tests.log" | tail -4
+  echo "checkpoint tests rc=${PIPESTATUS[0]}"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/kernels/gpu/test_linear_cross_entropy_gpu.py \
+    tests/kernels/gpu/test_matmul_gpu.py tests/distributed/gpu/test_prepare_gpu.py 2>&1 \
+    | tee "$RAW/prepare_gpu.log" | tail -4
+  echo "prepare gpu tests rc=${PIPESTATUS[0]}"
   pack; exit 0
 fi
 echo "unknown phase $phase" >&2; exit 2
