@@ -21,7 +21,12 @@ from torchhal.distributed.elastic import torchrun_command, torchrun_env
 
 WORKER = Path(__file__).with_name("ft_train.py")
 ROOT = Path(__file__).resolve().parents[2]
-BASE_ENV = {"OMP_NUM_THREADS": "1", "TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": str(ROOT)}
+# the checkout first, then any path the caller has (torchhal installed under a PYTHONPATH)
+BASE_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1",
+    "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+}
 WALL_LIMIT_S = 60
 
 
