@@ -212,3 +212,21 @@ def test_a_cached_selection_failing_during_a_capture_is_not_demoted(plain, monke
     torch.testing.assert_close(plain.dispatch("probe", x), x + 1)
     assert ran == ["C"]
     assert plain.kernels.select("probe", cpu, x).candidate.qualified_name == "p/C"
+
+
+def test_every_contender_declining_while_measured_leaves_the_selection_to_be_measured(tuned):
+    """With nothing timed and nothing raised there is nothing to rank by: the priority order was
+    cached as final, and once the declines ended the candidates were never measured."""
+    behaviour = {"F": "decline", "S": "decline"}
+    ran: list[str] = []
+    _probe(tuned, behaviour, ran, "FS")
+    cpu, x = tuned.device("cpu"), torch.randn(4)
+    torch.testing.assert_close(tuned.dispatch("probe", x), x + 1)  # the reference computes it
+    selection = tuned.kernels.select("probe", cpu, x)
+    assert selection.provisional and selection.timings_ms == ()
+    assert "every contender declined the call" in selection.explain()
+    behaviour.clear()
+    torch.testing.assert_close(tuned.dispatch("probe", x), x + 1)
+    measured = tuned.kernels.select("probe", cpu, x)
+    assert not measured.provisional
+    assert sorted(name for name, _ in measured.timings_ms) == ["p/F", "p/S"]

@@ -6,13 +6,10 @@ and writes `rank<r>.json` ({check: "ok" | traceback}), as `launch.run_world` rea
 
 from __future__ import annotations
 
-import json
-import sys
+import importlib.util
 import time
-import traceback
-from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -20,22 +17,27 @@ from torchhal import distributed as thd
 from torchhal.distributed import hetero
 from torchhal.hal_core import CollectiveError, UnsupportedError
 
-TIMEOUT = timedelta(seconds=15)
+
+def _load_worker() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "torchhal_distributed_worker", Path(__file__).with_name("_worker.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+w = _load_worker()  # its State, scenario table and main
 QUICK_S = 5.0  # the error comes from the exchange itself, not from a timeout
 
 
-class State:
-    def __init__(self, rank: int, world: int, out: Path, seed: int) -> None:
-        self.rank, self.world, self.out, self.seed = rank, world, out, seed
-        self.ctx: thd.DistContext | None = None
-
-
-def check_create_names_the_rank_whose_throughput_failed(state: State) -> None:
+def check_create_names_the_rank_whose_throughput_failed(state: Any) -> None:
     """Rank 1's profile lookup raises: it raised alone, and rank 0 got gloo's bare "Connection
     closed by peer" (or waited out the timeout)."""
     store = torch.distributed.FileStore(str(state.out / "store"), state.world)
-    state.ctx = ctx = thd.init(
-        device="cpu", rank=state.rank, world_size=state.world, store=store, timeout=TIMEOUT
+    state._ctx = ctx = thd.init(
+        device="cpu", rank=state.rank, world_size=state.world, store=store, timeout=w.TIMEOUT
     )
     reason = f"its profile measured matmul only in ['fp32'] ({state.seed})"
     if state.rank == 1:
@@ -62,15 +64,13 @@ def check_create_names_the_rank_whose_throughput_failed(state: State) -> None:
     raise AssertionError("HeteroGroup.create went on although rank 1 had no throughput")
 
 
-def check_the_group_forms_after_the_failed_exchange(state: State) -> None:
+def check_the_group_forms_after_the_failed_exchange(state: Any) -> None:
     """Nothing is left half done: the next exchange pairs with the next, on both ranks."""
-    assert state.ctx is not None
     group = thd.HeteroGroup.create(state.ctx, global_batch=9, throughput=float(state.rank + 1))
     assert group.throughputs == (1.0, 2.0) and group.batch_sizes == (3, 6)
 
 
-def check_rebalance_names_the_rank_whose_compute_time_failed(state: State) -> None:
-    assert state.ctx is not None
+def check_rebalance_names_the_rank_whose_compute_time_failed(state: Any) -> None:
     group = thd.HeteroGroup.create(state.ctx, global_batch=9, throughput=float(state.rank + 1))
     compute_s = "slow" if state.rank == 0 else 0.25
     try:
@@ -85,45 +85,12 @@ def check_rebalance_names_the_rank_whose_compute_time_failed(state: State) -> No
     assert group.rebalance(0.5 if state.rank == 0 else 0.25) == (2, 7)  # 6 and 24 samples/s
 
 
-SCENARIOS: dict[str, list[Callable[[State], None]]] = {
-    "exchange": [
-        check_create_names_the_rank_whose_throughput_failed,
-        check_the_group_forms_after_the_failed_exchange,
-        check_rebalance_names_the_rank_whose_compute_time_failed,
-    ],
-}
-
-
-def check_names(scenario: str) -> list[str]:
-    return [fn.__name__.removeprefix("check_") for fn in SCENARIOS[scenario]]
-
-
-def main() -> None:
-    scenario, rank, world, out, seed = (
-        sys.argv[1],
-        int(sys.argv[2]),
-        int(sys.argv[3]),
-        Path(sys.argv[4]),
-        int(sys.argv[5]),
-    )
-    state = State(rank, world, out, seed)
-    results: dict[str, str] = {}
-    failed = None
-    for check in SCENARIOS[scenario]:
-        name = check.__name__.removeprefix("check_")
-        if failed is not None:  # later checks would pair with collectives the failed one left behind
-            results[name] = f"not run: check {failed!r} failed before it"
-            continue
-        try:
-            check(state)
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc()
-            failed = name
-    if state.ctx is not None:
-        state.ctx.shutdown()
-    (out / f"rank{rank}.json").write_text(json.dumps(results, indent=2))
-
+w.SCENARIOS["exchange"] = [
+    check_create_names_the_rank_whose_throughput_failed,
+    check_the_group_forms_after_the_failed_exchange,
+    check_rebalance_names_the_rank_whose_compute_time_failed,
+]
+check_names = w.check_names
 
 if __name__ == "__main__":
-    main()
+    w.main()

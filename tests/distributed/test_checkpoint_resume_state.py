@@ -339,8 +339,12 @@ def test_a_checkpoint_left_aside_by_an_interrupted_commit_is_found_and_put_back(
     key = "torchhal.checkpoint.replaced_recovered"
     before = telemetry.counts().get(key, 0)
     telemetry.configure(log_level="warning", log_stream=(stream := io.StringIO()))
-    info = latest_valid(tmp_path)
-    assert info is not None and info.step == 2 and info.path == step_dir(tmp_path, 2)
+    info = latest_valid(tmp_path)  # read-only: found where it lies (a rename could break a commit)
+    assert info is not None and info.step == 2 and info.path == tmp_path / ".step_2.replaced"
+    assert telemetry.counts().get(key, 0) == before
+    model = Experts(3, 9)
+    loaded = Checkpointer(tmp_path).load(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    assert loaded is not None and loaded.step == 2 and loaded.path == step_dir(tmp_path, 2)
     assert telemetry.counts().get(key, 0) == before + 1
     assert "put back" in stream.getvalue()
     assert not (tmp_path / ".step_2.replaced").exists()

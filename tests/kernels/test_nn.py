@@ -69,7 +69,8 @@ def test_rms_norm_refuses_integer_input_rather_than_truncating_it():
     before = _fallbacks("rms_norm_mixed_dtypes")
     with pytest.raises(
         UnsupportedError,
-        match=r"rms_norm: x must be a floating-point tensor of .*, got dtype torch.int64 \(not floating-point\)",
+        match=r"rms_norm: x must be a floating-point tensor of .*, got dtype torch.int64 "
+        r"\(not floating-point\)",
     ):
         thnn.RMSNorm(4)(torch.tensor([[1, 2, 3, 4]]))
     assert _fallbacks("rms_norm_mixed_dtypes") == before

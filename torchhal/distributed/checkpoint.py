@@ -132,11 +132,11 @@ def verify(path: Path | str) -> CheckpointInfo:
 
 def latest_valid(directory: Path | str) -> CheckpointInfo | None:
     """The newest checkpoint under `directory` that verifies; each newer one skipped is logged and
-    counted. A checkpoint a commit left aside and did not put back (it stopped between its two
-    renames) is put back first (logged, counted)."""
+    counted. Read-only: a checkpoint a commit left aside and did not put back (it stopped between
+    its two renames) is found where it lies, `.step_<n>.replaced`; a Checkpointer's load and prune
+    put it back (renaming here could break a commit running in another process)."""
     directory = Path(directory)
-    _recover_replaced(directory)
-    for step, path in sorted(_steps(directory), reverse=True):
+    for step, path in sorted(_steps(directory, aside=True), reverse=True):
         try:
             return verify(path)
         except CheckpointError as exc:
@@ -372,7 +372,7 @@ class Checkpointer:
         where = path if path is not None else self.directory
         info: CheckpointInfo | None = self._on_rank0(
             f"choice of the checkpoint to load from {where}",
-            lambda: verify(path) if path is not None else latest_valid(self.directory),
+            lambda: verify(path) if path is not None else self._latest(),
         )
         if info is None:
             log.info("no valid checkpoint to resume from", directory=str(self.directory))
@@ -535,6 +535,12 @@ class Checkpointer:
         )
         telemetry.count("torchhal.checkpoint.rng_not_restored")
         return None
+
+    def _latest(self) -> CheckpointInfo | None:
+        """`latest_valid`, after putting back what an interrupted commit left aside (rank 0 of the
+        job that writes here: no commit of its own runs meanwhile)."""
+        _recover_replaced(self.directory)
+        return latest_valid(self.directory)
 
     def _on_rank0(self, what: str, work: Callable[[], _T]) -> _T:
         """`work` done by rank 0 alone (the shared directory's commit and pruning, the choice of
@@ -1082,9 +1088,9 @@ def _remove_stale(tmp: Path) -> None:
 
 def _recover_replaced(directory: Path) -> None:
     """Put back each checkpoint a commit moved aside (`.step_<n>.replaced`, a step saved again) and
-    did not replace, as it stopped between its two renames: without this `latest_valid` never
-    found it and the next prune deleted it. Logged and counted; one that cannot be put back
-    (read-only storage) is logged and left."""
+    did not replace, as it stopped between its two renames: the next prune deleted it. Run by a
+    Checkpointer's load and prune, not by `latest_valid`, which only finds it. Logged and
+    counted; one that cannot be put back (read-only storage) is logged and left."""
     if not directory.is_dir():
         return
     for child in sorted(directory.iterdir()):
@@ -1211,14 +1217,18 @@ def _dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _steps(directory: Path) -> list[tuple[int, Path]]:
+def _steps(directory: Path, *, aside: bool = False) -> list[tuple[int, Path]]:
+    """The committed steps' directories; with `aside`, also each `.step_<n>.replaced` whose
+    `step_<n>` is missing (an interrupted commit's, see `_recover_replaced`)."""
     if not directory.is_dir():
         return []
     found = []
     for child in directory.iterdir():
-        match = _STEP_DIR.match(child.name)
+        match = _STEP_DIR.match(child.name) or (_REPLACED_DIR.match(child.name) if aside else None)
         if match and child.is_dir():
-            found.append((int(match.group(1)), child))
+            step = int(match.group(1))
+            if match.re is _STEP_DIR or not step_dir(directory, step).exists():
+                found.append((step, child))
     return found
 
 

@@ -184,7 +184,8 @@ def _argument_key(route: Hashable, args: tuple[Any, ...]) -> tuple[Hashable, ...
     for a in args:
         kind = type(a)
         if kind is tuple:
-            parts.append((kind, *_scalars_key(a)))
+            types = tuple(map(type, a))  # the common case inline (a window of two ints): one call less
+            parts.append((kind, a, types) if _PLAIN.issuperset(types) else (kind, *_scalars_key(a)))
         elif kind in _PLAIN or not isinstance(a, tensor):
             parts.append((kind, a))
         else:

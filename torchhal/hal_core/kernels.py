@@ -176,7 +176,8 @@ class Selection:
             why = (
                 "every contender raised while measured"
                 if _raised_while_measured(self)
-                else "not measured: a graph capture, or arguments without storage"
+                else "not measured: a graph capture, arguments without storage, or every contender "
+                "declined the call"
             )
             lines.append(f"  provisional: priority order ({why})")
         lines += [f"  rejected {r}" for r in self.rejected]
@@ -662,6 +663,8 @@ class KernelRegistry:
                     device=device.id,
                     candidate=name,
                 )
+        if declined and not measured and not raised:  # nothing to rank by: measured again next call
+            return valid, (), None, True
         if raised and not measured:  # a bad call's arguments, most likely: nothing counted or kept
             telemetry.count("torchhal.kernel.all_raised_while_measured", op=op)
             log.warning(
@@ -806,14 +809,23 @@ def _checked_disabled(names: object) -> frozenset[str]:
             "KernelRegistry.disabled must be a collection of candidate names (name or provider/name), "
             f"got {_seen(names)}"
         )
-    refused = [name for name in items if name.rpartition("/")[2] == REFERENCE]
+    refused = reference_refusal(items)
     if refused:
-        raise ConfigurationError(
-            f"KernelRegistry.disabled names {', '.join(map(repr, refused))}: the reference implementation "
-            "cannot be disabled (it is every op's ground truth and last fallback); name the other "
-            "candidates to disable instead"
-        )
+        raise ConfigurationError(f"KernelRegistry.disabled {refused}")
     return frozenset(items)
+
+
+def reference_refusal(names: Iterable[str]) -> str | None:
+    """Why a list of candidate names to disable is refused where it names the reference (every
+    op's ground truth and last fallback: disabled, an op no other candidate computes on a device
+    failed on every call; `x/reference` names it or nothing); None where it does not."""
+    refused = [name for name in names if name.rpartition("/")[2] == REFERENCE]
+    if not refused:
+        return None
+    return (
+        f"names {', '.join(map(repr, refused))}: the reference implementation cannot be disabled "
+        "(it is every op's ground truth and last fallback); name the other candidates to disable instead"
+    )
 
 
 def _raised_while_measured(selection: Selection) -> bool:

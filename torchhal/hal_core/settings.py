@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.errors import ConfigurationError
-from torchhal.hal_core.kernels import REFERENCE
+from torchhal.hal_core.kernels import reference_refusal
 
 PREFIX = "TORCHHAL_"
 # read by name elsewhere, not settings of a HAL (torchhal.hal_core.dispatch_memo: per process)
@@ -131,16 +131,10 @@ class Settings(BaseModel):
     @field_validator("disable_kernels")
     @classmethod
     def _keeps_the_reference(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        """The reference is every op's ground truth and last fallback: disabled, an op that no other
-        candidate computes on a device failed on every call. `x/reference` names it or nothing (no
-        provider may register a candidate of that name)."""
-        refused = [name for name in value if name.rpartition("/")[2] == REFERENCE]
+        """The reference cannot be disabled (`kernels.reference_refusal`)."""
+        refused = reference_refusal(value)
         if refused:
-            raise ValueError(
-                f"names {', '.join(map(repr, refused))}: the reference implementation cannot be "
-                "disabled (it is every op's ground truth and last fallback); name the other "
-                "candidates to disable instead"
-            )
+            raise ValueError(refused)
         return value
 
     @field_validator("cache_dir", mode="before")
