@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import importlib.util
 import time
 import weakref
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,18 +33,10 @@ from torchhal.distributed.checkpoint import Checkpointer, latest_valid
 from torchhal.distributed.rollback import Buffers
 from torchhal.hal_core import CollectiveError, InvalidArgumentError
 
-
-def _load_worker() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "torchhal_distributed_worker", Path(__file__).with_name("_worker.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-w = _load_worker()
+try:  # imported by a test: the checkout's root is on the path
+    from tests.distributed import _worker as w
+except ImportError:  # run as a script: its own directory is the path's first entry
+    import _worker as w  # type: ignore[no-redef]
 K = 3  # micro-batches per step; GLOBAL_BATCH / world rows per rank split in K equal parts
 REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")  # FSDP2 calls one (torch 2.13, 2.11)
 

@@ -10,7 +10,6 @@ arguments, same result files); this module adds the scenario "ranks_fail_togethe
 
 from __future__ import annotations
 
-import importlib.util
 import time
 import zlib
 from pathlib import Path
@@ -24,18 +23,10 @@ from torchhal import distributed as thd
 from torchhal.distributed import checkpoint
 from torchhal.distributed.checkpoint import MANIFEST, Checkpointer, CheckpointError, latest_valid, step_dir
 
-
-def _load_worker() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "torchhal_distributed_worker", Path(__file__).with_name("_worker.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-w = _load_worker()
+try:  # imported by a test: the checkout's root is on the path
+    from tests.distributed import _worker as w
+except ImportError:  # run as a script: its own directory is the path's first entry
+    import _worker as w  # type: ignore[no-redef]
 QUICK_S = w.TIMEOUT.total_seconds() / 2  # a failure told at once, not found by the timeout
 
 

@@ -6,9 +6,7 @@ and writes `rank<r>.json` ({check: "ok" | traceback}), as `launch.run_world` rea
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,18 +15,11 @@ from torchhal import distributed as thd
 from torchhal.distributed import hetero
 from torchhal.hal_core import CollectiveError, UnsupportedError
 
+try:  # imported by a test: the checkout's root is on the path
+    from tests.distributed import _worker as w
+except ImportError:  # run as a script: its own directory is the path's first entry
+    import _worker as w  # type: ignore[no-redef]
 
-def _load_worker() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "torchhal_distributed_worker", Path(__file__).with_name("_worker.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-w = _load_worker()  # its State, scenario table and main
 QUICK_S = 5.0  # the error comes from the exchange itself, not from a timeout
 
 

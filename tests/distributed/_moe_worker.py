@@ -9,8 +9,6 @@ and under FSDP2, against one process training on the whole batch.
 from __future__ import annotations
 
 import copy
-import importlib.util
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,18 +20,10 @@ from torch.distributed.fsdp import FSDPModule
 from torchhal import distributed as thd
 from torchhal.hal_core import telemetry
 
-
-def _load_worker() -> Any:
-    spec = importlib.util.spec_from_file_location(
-        "torchhal_distributed_worker", Path(__file__).with_name("_worker.py")
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-w = _load_worker()
+try:  # imported by a test: the checkout's root is on the path
+    from tests.distributed import _worker as w
+except ImportError:  # run as a script: its own directory is the path's first entry
+    import _worker as w  # type: ignore[no-redef]
 EXPERTS = 3
 
 
