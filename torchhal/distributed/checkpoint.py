@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from torchhal.distributed.checkpoint_errors import CheckpointError, CheckpointIOError, error_line
 from torchhal.distributed.optimizer_load import OptimizerTarget, optimizer_names
+from torchhal.distributed.precision import dtype_name
 from torchhal.hal_core import ConfigurationError, InvalidArgumentError, telemetry
 
 if TYPE_CHECKING:
@@ -845,7 +846,7 @@ def _check_fits(
     both = sorted(here.keys() & saved.keys())
     shapes = [f"{k!r}: saved {saved[k][0]}, model {here[k][0]}" for k in both if saved[k][0] != here[k][0]]
     dtypes = [
-        f"{k!r}: saved {_dtype(saved[k][1])}, model {_dtype(here[k][1])}"
+        f"{k!r}: saved {dtype_name(saved[k][1])}, model {dtype_name(here[k][1])}"
         for k in both
         if saved[k][0] == here[k][0] and saved[k][1] != here[k][1]
     ]
@@ -872,10 +873,6 @@ def _check_fits(
         else ""
     )
     raise CheckpointError(f"checkpoint {path} does not fit the model: {', '.join(problems)}{hint}")
-
-
-def _dtype(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _steps(directory: Path, *, aside: bool = False) -> list[tuple[int, Path]]:

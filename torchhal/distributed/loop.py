@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from torchhal.distributed.fsdp_state import fsdp_no_sync
+from torchhal.distributed.precision import dtype_name
 from torchhal.distributed.rollback import Buffers, forget_unscaling, stop_step
 from torchhal.hal_core import CollectiveError, DeviceTimer, HostTimer, InvalidArgumentError, telemetry
 
@@ -806,7 +807,7 @@ class _CastWatch:
             "targets or masks passed to the model lose precision; compute the loss from them in "
             "loss_fn, outside the model, to keep them as they are (said once a train call)",
             cast=len(cast),
-            tensors=[f"{tuple(b.shape)} {_dtype_name(b.dtype)}->{_dtype_name(a.dtype)}" for b, a in cast[:4]],
+            tensors=[f"{tuple(b.shape)} {dtype_name(b.dtype)}->{dtype_name(a.dtype)}" for b, a in cast[:4]],
         )
         telemetry.count("torchhal.train.fsdp_cast_inputs")
 
@@ -820,10 +821,6 @@ def _tensor_leaves(value: object) -> list[torch.Tensor]:
     if isinstance(value, (tuple, list)):
         return [t for item in value for t in _tensor_leaves(item)]
     return []
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _check_closure_free(optimizer: torch.optim.Optimizer) -> None:

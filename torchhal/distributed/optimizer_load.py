@@ -114,7 +114,7 @@ class OptimizerTarget:
             checked = checked or made is not None or bool(current)
             entry: dict[str, Any] = {}
             for key, meta in keys.items():
-                _nest(entry, key, _placeholder(meta, current.get(key[0]) if len(key) == 1 else None, param))
+                _nest(entry, key, _load_slot(meta, current.get(key[0]) if len(key) == 1 else None, param))
             expected = made.get(name, set()) if made is not None else set(current)
             lacking = sorted(expected - {key[0] for key in keys})
             for key in lacking:
@@ -128,7 +128,7 @@ class OptimizerTarget:
             for key, meta in values.items():
                 like = current_group.get(key[0]) if len(key) == 1 else None
                 like = like if isinstance(like, torch.Tensor) else None
-                _nest(groups[index], key, _placeholder(meta, None, like))
+                _nest(groups[index], key, _load_slot(meta, None, like))
         current_groups = [set(group) - _NOT_HYPERPARAMETERS for group in optimizer.param_groups]
         return cls(path, type(optimizer).__name__, names, state, missing, groups, current_groups, checked)
 
@@ -276,7 +276,7 @@ def _nest(into: Any, path: tuple[Any, ...], value: Any) -> None:
     into[path[-1]] = value
 
 
-def _placeholder(meta: Any, current: Any, like: torch.Tensor | None) -> Any:
+def _load_slot(meta: Any, current: Any, like: torch.Tensor | None) -> Any:
     """Where DCP loads a saved value: the optimizer's current tensor of the same shape and dtype
     (loaded in place), else a new tensor like `like` (a parameter: an FSDP2 DTensor stays one) or
     on the host; a saved object (a number, a tuple) needs none."""

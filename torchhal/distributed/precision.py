@@ -109,8 +109,8 @@ class PrecisionPolicy:
     def report(self) -> dict[str, Any]:
         return {
             "policy": self.name,
-            "compute_dtype": _dtype_name(self.compute_dtype),
-            "reduce_dtype": _dtype_name(self.reduce_dtype),
+            "compute_dtype": dtype_name(self.compute_dtype),
+            "reduce_dtype": dtype_name(self.reduce_dtype),
             "grad_scaler": self.uses_grad_scaler,
             "autocast": self.name != "fp32" and self.strategy != "fsdp",
             "device_type": self.device_type,
@@ -192,5 +192,6 @@ def _policy(device: Device, name: str, reason: str) -> PrecisionPolicy:
     )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as people write it: "bfloat16", not "torch.bfloat16"."""
     return str(dtype).removeprefix("torch.")

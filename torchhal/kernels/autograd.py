@@ -399,15 +399,22 @@ def autocast_rule(spec: AutogradSpec, device_type: str, *, ask: bool = True) -> 
     return (), None
 
 
+_F = typing.TypeVar("_F", bound=Callable[..., Any])
+
+
+def run_while_traced(fn: _F) -> _F:
+    """Mark `fn` as `torch.compiler.assume_constant_result` marks it (its one line): Dynamo calls it
+    itself while tracing and keeps its result as a constant of the graph. Without importing
+    torch._dynamo here, which took `import torchhal.ops` from 0.35 to 2.2 s; tests hold the mark
+    to the public decorator's."""
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@run_while_traced
 def _asked_while_traced(spec: AutogradSpec, device_type: str) -> AutocastRule:
-    """`autocast_rule`, which Dynamo cannot trace: it calls this while tracing and keeps the answer
-    as a constant of the graph. Marked as `torch.compiler.assume_constant_result` marks (its one
-    line), without importing torch._dynamo here, which took `import torchhal.ops` from 0.35 to
-    2.2 s; a test holds the mark to the public decorator's."""
+    """`autocast_rule`, which Dynamo cannot trace: asked while tracing, kept as a constant."""
     return autocast_rule(spec, device_type)
-
-
-_asked_while_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _missing_dispatcher_calls() -> tuple[str, ...]:

@@ -29,7 +29,13 @@ from torch import nn
 from torchhal import ops
 from torchhal.hal_core import InvalidArgumentError, UnsupportedError, telemetry
 from torchhal.hal_core.kernels import is_finite_number
-from torchhal.kernels.autograd import _AUTOCAST_DEVICE_TYPES, _any_autocast, _autocast_off, _is_compiling
+from torchhal.kernels.autograd import (
+    _AUTOCAST_DEVICE_TYPES,
+    _any_autocast,
+    _autocast_off,
+    _is_compiling,
+    run_while_traced,
+)
 
 __all__ = [
     "FALLBACK_COUNTER",
@@ -343,16 +349,12 @@ def _warn_once(reason: str, why: str) -> None:
         )
 
 
+@run_while_traced
 def _record_traced(reason: str, why: str) -> None:
-    """`_record_fallback` while Dynamo traces: Dynamo calls this function itself, once per trace, and
-    keeps its result (None) as a constant of the graph, as `torch.compiler.assume_constant_result`
-    marks a function (its one line, set by hand: importing torch._dynamo here costs seconds at import;
-    a test holds the mark to the public decorator's)."""
+    """`_record_fallback` while Dynamo traces: Dynamo calls this itself, once per trace
+    (`run_while_traced`)."""
     telemetry.count(FALLBACK_COUNTER, reason=reason, compiled="true")
     _warn_once(reason, why)
-
-
-_record_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _record_mixed_dtypes(op: str, x: torch.Tensor, weight: torch.Tensor, instead: str) -> None:
