@@ -182,7 +182,7 @@ class DifferentiableOp:
                 needs_grad = _any_requires_grad(*args)
             if needs_grad:
                 self._check_differentiable(args)
-                return self._visible(self._function.apply(*args))
+                return self._visible(self._function.apply(*args))  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return self._plain(*args)
 
     def _autocast_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -278,17 +278,20 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
     """A torch.autograd.Function for `op` that dispatches forward and backward through the registry."""
     spec = op.spec
 
-    def forward(ctx: Any, *args: Any) -> tuple[torch.Tensor, ...]:
-        ctx.torchhal_use = active_use()
-        results = _as_tuple(op._dispatch(spec.forward, *args))
-        op._save(ctx, args, results)
+    # forward and setup_context apart, not forward(ctx, ...): torch.func's transforms (grad, vjp,
+    # jacrev) take only Functions written this way
+    def forward(*args: Any) -> tuple[torch.Tensor, ...]:
+        return _as_tuple(op._dispatch(spec.forward, *args))
+
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], results: tuple[torch.Tensor, ...]) -> None:
+        ctx.torchhal_use = active_use()  # run right after forward, on its thread
+        op._save(ctx, inputs, results)
         ctx.mark_non_differentiable(*results[spec.outputs :])
         # Autograd would hand backward a zero tensor for every result without a gradient, the
         # saved statistics included (for linear_cross_entropy, a weight-sized one); only the op's
         # own outputs get zeros, and only when one of them has no gradient.
         ctx.set_materialize_grads(False)
         ctx.torchhal_outputs = [(r.shape, r.dtype, r.device) for r in results[: spec.outputs]]
-        return results
 
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         context = op._restore(ctx)
@@ -306,7 +309,11 @@ def _function_class(op: DifferentiableOp) -> type[torch.autograd.Function]:
     # made with type() so autograd names the backward node after the op (e.g. rms_norm_functionBackward)
     methods = {
         "forward": staticmethod(forward),
+        "setup_context": staticmethod(setup_context),
         "backward": staticmethod(backward),
+        # vmap over a transform that reaches the Function (per-sample gradients: vmap of grad)
+        # runs forward and backward on batched tensors, as it runs torch's ops
+        "generate_vmap_rule": True,
         "__doc__": _function_class.__doc__,
     }
     return type(f"{spec.op}_function", (torch.autograd.Function,), methods)
