@@ -43,10 +43,10 @@ __all__ = [
 
 from torchhal.distributed.checkpoint import (
     Checkpointer,
-    CheckpointError,
     CheckpointInfo,
     latest_valid,
 )
+from torchhal.distributed.checkpoint_errors import CheckpointError
 from torchhal.distributed.elastic import ElasticJob
 from torchhal.distributed.health import HealthMonitor, NonFiniteError
 

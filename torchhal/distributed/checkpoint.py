@@ -47,7 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 import torch
@@ -312,7 +312,7 @@ class Checkpointer:
             log.info("old checkpoint removed", step=step, path=str(path), keep=self.keep)
         # set-aside timelines are kept for inspection, `keep` of them, newest rollback first:
         # each is a whole checkpoint, and rollbacks would otherwise fill the disk without a word
-        aside = sorted(
+        set_aside = sorted(
             (
                 (int(m.group(2)), int(m.group(1)), p)
                 for p in self.directory.iterdir()
@@ -320,7 +320,7 @@ class Checkpointer:
             ),
             reverse=True,
         )
-        for _, _, path in aside[self.keep :]:
+        for _, _, path in set_aside[self.keep :]:
             shutil.rmtree(path)
             log.info("old superseded checkpoint removed", path=str(path), keep=self.keep)
         for child in self.directory.iterdir():
@@ -507,7 +507,7 @@ class Checkpointer:
         GPU run resumed on the host: its host generators alone would leave the run's random
         stream half restored)."""
         file = info.path / f"rng_rank{self.rank}.pt"
-        saved = torch.load(file, weights_only=True) if file.is_file() else None
+        saved: dict[str, Any] | None = torch.load(file, weights_only=True) if file.is_file() else None
         off_host = _off_host(device)
         here = off_host[0] if off_host is not None else "cpu"
         saved_type = saved.get("device_type", "cpu") if saved is not None else None
@@ -553,7 +553,7 @@ class Checkpointer:
         if self._group is not None:
             dist.broadcast_object_list(outcome, src=0, group=self._group)
         if outcome[0][0]:
-            return outcome[0][1]
+            return cast(_T, outcome[0][1])  # work()'s result, broadcast from rank 0
         _, reason, os_error = outcome[0]
         error = CheckpointIOError if os_error else CheckpointError
         raise error(f"{what} failed on rank 0: {reason}") from cause

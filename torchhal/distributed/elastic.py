@@ -272,8 +272,9 @@ def _rendezvous_store(timeout: timedelta) -> Store:
         raise ConfigurationError(
             f"ElasticJob.start needs torchrun's environment; missing {', '.join(missing)}"
         )
-    rank, world = env_int("RANK", default=None), env_int("WORLD_SIZE", default=None)
+    rank, world = env_int("RANK", default=0), env_int("WORLD_SIZE", default=1)  # both set: checked above
     try:
+        store: Store
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
     except (RuntimeError, ValueError) as exc:
         raise ConfigurationError(f"rendezvous through env:// (rank {rank} of {world}) failed: {exc}") from exc

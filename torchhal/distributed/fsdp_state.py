@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from torchhal.hal_core import telemetry
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
 
 log = telemetry.get_logger("torchhal.distributed.train")
 
@@ -91,8 +94,8 @@ def fsdp_no_sync(model: nn.Module) -> Callable[[], contextlib.AbstractContextMan
             gathered.add(id(module))
         return id(module) in gathered
 
-    def sync_off(module: nn.Module, args: object) -> None:  # a forward pre-hook
-        module.set_requires_gradient_sync(False, recurse=False)
+    def sync_off(module: nn.Module, args: object) -> None:  # a forward pre-hook, on FSDP modules
+        cast(FSDPModule, module).set_requires_gradient_sync(False, recurse=False)
 
     @contextlib.contextmanager
     def no_sync() -> Iterator[None]:
@@ -157,14 +160,14 @@ def _unused_gradient_fill(groups: list[tuple[nn.Module, list[Any]]]) -> Callable
     return fill
 
 
-def fsdp_reset(root: nn.Module) -> Callable[[], None] | None:
+def fsdp_reset(root: FSDPModule) -> Callable[[], None] | None:
     """What resets FSDP2's iteration state; a no-op where no iteration is open (torch before 2.13
     has no `reset_iter_state`, and its state is read to tell: a forward not yet backed, or a
     module or parameter group not back to IDLE)."""
     state = root._get_fsdp_state()
     if getattr(state, "_is_root", False) is None:
         return lambda: None  # no forward has run: no iteration can be open (and torch's reset raises)
-    reset = getattr(root, "reset_iter_state", None)
+    reset: Callable[[], None] | None = getattr(root, "reset_iter_state", None)
     if reset is not None:
         return reset
     context = getattr(state, "_state_ctx", None)

@@ -37,8 +37,8 @@ from torchhal.hal_core import (
 
 if TYPE_CHECKING:
     from torchhal.distributed.init import DistContext
-    from torchhal.hal_core.collectives import Islands
     from torchhal.hal_core.hal import HardwareAbstractionLayer
+    from torchhal.hal_core.islands import Islands
 
 log = telemetry.get_logger("torchhal.distributed.hetero")
 

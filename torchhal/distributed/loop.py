@@ -460,7 +460,7 @@ def _step(
         # (it never lowers it otherwise): a smaller scale after update() means a skipped step.
         _update_scaler(scaler, optimizer, step)
         scale = float(scaler.get_scale())
-        skipped = scale < scale_before
+        skipped = scale_before is not None and scale < scale_before
     optimizer.zero_grad(set_to_none=True)
     losses = [m.loss for m in micro]
     value = float(losses[0]) if len(losses) == 1 else float(torch.stack([x.float() for x in losses]).mean())
@@ -559,7 +559,7 @@ def _forward_backward(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise InvalidArgumentError(f"train: the loss must be a scalar tensor, got {_describe(loss)}")
         part = loss / count if count > 1 else loss
-        (scaler.scale(part) if scaler is not None else part).backward()
+        (scaler.scale(part) if scaler is not None else part).backward()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         compute = (began, timer.mark()) if timer is not None else (None, None)
     return _Micro(loss.detach(), forward, compute, _tokens(batch))
 

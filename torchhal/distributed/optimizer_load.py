@@ -31,7 +31,7 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     try:
         from torch.distributed.checkpoint.state_dict import _get_fqns
     except ImportError:  # pragma: no cover - every torch this supports has it
-        _get_fqns = None
+        _get_fqns = None  # type: ignore[assignment]
     names: dict[int, str] = {}
     for name, param in model.named_parameters():
         clean = name
@@ -117,8 +117,8 @@ class OptimizerTarget:
                 _nest(entry, key, _load_slot(meta, current.get(key[0]) if len(key) == 1 else None, param))
             expected = made.get(name, set()) if made is not None else set(current)
             lacking = sorted(expected - {key[0] for key in keys})
-            for key in lacking:
-                entry[key] = torch.empty(0)  # not in the checkpoint: DCP refuses it by name, reading nothing
+            for slot in lacking:
+                entry[slot] = torch.empty(0)  # not in the checkpoint: DCP refuses it by name, reading nothing
             if lacking:
                 missing[name] = lacking
             state[name] = entry
@@ -264,7 +264,7 @@ def _nest(into: Any, path: tuple[Any, ...], value: Any) -> None:
     """Set `value` at `path` below `into`, making the dicts and (for integer parts: LBFGS's lists
     of tensors) lists on the way, as DCP's unflattening does."""
     for part, following in itertools.pairwise(path):
-        made = [] if isinstance(following, int) else {}
+        made: list[Any] | dict[Any, Any] = [] if isinstance(following, int) else {}
         if isinstance(into, list):
             into.extend([None] * (part + 1 - len(into)))
             into[part] = made if into[part] is None else into[part]
@@ -325,7 +325,7 @@ def _first_step_state_keys(
         probe = kind(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
         step = kind.step
         if getattr(step, "hooked", False):  # Optimizer's wrapper, which runs the step hooks
-            step = step.__wrapped__
+            step = step.__wrapped__  # type: ignore[attr-defined]  # functools.wraps set it
         step(probe)
     except Exception as exc:
         _keys_unchecked(kind, f"a step of it over stand-ins raised {error_line(exc)}")

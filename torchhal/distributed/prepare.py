@@ -167,7 +167,7 @@ class Placement(NamedTuple):
         its module: both are undone."""
         moved: set[int] = set()
         for module, name, param, data, grad in self.parameters:
-            current = module._parameters.get(name)
+            current: torch.Tensor | None = module._parameters.get(name)
             if current is not param or param.device != data.device:
                 moved.add(id(param))
             if param.device != data.device:

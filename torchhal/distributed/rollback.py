@@ -73,7 +73,8 @@ def _reset_wrapper(model: nn.Module) -> None:
 def _reducer_reset(ddp: nn.Module) -> Callable[[], None] | None:
     """What resets DDP's reducer; a no-op where its last backward finished."""
     reducer = getattr(ddp, "reducer", None)
-    check, reset = getattr(reducer, "_check_reducer_finalized", None), getattr(reducer, "_reset_state", None)
+    check = getattr(reducer, "_check_reducer_finalized", None)
+    reset: Callable[[], None] | None = getattr(reducer, "_reset_state", None)
     if check is None or reset is None:
         return None
     try:
@@ -247,8 +248,8 @@ class Buffers:
         deleted it. One that cannot be put back is logged and counted, and the others still are:
         this runs while the step's own error propagates, which it must not replace. Returns how
         many were put back."""
-        for qualified, buffer in self._lazy:
-            if not nn.parameter.is_lazy(buffer):  # made by this step's forward: no copy to put back
+        for qualified, lazy in self._lazy:
+            if not nn.parameter.is_lazy(lazy):  # made by this step's forward: no copy to put back
                 log.warning(
                     "train: a buffer was not restored after the step stopped; it keeps that step's "
                     "value (a lazy module made it during the step, so it had no copy)",

@@ -4,13 +4,13 @@ Measurements come from the harness; `torchhal.evaluation.stats` turns per-run ag
 tests, intervals and decisions a careful reviewer accepts.
 """
 
-from torchhal.evaluation.compare import Comparison, Threshold, Verdict, compare
+from torchhal.evaluation.compare import Comparison, Verdict, compare
 from torchhal.evaluation.cost import pareto_front
 from torchhal.evaluation.distributed import ShardedResult, evaluate_sharded
 from torchhal.evaluation.experiment import ExperimentConfig, ExperimentResult, run_experiment
 from torchhal.evaluation.harness import Measurement, Variant, measure
 from torchhal.evaluation.inputs import Inputs, sets_to_exceed_cache
-from torchhal.evaluation.metrics import METRICS
+from torchhal.evaluation.metrics import METRICS, Threshold
 from torchhal.evaluation.monitor import LiveMonitor, MonitorDecision, MonitorStatus
 from torchhal.evaluation.report import write_json, write_markdown
 from torchhal.evaluation.store import SampleStore

@@ -131,7 +131,8 @@ class Variant:
             return self.fn(*self.inputs.for_call(index), **self.inputs.kwargs)
         except Exception as exc:
             note = f"{VARIANT_NOTE}{self.name!r} ({self.description}) on input set {index % len(self.inputs)}"
-            exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # add_note() from Python 3.11
+            # add_note() from Python 3.11; typeshed declares __notes__ from 3.11 on too
+            exc.__notes__ = [*getattr(exc, "__notes__", ()), note]  # type: ignore[attr-defined]
             raise
 
     def key_data(self) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
 import torch.distributed as dist
@@ -61,6 +61,10 @@ def _resolve_device(hal: HardwareAbstractionLayer, device: Device | str | None) 
     return chosen
 
 
+@overload
+def env_int(name: str, *, default: int) -> int: ...
+@overload
+def env_int(name: str, *, default: None = None) -> int | None: ...
 def env_int(name: str, *, default: int | None = None) -> int | None:
     """An integer environment variable as torchrun sets them (RANK, WORLD_SIZE, LOCAL_RANK), or
     `default` where it is unset or blank; a malformed one is named. The one reader of these, for

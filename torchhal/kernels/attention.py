@@ -36,8 +36,9 @@ from torchhal.hal_core import (
     RejectionReason,
     Unsupported,
 )
+from torchhal.hal_core.kernels import is_finite_number
 from torchhal.kernels import triton_attention
-from torchhal.kernels._checks import PROVIDER, is_finite_number, require_rank, require_same, require_tensor
+from torchhal.kernels._checks import PROVIDER, require_rank, require_same, require_tensor
 from torchhal.kernels.autograd import AutogradSpec
 from torchhal.kernels.triton_rows import compute_dtype, require_floating, unit_stride
 

@@ -48,14 +48,15 @@ def keep_use_in_checkpointing(model: nn.Module) -> bool:
     the one inside a wrapper such as PEFT's, which forwards the call. Wrapping twice changes
     nothing. Returns whether anything was wrapped now."""
     wrapped = False
+    # nn.Module.__setattr__ is typed Tensor | Module, but stores any other value as a plain attribute
     for module in model.modules():
         func = module.__dict__.get("_gradient_checkpointing_func")
         if func is not None and not _keeps_use(func):
-            module._gradient_checkpointing_func = functools.partial(_keeping_use_of, func)
+            module._gradient_checkpointing_func = functools.partial(_keeping_use_of, func)  # type: ignore[assignment]
             wrapped = True
         setter = getattr(module, "_set_gradient_checkpointing", None)
         if inspect.ismethod(setter) and setter.__self__ is module:
-            module._set_gradient_checkpointing = _SetterKeepingUse(module, setter.__func__)
+            module._set_gradient_checkpointing = _SetterKeepingUse(module, setter.__func__)  # type: ignore[assignment]
             wrapped = True
     return wrapped
 

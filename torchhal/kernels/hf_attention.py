@@ -32,13 +32,16 @@ from __future__ import annotations
 import copy
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from torchhal.kernels import nn as thnn
 from torchhal.kernels.hf_families import SUPPORTED, Left, PatchReport, _Family
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 __all__ = ["ATTN_IMPLEMENTATION", "register", "torchhal_attention", "torchhal_mask"]
 
@@ -104,7 +107,8 @@ class _AttentionForward:
 def _attention_interface(module: nn.Module) -> thnn.AttentionFn:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    implementation = module.config._attn_implementation
+    # nn.Module's __getattr__ is typed Tensor | Module; a Hugging Face module's config is this
+    implementation = cast("PretrainedConfig", module.config)._attn_implementation
     if implementation in (None, "eager"):
         return _eager(module)
     return ALL_ATTENTION_FUNCTIONS[implementation]  # type: ignore[no-any-return]
@@ -139,7 +143,7 @@ def _hf_fallback(
         return _eager(module)(module, query, key, value, attention_mask, **kwargs)
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)  # type: ignore[no-any-return]
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
 def torchhal_attention(
@@ -202,7 +206,7 @@ def _plain_causal(
             q_offset = first
     if not all(isinstance(v, int) for v in (q_length, kv_length, q_offset, kv_offset)):
         return False  # traced offsets (static caches under torch.compile)
-    if q_offset - kv_offset != kv_length - q_length:
+    if q_offset - kv_offset != kv_length - cast(int, q_length):  # an int: checked just above
         return False
     if attention_mask is None:
         return True
@@ -220,7 +224,7 @@ def torchhal_mask(**kwargs: Any) -> torch.Tensor | None:
     if _plain_causal(**kwargs):
         return None
     kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)
-    return sdpa_mask(**kwargs)  # type: ignore[no-any-return]
+    return sdpa_mask(**kwargs)
 
 
 def register() -> None:
@@ -245,8 +249,8 @@ def _use_torchhal_attention(model: nn.Module, report: PatchReport) -> None:
     setter = getattr(model, "set_attn_implementation", None)
     if setter is not None:
         setter(ATTN_IMPLEMENTATION)
-    else:
-        own._attn_implementation = ATTN_IMPLEMENTATION
+    else:  # nn.Module's __getattr__ says Tensor | Module; a Hugging Face model's config is this
+        cast("PretrainedConfig", own)._attn_implementation = ATTN_IMPLEMENTATION
     after = getattr(own, "_attn_implementation", None)
     report.attn_implementation = (report.attn_implementation[0], after)
     if after != ATTN_IMPLEMENTATION:  # attention modules still use ops.rope and a correct mask

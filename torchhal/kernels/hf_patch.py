@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -179,4 +179,4 @@ def _as_swiglu(module: nn.Module) -> nn.Module | str:
     act = getattr(module, "act_fn", None)
     if not _is_silu(act):
         return f"activation {type(act).__name__} is not SiLU"
-    return thnn.SwiGLUMLP.sharing(*projections)
+    return thnn.SwiGLUMLP.sharing(*cast("list[nn.Linear]", projections))  # all nn.Linear: checked above

@@ -58,9 +58,9 @@ from torchhal.hal_core import (
     Unsupported,
     UnsupportedError,
 )
+from torchhal.hal_core.kernels import is_finite_number
 from torchhal.kernels._checks import (
     PROVIDER,
-    is_finite_number,
     queue_device_assert,
     require_min_rank,
     require_rank,

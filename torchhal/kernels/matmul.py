@@ -66,7 +66,9 @@ def output_shape(a: Sequence[int], b: Sequence[int]) -> tuple[int, ...]:
         return tuple(a[:-1])
     if len(a) == 1:
         return (*b[:-2], b[-1])
-    return (*torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])), a[-2], b[-1])
+    # torch.broadcast_shapes is unannotated
+    batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))  # type: ignore[no-untyped-call]
+    return (*batch, a[-2], b[-1])
 
 
 def reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

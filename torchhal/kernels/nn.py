@@ -21,7 +21,7 @@ import inspect
 import math
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -228,10 +228,10 @@ class SwiGLUMLP(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        made = {"bias": bias, "device": device, "dtype": dtype}  # torch.nn's factory keywords
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **made)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, **made)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, **made)
+        made = {"device": device, "dtype": dtype}  # torch.nn's factory keywords
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **made)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias, **made)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias, **made)
 
     @classmethod
     def sharing(cls, gate_proj: nn.Linear, up_proj: nn.Linear, down_proj: nn.Linear) -> SwiGLUMLP:
@@ -244,8 +244,8 @@ class SwiGLUMLP(nn.Module):
     def reset_parameters(self) -> None:
         _reset_linears(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # nn.Module.__call__ returns Any
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))  # type: ignore[no-any-return]
 
 
 class RotaryEmbedding(nn.Module):
@@ -297,7 +297,7 @@ def apply_rotary(
     (batch, seq, dim), or already broadcastable to (batch, 1, seq, dim)."""
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return ops.rope(q, k, cos, sin)  # type: ignore[no-any-return]
+    return ops.rope(q, k, cos, sin)
 
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -469,7 +469,8 @@ def attention_function(
         from torchhal.kernels.attention import allowed_keys
 
         seq_q, seq_k = query.shape[2], key.shape[2]
-        attention_mask = allowed_keys(seq_q, seq_k, True, window, query.device).view(1, 1, seq_q, seq_k)
+        allowed = allowed_keys(seq_q, seq_k, True, window, query.device)
+        attention_mask = cast(torch.Tensor, allowed).view(1, 1, seq_q, seq_k)  # None only when not causal
     return fallback(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
         sliding_window=sliding_window, **kwargs,
@@ -604,9 +605,10 @@ def rotary_attention(
         )
     batch_seq = hidden_states.shape[:-1]
     shape = (*batch_seq, -1, module.head_dim)
-    query = module.q_proj(hidden_states).view(shape).transpose(1, 2)
-    key = module.k_proj(hidden_states).view(shape).transpose(1, 2)
-    value = module.v_proj(hidden_states).view(shape).transpose(1, 2)
+    # nn.Module's __getattr__ is typed Tensor | Module: the projections are the module's Linears
+    query = cast(nn.Module, module.q_proj)(hidden_states).view(shape).transpose(1, 2)
+    key = cast(nn.Module, module.k_proj)(hidden_states).view(shape).transpose(1, 2)
+    value = cast(nn.Module, module.v_proj)(hidden_states).view(shape).transpose(1, 2)
     cos, sin = position_embeddings
     query, key = apply_rotary(query, key, cos, sin)
     if past_key_values is not None:
@@ -636,7 +638,7 @@ def rotary_attention(
         sliding_window=sliding_window,
         **kwargs,
     )
-    return module.o_proj(out.reshape(*batch_seq, -1)), weights
+    return cast(nn.Module, module.o_proj)(out.reshape(*batch_seq, -1)), weights
 
 
 class Attention(nn.Module):

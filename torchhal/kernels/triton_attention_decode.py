@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from torchhal.hal_core import InvalidArgumentError
+from torchhal.kernels.attention import LOG2E
 from torchhal.kernels.triton_attention_config import TileConfig
 from torchhal.kernels.triton_attention_kernels import (
-    LOG2E,
     Problem,
     _common,
     _fill_unowned_rows,

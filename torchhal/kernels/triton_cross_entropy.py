@@ -156,7 +156,7 @@ class _SplitAccumulator:
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """+= a @ b for a (V, rows), b (rows, W)."""
-        for slab, part in zip(self.slabs, a.split(self.slabs[0].shape[0]), strict=False):
+        for slab, part in zip(self.slabs, torch.split(a, self.slabs[0].shape[0]), strict=False):
             _accumulate(slab, part, b)
 
     def rounded(self) -> torch.Tensor:

@@ -56,7 +56,7 @@ def _scaled(p: np.ndarray, numerator: np.ndarray, denominator: np.ndarray) -> np
     q = hi / denominator
     q_hi, q_lo = _two_product(q, denominator)
     gap = (((hi - q_hi) - q_lo) + lo) / denominator  # x − q
-    rounded = q + gap
+    rounded: np.ndarray = q + gap  # numpy's stubs make ndarray / ndarray Any
     off = (q - rounded) + gap  # x − rounded, within half an ulp of rounded
     up = np.nextafter(rounded, np.inf) - rounded
     down = rounded - np.nextafter(rounded, -np.inf)
