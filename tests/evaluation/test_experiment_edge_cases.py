@@ -191,42 +191,107 @@ def test_a_bound_object_counts_by_its_type_warned_once_per_type(monkeypatch, cap
 # 3. torch's global settings in the environment fingerprint ---------------------------------------
 
 
+# every switch the tests below flip, put back by setattr (the legacy getters raise once the
+# per-backend API of torch 2.9 was used, so nothing here reads them back)
+FLIPPED = [
+    ("cudnn", "benchmark"),
+    ("cudnn", "deterministic"),
+    ("cuda.matmul", "fp32_precision"),
+    ("mkldnn.matmul", "fp32_precision"),
+    ("", "fp32_precision"),
+]
+
+
+def _backend(path: str):
+    owner = torch.backends
+    for part in filter(None, path.split(".")):
+        owner = getattr(owner, part)
+    return owner
+
+
 @pytest.fixture
-def restored_torch_settings(monkeypatch):
-    precision = torch.get_float32_matmul_precision()
+def restored_torch_settings():
+    saved = [(_backend(path), name, getattr(_backend(path), name)) for path, name in FLIPPED]
+    threads = torch.get_num_threads()
     deterministic = torch.are_deterministic_algorithms_enabled()
-    monkeypatch.setattr(torch.backends.cudnn, "benchmark", torch.backends.cudnn.benchmark)
-    monkeypatch.setattr(torch.backends.cudnn, "deterministic", torch.backends.cudnn.deterministic)
     yield
-    torch.set_float32_matmul_precision(precision)
+    for owner, name, value in reversed(saved):  # the general precision first, then each backend's
+        setattr(owner, name, value)
+    torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(deterministic)
 
 
+def _nvidia_device():
+    from torchhal_nvidia.adapter import NvidiaAdapter
+    from torchhal_nvidia.recorded import RecordedCudaProbe
+
+    from tests.plugins.facts import load
+    from torchhal import HardwareAbstractionLayer
+    from torchhal.hal_core.settings import Settings
+
+    adapter = NvidiaAdapter(probe=RecordedCudaProbe(load("nvidia-h200x2")))
+    no_autoload = Settings.from_env({"TORCHHAL_DISABLE_PLUGIN_AUTOLOAD": "1"})
+    hal = HardwareAbstractionLayer(adapters=[adapter], settings=no_autoload)
+    return hal.device("cuda:0")
+
+
+def _toggled(value: str, a: str, b: str) -> str:
+    return b if value == a else a
+
+
 def test_the_fingerprint_follows_torch_global_settings(restored_torch_settings) -> None:
-    cpu = cpu_hal().device("cpu")
+    cpu, gpu = cpu_hal().device("cpu"), _nvidia_device()
     torch.set_num_threads(1)
-    base = environment_fingerprint([cpu])
+    base = environment_fingerprint([cpu, gpu])
     settings = base["torch_settings"]
     assert settings["num_threads"] == 1
-    assert settings["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+    assert settings["fp32_precision"] == torch.backends.fp32_precision
     assert settings["deterministic_algorithms"] is torch.are_deterministic_algorithms_enabled()
-    assert settings["cudnn.benchmark"] is torch.backends.cudnn.benchmark
-    assert settings["cuda.matmul.allow_tf32"] is torch.backends.cuda.matmul.allow_tf32
+    nvidia, host = settings["adapters"]["nvidia"], settings["adapters"]["cpu"]
+    assert nvidia["cudnn.benchmark"] is torch.backends.cudnn.benchmark
+    assert nvidia["cuda.matmul.fp32_precision"] == torch.backends.cuda.matmul.fp32_precision
+    assert host["mkldnn.matmul.fp32_precision"] == torch.backends.mkldnn.matmul.fp32_precision
+    assert not any(key.startswith(("cuda", "cudnn")) for key in host)  # they cannot change a CPU result
     digests = {base["digest"]}
+    matmul, onednn, general = torch.backends.cuda.matmul, torch.backends.mkldnn.matmul, torch.backends
     changes = [
         lambda: torch.set_num_threads(2),
-        lambda: torch.set_float32_matmul_precision(
-            "high" if torch.get_float32_matmul_precision() != "high" else "medium"
-        ),
+        lambda: torch.set_float32_matmul_precision("medium"),  # legacy: sets each backend's
         lambda: torch.use_deterministic_algorithms(not torch.are_deterministic_algorithms_enabled()),
         lambda: setattr(torch.backends.cudnn, "benchmark", not torch.backends.cudnn.benchmark),
         lambda: setattr(torch.backends.cudnn, "deterministic", not torch.backends.cudnn.deterministic),
+        lambda: setattr(matmul, "fp32_precision", _toggled(matmul.fp32_precision, "tf32", "ieee")),
+        lambda: setattr(onednn, "fp32_precision", _toggled(onednn.fp32_precision, "bf16", "ieee")),
+        lambda: setattr(general, "fp32_precision", _toggled(general.fp32_precision, "tf32", "ieee")),
     ]
     for change in changes:  # each one on top of the last: every step is a new environment
         change()
-        digests.add(environment_fingerprint([cpu])["digest"])
+        digests.add(environment_fingerprint([cpu, gpu])["digest"])
     assert len(digests) == len(changes) + 1
     assert not torch.cuda.is_initialized()  # read from flags only
+
+
+def test_a_cpu_fingerprint_ignores_the_cuda_switches(restored_torch_settings) -> None:
+    cpu = cpu_hal().device("cpu")
+    before = environment_fingerprint([cpu])["digest"]
+    torch.backends.cudnn.benchmark = not torch.backends.cudnn.benchmark
+    matmul = torch.backends.cuda.matmul
+    matmul.fp32_precision = _toggled(matmul.fp32_precision, "tf32", "ieee")
+    assert environment_fingerprint([cpu])["digest"] == before
+
+
+def legacy_getter_raises() -> str:
+    """What torch's legacy precision getter does in a process that used the per-backend API."""
+    raise RuntimeError("you have used mix of the legacy and new APIs to set the matmul precision")
+
+
+def test_the_fingerprint_reads_the_per_backend_precision_api(restored_torch_settings, monkeypatch) -> None:
+    """From torch 2.9 the legacy getters may raise once a caller used the per-backend API
+    (`torch.backends.cuda.matmul.fp32_precision = "tf32"`, torch's advice); the fingerprint used them."""
+    monkeypatch.setattr(torch, "get_float32_matmul_precision", legacy_getter_raises)
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    settings = environment_fingerprint([cpu_hal().device("cpu"), _nvidia_device()])["torch_settings"]
+    assert settings["adapters"]["nvidia"]["cuda.matmul.fp32_precision"] == "tf32"
 
 
 # 4. a spec argument's own dtype ----------------------------------------------------------------

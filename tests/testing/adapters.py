@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -130,6 +131,23 @@ class ShiftingDiscovery(CPUAdapter):
         (host,) = super().discover()
         self.calls += 1
         return [host.model_copy(update={"memory_bytes": host.memory_bytes - self.calls})]
+
+
+class TensorSwitch(CPUAdapter):
+    """numerics_settings() holding a tensor: a fingerprint cannot record it as JSON."""
+
+    def numerics_settings(self) -> dict[str, Any]:
+        return {"scale": torch.ones(1)}
+
+
+class CountingSwitch(CPUAdapter):
+    """numerics_settings() whose value moves on every read (a counter, a clock)."""
+
+    reads = 0
+
+    def numerics_settings(self) -> dict[str, Any]:
+        self.reads += 1
+        return {"reads": self.reads}
 
 
 class Fp8Unstorable(CPUAdapter):

@@ -94,6 +94,8 @@ BROKEN = [
     (adapters.RepeatedLink, "adapter.topology", "the link twin:0->twin:1 is listed 2 times"),
     (adapters.NegativeBandwidth, "adapter.topology", "bandwidth_gbps"),
     (adapters.ShiftingDiscovery, "adapter.discover", "other records on a second call"),
+    (adapters.TensorSwitch, "adapter.numerics_settings", "must map names to bool, int, float, str or None"),
+    (adapters.CountingSwitch, "adapter.numerics_settings", "answered differently on two reads"),
     (adapters.Fp8Unstorable, "dtype.fp8_e4m3", "cannot allocate torch.float8_e4m3fn"),
     (adapters.DuplicateIndexes, "adapter.discover", "indexes must be unique, repeated: [0]"),
     (adapters.RaisingProbe, "adapter.probe", "RuntimeError: driver exploded"),

@@ -4,7 +4,7 @@ A number is only comparable with numbers from the same environment, so every res
 the devices' declared capabilities and fingerprints, the versions of the software stack, the
 git commit of the working directory (and whether the tree had uncommitted changes), the
 TORCHHAL_* settings in force, and torch's global math and performance settings (thread counts,
-float32 matmul precision, deterministic algorithms, the cuDNN and cuBLAS switches). `digest` is
+float32 matmul precision, deterministic algorithms, and each adapter's own: TF32, cuDNN's). `digest` is
 a short hash of it all, part of every experiment key.
 
 A variant's own code is in its key too (`code_digest`), with its default arguments and the
@@ -30,7 +30,7 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from torchhal.hal_core import Device, telemetry
+from torchhal.hal_core import Device, telemetry, torch_flags
 from torchhal.hal_core.profile import fingerprint as device_fingerprint
 
 log = telemetry.get_logger("torchhal.evaluation.fingerprint")
@@ -69,43 +69,22 @@ def environment_fingerprint(devices: Iterable[Device]) -> dict[str, Any]:
         },
         "git": git_state(),
         "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCHHAL_")},
-        "torch_settings": torch_settings(),
+        "torch_settings": torch_settings(unique.values()),
     }
     data["digest"] = digest(data)
     return data
 
 
-def torch_settings() -> dict[str, Any]:
-    """torch's process-wide settings that change timings or results: the intra- and inter-op
-    thread counts, float32 matmul precision (TF32 on GPUs), deterministic algorithms, and the
-    cuDNN and cuBLAS switches, each where this torch has it. Read from flags only: nothing here
-    initialises a device runtime."""
-    import torch
-
-    settings: dict[str, Any] = {
-        "num_threads": torch.get_num_threads(),
-        "num_interop_threads": torch.get_num_interop_threads(),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
-        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_algorithms_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+def torch_settings(devices: Iterable[Device]) -> dict[str, Any]:
+    """torch's process-wide settings that change timings or results: those of every device
+    (thread counts, deterministic algorithms, fp32 matmul precision) and, per adapter, its
+    runtime's own (TF32, reduced-precision reductions, autotuning: `Device.numerics_settings`).
+    Read from flags only: nothing here initialises a device runtime."""
+    by_adapter = {device.capabilities.adapter: device for device in devices}
+    return {
+        **torch_flags.general_settings(),
+        "adapters": {name: by_adapter[name].numerics_settings() for name in sorted(by_adapter)},
     }
-    cudnn = getattr(torch.backends, "cudnn", None)
-    for name in ("benchmark", "deterministic", "allow_tf32"):
-        if cudnn is not None and hasattr(cudnn, name):
-            settings[f"cudnn.{name}"] = _setting(getattr(cudnn, name))
-    matmul = getattr(getattr(torch.backends, "cuda", None), "matmul", None)
-    for name in (
-        "allow_tf32",
-        "allow_fp16_reduced_precision_reduction",
-        "allow_bf16_reduced_precision_reduction",
-    ):
-        if matmul is not None and hasattr(matmul, name):
-            settings[f"cuda.matmul.{name}"] = _setting(getattr(matmul, name))
-    return settings
-
-
-def _setting(value: Any) -> Any:
-    return value if isinstance(value, (bool, int, float, str)) or value is None else repr(value)
 
 
 def capabilities_json(device: Device) -> dict[str, Any]:

@@ -4,7 +4,7 @@ Plugins import the names re-exported here and nothing deeper. This package never
 torchhal's subsystems (kernels, distributed, evaluation, inference).
 """
 
-from torchhal.hal_core import telemetry
+from torchhal.hal_core import telemetry, torch_flags
 from torchhal.hal_core.adapter import (
     HAL_API_VERSION,
     DeviceTimer,
@@ -95,4 +95,5 @@ __all__ = [
     "hookimpl",
     "record_probe",
     "telemetry",
+    "torch_flags",
 ]

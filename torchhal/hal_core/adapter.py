@@ -105,6 +105,13 @@ class VendorAdapter(abc.ABC):
     def collective_backend(self) -> str:
         """The torch.distributed backend for this runtime's devices (nccl, xccl, gloo)."""
 
+    def numerics_settings(self) -> dict[str, Any]:
+        """The runtime's process-wide switches that change results or timings on its devices
+        (TF32, reduced-precision reductions, autotuning), read from flags without initialising
+        anything: an evaluation's fingerprint records them. The default: none of its own
+        (`hal_core.torch_flags` reads torch's)."""
+        return {}
+
     def register_kernels(self, registry: KernelRegistry) -> None:  # noqa: B027
         """Add vendor kernel candidates. Adapters without vendor kernels add none."""
 

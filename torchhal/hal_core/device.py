@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchhal.hal_core.capabilities import DType
 from torchhal.hal_core.errors import UnsupportedError
@@ -68,6 +68,10 @@ class Device:
         """`work` captured as a device graph; the callable returned replays it
         (`VendorAdapter.graph_replay`)."""
         return self.adapter.graph_replay(self.index, work)
+
+    def numerics_settings(self) -> dict[str, Any]:
+        """Its runtime's switches that change results or timings (`VendorAdapter.numerics_settings`)."""
+        return self.adapter.numerics_settings()
 
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """Uninitialised memory on this device. A format torchhal tracks (`DType`: what devices

@@ -56,6 +56,18 @@ class Islands:
         self.lane = lane  # gloo across islands on host tensors: this rank's position's lane, or leaders only
         self.form = form  # "sharded", "leaders" or "single"
 
+    def destroy(self) -> None:
+        """Destroy this rank's island and lane groups. They are the parent's children, kept until
+        it is destroyed, and every `Communicator.islands` call makes new ones: a job re-forming
+        its islands (each `HeteroGroup.create`) held one more set of sockets (on NCCL, of
+        communicators and their buffers) each time. Local; every rank calls it after its last
+        collective on them. Collectives afterwards raise, as on any destroyed communicator."""
+        for comm in (self.island, self.lane):
+            if comm is not None and comm in self.parent._children:
+                self.parent._children.remove(comm)
+                comm.destroy()
+        log.info("islands destroyed", islands=[list(i.ranks) for i in self.layout], form=self.form)
+
     @property
     def is_leader(self) -> bool:
         return self.mine.leader == dist.get_rank()

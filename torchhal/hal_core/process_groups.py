@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from torchhal.hal_core import telemetry
+from torchhal.hal_core.capabilities import DeviceRequirements
 from torchhal.hal_core.collective_checks import _integer
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import CollectiveError, ConfigurationError
@@ -46,19 +47,65 @@ def _world() -> dist.ProcessGroup:
 def _resolve_device(hal: HardwareAbstractionLayer, device: Device | str | None) -> Device:
     if device is not None:
         return hal.device(device)
-    best = hal.best_device()
-    local = env_int("LOCAL_RANK")
-    siblings = [d for d in hal.devices() if d.adapter is best.adapter and d.capabilities.device_type != "cpu"]
-    if local is None or len(siblings) < 2:
+    return local_device(hal, env_int("LOCAL_RANK"))
+
+
+def local_device(
+    hal: HardwareAbstractionLayer, local_rank: int | None, requirements: DeviceRequirements | None = None
+) -> Device:
+    """This process's device, the one rule of `torchhal.distributed.init` and `Communicator.create`:
+    the device at position `local_rank` (torchrun's LOCAL_RANK) among the devices of the best
+    device's adapter that meet `requirements`; the best device itself where no local rank is
+    known (None: a process started alone).
+
+    Past the last such device, devices whose tensors live in host memory (the CPU, simulated
+    devices) are shared (`local_rank % count`), and one accelerator alone is taken: `srun
+    --gpus-per-task=1` (or CUDA_VISIBLE_DEVICES set per task) shows each task only its own GPU
+    while LOCAL_RANK still counts the node's tasks, and torch's `init_device_mesh` (rank % device
+    count) takes it too; that is logged and counted. Otherwise more local ranks than accelerators
+    is a configuration error: two processes would share one.
+    """
+    local = checked_local_rank(local_rank)
+    req = requirements or DeviceRequirements()
+    best = hal.best_device(req)
+    if local is None:
         return best
-    chosen = next((d for d in siblings if d.index == local), None)
-    if chosen is None:
-        raise ConfigurationError(
-            f"LOCAL_RANK={local}: adapter {best.adapter.name!r} has devices "
-            f"{[d.id for d in siblings]}, none with index {local}"
+    siblings = sorted(
+        (d for d in hal.devices() if d.adapter is best.adapter and not req.failures(d.capabilities)),
+        key=lambda d: d.index,
+    )
+    if local < len(siblings):
+        chosen = siblings[local]
+    elif best.torch_device.type == "cpu":
+        chosen = siblings[local % len(siblings)]
+        log.info("host-memory device shared by several local ranks", device=chosen.id, local_rank=local)
+    elif len(siblings) == 1:
+        chosen = siblings[0]
+        log.info(
+            "the one visible device taken by a local rank past it: the launcher binds one device "
+            "per task (srun --gpus-per-task=1, CUDA_VISIBLE_DEVICES per task)",
+            device=chosen.id,
+            local_rank=local,
         )
-    log.info("device chosen by LOCAL_RANK", device=chosen.id, local_rank=local)
+        telemetry.count("torchhal.collective.one_device_per_task", device=chosen.id)
+    else:
+        raise ConfigurationError(
+            f"local rank {local}: adapter {best.adapter.name!r} has {len(siblings)} matching device(s) "
+            f"{[d.id for d in siblings]}, so at most {len(siblings)} processes per node, one per device"
+        )
+    log.info("device chosen for local rank", device=chosen.id, local_rank=local)
     return chosen
+
+
+def checked_local_rank(value: object) -> int | None:
+    """`value` (an argument, or LOCAL_RANK) as an int >= 0; None where not given."""
+    number = None if value is None else _integer(value)
+    if value is not None and (number is None or number < 0):
+        raise ConfigurationError(
+            f"local_rank must be an integer >= 0 (LOCAL_RANK as torchrun sets it), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    return number
 
 
 @overload
@@ -79,25 +126,22 @@ def env_int(name: str, *, default: int | None = None) -> int | None:
 
 
 def _check_create_arguments(
-    rank: object, world_size: object, timeout: object
+    rank: object, world_size: object, timeout: object, what: str = "Communicator.create"
 ) -> tuple[int | None, int | None]:
     """Types and a positive timeout, before any group is made: world_size='2' was a TypeError
     from a comparison, and timedelta(seconds=-1) a gloo enforce failure inside CollectiveError.
-    Returns rank and world_size as ints: integers of any type are taken, as ranks are elsewhere."""
-    ints = _create_int("rank", rank), _create_int("world_size", world_size)
+    Returns rank and world_size as ints: integers of any type are taken, as ranks are elsewhere.
+    `what`: the call named in the errors (`init` checks them before its rendezvous too)."""
+    ints = _create_int(what, "rank", rank), _create_int(what, "world_size", world_size)
     if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
-        raise ConfigurationError(
-            f"Communicator.create: timeout must be a positive datetime.timedelta, got {timeout!r}"
-        )
+        raise ConfigurationError(f"{what}: timeout must be a positive datetime.timedelta, got {timeout!r}")
     return ints
 
 
-def _create_int(name: str, value: object) -> int | None:
+def _create_int(what: str, name: str, value: object) -> int | None:
     number = None if value is None else _integer(value)
     if value is not None and number is None:
-        raise ConfigurationError(
-            f"Communicator.create: {name} must be an int, got {type(value).__name__} {value!r}"
-        )
+        raise ConfigurationError(f"{what}: {name} must be an int, got {type(value).__name__} {value!r}")
     return number
 
 

@@ -30,6 +30,7 @@ from torchhal.hal_core import telemetry
 from torchhal.hal_core.capabilities import SCHEMA_VERSION, DType, MeasuredProfile
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import TorchHALError
+from torchhal.hal_core.torch_flags import float32_matmul_precision
 
 if sys.platform == "win32":
     import msvcrt
@@ -488,17 +489,9 @@ def _random(device: Device, shape: tuple[int, ...], dtype: torch.dtype) -> torch
     return t
 
 
-@contextlib.contextmanager
-def _tf32(enabled: bool) -> Iterator[None]:
+def _tf32(enabled: bool) -> contextlib.AbstractContextManager[None]:
     """TF32 is fp32 matmul at 'high' precision: torch's vendor-neutral switch for it."""
-    import torch
-
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
+    return float32_matmul_precision("high" if enabled else "highest")
 
 
 def _seconds(

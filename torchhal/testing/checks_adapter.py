@@ -58,6 +58,31 @@ def check_probe(ctx: AdapterUnderTest) -> str:
     return f"{state} ({first.reason}); two calls agree, slowest {slow * 1e3:.2f} ms"
 
 
+def check_numerics_settings(ctx: AdapterUnderTest) -> str:
+    """An evaluation's fingerprint records these: they must be JSON scalars under string names,
+    and the same on a second read (a value that moves by itself would split every experiment)."""
+    ctx.require_available()
+    reads = []
+    for _ in range(2):
+        try:
+            reads.append(ctx.adapter.numerics_settings())
+        except Exception as exc:
+            raise CheckFailed(f"numerics_settings() raised {describe(exc)}") from exc
+    first, second = reads
+    if not isinstance(first, dict):
+        raise CheckFailed(f"numerics_settings() must return a dict, got {type(first).__name__}: {first!r}")
+    bad = {
+        name: value
+        for name, value in first.items()
+        if not isinstance(name, str) or not (value is None or isinstance(value, (bool, int, float, str)))
+    }
+    if bad:
+        raise CheckFailed(f"numerics_settings() must map names to bool, int, float, str or None, got {bad!r}")
+    if first != second:
+        raise CheckFailed(f"numerics_settings() answered differently on two reads: {first!r} then {second!r}")
+    return f"{len(first)} switches ({', '.join(sorted(first)) or 'none of its own'}); two reads agree"
+
+
 def check_discover(ctx: AdapterUnderTest) -> str:
     import torch
 

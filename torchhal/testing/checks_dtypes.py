@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from torchhal.hal_core import DType
+from torchhal.hal_core import DType, torch_flags
 from torchhal.testing.context import AdapterUnderTest, CheckFailed, NotApplicable, each_device
 
 if TYPE_CHECKING:
@@ -79,13 +79,9 @@ def _tf32_matmul(ctx: AdapterUnderTest, dtype: DType, device: Device) -> None:
     ctx.require_synchronize()
     a, _, b = _host_operands(ctx, dtype, device)
     da, db = device.to_device(a), device.to_device(b)
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
+    with torch_flags.float32_matmul_precision("high"):
         out = da @ db
         device.synchronize()
-    finally:
-        torch.set_float32_matmul_precision(previous)
     bound = (INNER + 2) * TF32_EPS * (a.double().abs() @ b.double().abs()) + torch.finfo(torch.float32).tiny
     _require_result("tf32 matmul", out, a.double() @ b.double(), bound, torch.float32)
 

@@ -80,6 +80,12 @@ _FIXED = (
         True,
         checks_adapter.check_discover,
     ),
+    Check(
+        "adapter.numerics_settings",
+        "numerics_settings() names JSON-scalar switches and reads the same twice",
+        True,
+        checks_adapter.check_numerics_settings,
+    ),
     Check("device.synchronize", "synchronize() works on every device", True, checks_device.check_synchronize),
     Check(
         "device.memory_info",

@@ -11,7 +11,7 @@ import math
 import threading
 from collections.abc import Sequence
 from itertools import combinations
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchhal.hal_core import (
     DeclaredPeaks,
@@ -31,6 +31,7 @@ from torchhal.hal_core import (
     UnsupportedError,
     VendorAdapter,
     telemetry,
+    torch_flags,
 )
 
 from torchhal_simasic import __version__
@@ -184,6 +185,11 @@ class SimASICAdapter(VendorAdapter):
 
     def collective_backend(self) -> str:
         return "gloo"
+
+    def numerics_settings(self) -> dict[str, Any]:
+        """torch's oneDNN switches (the simulated device computes on the host CPU with torch, so these
+        change its numbers as they change the CPU's)."""
+        return torch_flags.backend_flags(torch_flags.ONEDNN_FLAGS, torch_flags.ONEDNN_LEGACY_FLAGS)
 
     def register_kernels(self, registry: KernelRegistry) -> None:
         register_simasic_kernels(registry, self.name, self.spec, self.states)

@@ -6,8 +6,9 @@ import functools
 import os
 import platform
 from collections.abc import Sequence
+from typing import Any
 
-from torchhal.hal_core import telemetry
+from torchhal.hal_core import telemetry, torch_flags
 from torchhal.hal_core.adapter import VendorAdapter
 from torchhal.hal_core.capabilities import (
     DeviceCapabilities,
@@ -96,6 +97,10 @@ class CPUAdapter(VendorAdapter):
 
     def collective_backend(self) -> str:
         return "gloo"
+
+    def numerics_settings(self) -> dict[str, Any]:
+        """torch's oneDNN switches (the CPU's matmuls and convolutions)."""
+        return torch_flags.backend_flags(torch_flags.ONEDNN_FLAGS, torch_flags.ONEDNN_LEGACY_FLAGS)
 
 
 def _physical_memory() -> int | None:
