@@ -32,9 +32,12 @@ def adapter(facts: dict) -> AmdAdapter:
     return AmdAdapter(probe=RecordedRocmProbe(facts))
 
 
+ECC_BLOCKS = 0b111  # UMC, SDMA and GFX: ECC on, in amdsmi_get_gpu_ecc_enabled's bit-mask shape
+
+
 def with_amdsmi(facts: dict, *, temperature: int, critical: int, ecc: int) -> dict:
     """Give every device amdsmi readings (test inputs in amdsmi's shapes: get_temp_metric integers,
-    get_gpu_total_ecc_count and get_gpu_activity dictionaries)."""
+    get_gpu_ecc_enabled's bit mask, get_gpu_total_ecc_count and get_gpu_activity dictionaries)."""
     facts["amdsmi"] = {"available": True, "reason": "amdsmi initialised"}
     for device in facts["devices"]:
         device["amdsmi"] = {
@@ -42,6 +45,7 @@ def with_amdsmi(facts: dict, *, temperature: int, critical: int, ecc: int) -> di
             "bdf": "0000:0c:00.0",
             "driver_version": "test-driver",
             "temperature_hotspot_critical": critical,
+            "ecc_enabled_blocks": ECC_BLOCKS,
         }
         device["amdsmi_health"] = {
             "temperature_hotspot": temperature,
@@ -210,7 +214,11 @@ def test_a_partition_of_a_datasheet_sku_declares_no_peaks(fixture, partition_cus
 def test_health_without_amdsmi_is_unknown_and_says_why():
     report = adapter(load("amd-mi300x")).health(0)
     assert report.status is HealthStatus.UNKNOWN
-    assert report.messages == ("no health readings: amdsmi facts were not recorded for this fixture",)
+    assert report.messages == (
+        "no health readings: amdsmi facts were not recorded for this fixture",
+        "ECC not declared, its state unread: amdsmi unavailable: "
+        "amdsmi facts were not recorded for this fixture",
+    )
 
 
 def test_health_ok_from_amdsmi_readings_in_degrees():

@@ -243,11 +243,24 @@ def test_dtype_and_feature_rules_follow_compute_capability(major, minor, fp8, bf
     [
         ("NVIDIA GeForce GTX 1660 SUPER", False),  # TU116
         ("NVIDIA GeForce GTX 1650", False),  # TU117
+        ("NVIDIA GeForce GTX 1630", False),  # TU117
+        ("NVIDIA T400 4GB", False),  # TU117, the workstation and mobile parts outside GTX 16
+        ("NVIDIA T500", False),
+        ("NVIDIA T550 Laptop GPU", False),
+        ("NVIDIA T600", False),
+        ("NVIDIA T1000 8GB", False),
+        ("NVIDIA T1200 Laptop GPU", False),
+        ("Quadro T1000", False),
+        ("Quadro T2000", False),
+        ("NVIDIA GeForce MX450", False),
+        ("NVIDIA GeForce MX550", False),
         ("NVIDIA GeForce RTX 2080 Ti", True),  # TU102: sm_75 with tensor cores
         ("Tesla T4", True),  # TU104
+        ("Quadro RTX 4000", True),  # TU104
+        ("NVIDIA TITAN RTX", True),  # TU102
     ],
 )
-def test_turing_gtx_16_series_has_no_tensor_cores(name, tensor_cores):
+def test_turing_tu116_and_tu117_parts_have_no_tensor_cores(name, tensor_cores):
     facts = load("nvidia-h100-sxm")
     facts["devices"][0]["properties"].update(name=name, major=7, minor=5)
     (caps,) = adapter(facts).discover()
@@ -305,7 +318,10 @@ def test_temperature_at_the_slowdown_threshold_degrades_health():
 def test_health_without_nvml_is_unknown_and_says_why():
     report = adapter(load("nvidia-a100-sxm4-80gb")).health(2)
     assert report.status is HealthStatus.UNKNOWN
-    assert report.messages == ("no health readings: NVML facts were not recorded for this fixture",)
+    assert report.messages == (
+        "no health readings: NVML facts were not recorded for this fixture",
+        "ECC not declared, its mode unread: NVML unavailable: NVML facts were not recorded for this fixture",
+    )
 
 
 def test_memory_info_is_what_the_runtime_reported():

@@ -18,6 +18,7 @@ from torchhal.hal_core import (
     Feature,
     HealthReport,
     HealthStatus,
+    InvalidArgumentError,
     Link,
     LinkType,
     MemoryInfo,
@@ -26,6 +27,7 @@ from torchhal.hal_core import (
     Topology,
     UnsupportedError,
     telemetry,
+    torch_flags,
 )
 
 from torchhal_amd.datasheets import sku_for
@@ -37,16 +39,22 @@ _GFX = re.compile(r"gfx(\d{1,2})([0-9a-f])([0-9a-f])$")
 HOST_HOPS = 3  # amdsmi hop count 3: the path crosses both CPU sockets
 _SPEED = (LinkType.HOST, LinkType.PCIE, LinkType.XGMI)  # slowest first
 MILLI = 1000  # amdsmi temperatures at or above this are millidegrees (no GPU runs at 1000 C)
+ECC_BLOCK_UMC = 1  # amdsmi_gpu_block_t's UMC: the memory controllers, whose ECC covers HBM/VRAM
 
 
 class GfxTarget:
     """A gfx target such as gfx942 or gfx1100, and what that generation computes with."""
 
-    def __init__(self, gcn_arch_name: str) -> None:
+    def __init__(self, gcn_arch_name: str, device: str | None = None) -> None:
+        """`device`: whose target this is, named by the error for a name that is not one."""
         self.name = gcn_arch_name.split(":")[0]  # gfx942:sramecc+:xnack- -> gfx942
         match = _GFX.match(self.name)
         if match is None:
-            raise UnsupportedError(f"amd adapter: gcnArchName {gcn_arch_name!r} is not a gfx target it knows")
+            whose = f"{device}: " if device else ""
+            raise UnsupportedError(
+                f"amd adapter: {whose}gcnArchName {gcn_arch_name!r} is not a gfx target it knows: "
+                "expected gfx<major><minor><stepping>[:features], such as gfx90a or gfx942:sramecc+:xnack-"
+            )
         self.major, self.minor = int(match.group(1)), int(match.group(2), 16)
 
     @property
@@ -102,28 +110,53 @@ class AmdAdapter(ProbedAdapter):
     def discover(self) -> Sequence[DeviceCapabilities]:
         count = self.runtime_probe.device_count()
         smi = self.runtime_probe.amdsmi()
+        devices = [self._capabilities(i, count) for i in range(count)]
+        # ECC whose state was not read is not declared: say so, as a requirement on ECC now refuses the device
+        unread = {self._id(i): why for i in range(count) if (why := self._ecc_unread(i)) is not None}
         if not smi["available"]:
-            log.info("amdsmi unavailable: no uuid, health or xGMI readings", reason=smi["reason"])
-        return [self._capabilities(i, count) for i in range(count)]
+            log.warning(
+                "amdsmi unavailable: no uuid, ECC state, health or xGMI readings; ECC is not declared",
+                reason=smi["reason"],
+            )
+            telemetry.count("torchhal.amdsmi.unavailable", adapter=self.name)
+        elif unread:
+            log.warning("ECC state unread: ECC is not declared for these devices", devices=unread)
+        if unread:
+            telemetry.count("torchhal.amdsmi.ecc_unread", len(unread), adapter=self.name)
+        return devices
+
+    def _ecc_unread(self, index: int) -> str | None:
+        """Why device `index` declares no ECC though ECC may be on; None where amdsmi read its ECC state."""
+        smi = self.runtime_probe.amdsmi()
+        if not smi["available"]:
+            return f"amdsmi unavailable: {smi['reason']}"
+        management = self.runtime_probe.amdsmi_device(index)
+        if management is None:
+            return "amdsmi has no device at this device's PCI address"
+        if management.get("ecc_enabled_blocks") is None:
+            return "amdsmi did not report the ECC-enabled blocks (it does not on a VM guest)"
+        return None
 
     def _capabilities(self, index: int, count: int) -> DeviceCapabilities:
         props = self.runtime_probe.properties(index)
-        target = GfxTarget(props["gcnArchName"])
+        target = GfxTarget(props["gcnArchName"], f"{self._id(index)} in {_source(self.runtime_probe)}")
         libraries = self.runtime_probe.libraries()
         management = self.runtime_probe.amdsmi_device(index) or {}
         dtypes = target.dtypes()
         peers = any(self.runtime_probe.can_access_peer(index, j) for j in range(count) if j != index)
+        ecc = (management.get("ecc_enabled_blocks") or 0) & ECC_BLOCK_UMC
         features = {Feature.GRAPHS, Feature.DEVICE_EVENTS}
         features |= {Feature.TENSOR_CORES} if target.matrix_cores else set()
         features |= {Feature.FP8} if any("fp8" in d.value for d in dtypes) else set()
         features |= {Feature.P2P} if peers else set()
         features |= {Feature.TRITON} if libraries["triton"] else set()
+        features |= {Feature.ECC} if ecc else set()
         kernels = (
             ("rocblas",)
             + (("miopen",) if libraries["miopen"] else ())
             + (("triton",) if libraries["triton"] else ())
         )
-        compute_units = self._compute_units(props, target)
+        compute_units = self._compute_units(index, props, target)
         return DeviceCapabilities(
             vendor=self.vendor,
             adapter=self.name,
@@ -156,7 +189,7 @@ class AmdAdapter(ProbedAdapter):
             return sku.peaks if sku else None
         log.info(
             "no declared peaks: the device's compute units are not those its data sheet counts "
-            "(a partition, e.g. MI300X in CPX mode)",
+            "(a partition, e.g. MI300X in CPX mode, or an MI250 GCD under ROCm's 'MI250X/MI250')",
             device=self._id(index),
             name=name,
             compute_units=compute_units,
@@ -164,12 +197,19 @@ class AmdAdapter(ProbedAdapter):
         )
         return None
 
-    def _compute_units(self, props: dict[str, Any], target: GfxTarget) -> int:
+    def _compute_units(self, index: int, props: dict[str, Any], target: GfxTarget) -> int:
         """HIP counts work-group processors (2 CUs each) on RDNA unless WGP mode is switched off."""
         count = int(props["multi_processor_count"])
-        if target.rdna and self.runtime_probe.runtime()[WGP_MODE_ENV] != "0":
-            return 2 * count
-        return count
+        if not target.rdna:
+            return count
+        runtime = self.runtime_probe.runtime()
+        if WGP_MODE_ENV not in runtime:  # the live probe always reads it; a recording may lack it
+            raise InvalidArgumentError(
+                f"amd adapter: {self._id(index)} in {_source(self.runtime_probe)} is RDNA ({target.name}), "
+                f"whose compute units HIP counts by {WGP_MODE_ENV}, and its runtime facts have no "
+                f"{WGP_MODE_ENV} (record it as HIP saw it, null where it was unset)"
+            )
+        return 2 * count if runtime[WGP_MODE_ENV] != "0" else count
 
     def memory_info(self, index: int) -> MemoryInfo:
         memory = self.runtime_probe.memory(index)
@@ -178,21 +218,26 @@ class AmdAdapter(ProbedAdapter):
         )
 
     def health(self, index: int) -> HealthReport:
+        """amdsmi's readings; the messages also say why ECC is not declared where its state went unread."""
         readings = self.runtime_probe.amdsmi_health(index)
+        unread = self._ecc_unread(index)
+        ecc_note = () if unread is None else (f"ECC not declared, its state unread: {unread}",)
         if readings is None:
             smi = self.runtime_probe.amdsmi()
             reason = (
                 "amdsmi has no device at this device's PCI address" if smi["available"] else smi["reason"]
             )
-            return HealthReport(status=HealthStatus.UNKNOWN, messages=(f"no health readings: {reason}",))
+            messages = (f"no health readings: {reason}", *ecc_note)
+            return HealthReport(status=HealthStatus.UNKNOWN, messages=messages)
         static = self.runtime_probe.amdsmi_device(index) or {}
-        return HealthReport.from_readings(
+        report = HealthReport.from_readings(
             "amdsmi",
             temperature=("hotspot temperature", _celsius(readings["temperature_hotspot"])),
             limit=("critical temperature", _celsius(static.get("temperature_hotspot_critical"))),
             ecc=("uncorrectable ECC", readings["ecc_uncorrectable"]),
             utilization_pct=readings["gfx_activity_pct"],
         )
+        return report.model_copy(update={"messages": (*report.messages, *ecc_note)})
 
     def topology(self) -> Topology:
         count = self.runtime_probe.device_count()
@@ -247,6 +292,11 @@ class AmdAdapter(ProbedAdapter):
     def collective_backend(self) -> str:
         return "nccl"
 
+    def numerics_settings(self) -> dict[str, Any]:
+        """torch's CUDA-API switches (TF32, reduced-precision reductions, MIOpen's autotuning through
+        torch's cudnn switches), which a ROCm build answers as a CUDA one does)."""
+        return torch_flags.backend_flags(torch_flags.CUDA_API_FLAGS, torch_flags.CUDA_API_LEGACY_FLAGS)
+
 
 def _link_type(facts: dict[str, Any]) -> LinkType | None:
     name = (facts.get("type_name") or "").upper()
@@ -256,6 +306,12 @@ def _link_type(facts: dict[str, Any]) -> LinkType | None:
         hops = facts.get("hops") or 0
         return LinkType.HOST if hops >= HOST_HOPS else LinkType.PCIE
     return None
+
+
+def _source(probe: Any) -> str:
+    """Where a probe's facts come from, for errors about them: a recording's source, or the runtime."""
+    source = getattr(probe, "source", None)
+    return "the live ROCm runtime" if source is None else f"the recording {source!r}"
 
 
 def _celsius(raw: float | None) -> float | None:

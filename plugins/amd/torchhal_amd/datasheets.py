@@ -66,6 +66,16 @@ SKUS: dict[str, Sku] = {
 }
 
 
+# Names the runtime reports for an entry's devices besides the entry's own. ROCm 6.x names the GCDs
+# of MI250X and MI250 alike; the compute units tell them apart (110 MI250X, 104 MI250), and the
+# adapter declares an entry's peaks only where they match, so an MI250 GCD declares none.
+ALIASES = {"AMD Instinct MI250X/MI250": "AMD Instinct MI250X"}
+# An SR-IOV virtual function, as cloud MI300X guests see their GPU: the same part under this suffix
+# (one that holds fewer compute units than the entry declares no peaks, as a partition does).
+VIRTUAL_FUNCTION = " VF"
+
+
 def sku_for(name: str) -> Sku | None:
     """The data sheet entry for a device name, or None when the SKU has none."""
-    return SKUS.get(name.strip())
+    name = name.strip().removesuffix(VIRTUAL_FUNCTION)
+    return SKUS.get(ALIASES.get(name, name))

@@ -13,10 +13,11 @@ import importlib.util
 import json
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
-from torchhal.hal_core import LiveProbe, record_probe
+from torchhal.hal_core import LiveProbe, record_probe, telemetry
+
+log = telemetry.get_logger("torchhal.amd")
 
 AMDSMI_EXTRA = "pip install 'torchhal-amd[amdsmi]' (amdsmi must match the installed ROCm)"
 WGP_MODE_ENV = "GPU_ENABLE_WGP_MODE"  # HIP's switch between WGP and CU mode on RDNA
@@ -40,6 +41,7 @@ class RocmProbe(LiveProbe):
     def __init__(self) -> None:
         self._smi: Any = None
         self._smi_status: dict[str, Any] | None = None
+        self._lacking: set[str] = set()  # amdsmi names the installed release lacks, said once each
 
     # -- torch: how it was built and its libraries (device facts: LiveProbe) ----------------
     def runtime(self) -> dict[str, Any]:
@@ -68,14 +70,22 @@ class RocmProbe(LiveProbe):
         return self._smi_status
 
     def _init_smi(self) -> dict[str, Any]:
+        """amdsmi's Python wrapper loads libamd_smi.so when imported, so an installed amdsmi that
+        does not match the ROCm library fails with whatever that raised (OSError, KeyError,
+        AttributeError on a missing symbol): any failure is amdsmi unavailable, with the reason."""
         try:
             import amdsmi
-        except ImportError:
-            return {"available": False, "reason": f"amdsmi is not installed ({AMDSMI_EXTRA})"}
+        except Exception as exc:
+            if isinstance(exc, ModuleNotFoundError) and exc.name == "amdsmi":
+                return {"available": False, "reason": f"amdsmi is not installed ({AMDSMI_EXTRA})"}
+            return {
+                "available": False,
+                "reason": f"amdsmi failed to load: {_described(exc)}; {AMDSMI_EXTRA}",
+            }
         try:
             amdsmi.amdsmi_init()
-        except amdsmi.AmdSmiException as exc:
-            return {"available": False, "reason": f"amdsmi did not initialise: {exc}"}
+        except Exception as exc:
+            return {"available": False, "reason": f"amdsmi did not initialise: {_described(exc)}"}
         self._smi = amdsmi
         return {"available": True, "reason": "amdsmi initialised"}
 
@@ -83,17 +93,43 @@ class RocmProbe(LiveProbe):
         """amdsmi's handle for torch's device `index`, matched by PCI address; None when torch
         reports no address or amdsmi has no device there."""
         address = pci_address(self.properties(index))
-        return (
-            None if address is None else self._value(self._smi.amdsmi_get_processor_handle_from_bdf, address)
-        )
+        return None if address is None else self._value("amdsmi_get_processor_handle_from_bdf", address)
 
-    def _value(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """An amdsmi reading, or None where this GPU or driver does not support it."""
+    def _value(self, name: str, *args: Any) -> Any:
+        """amdsmi's `name(*args)`, or None where this GPU, driver or amdsmi release does not answer
+        (looked up here, not by the caller: older releases lack some functions)."""
+        fn = getattr(self._smi, name, None)
+        if fn is None:
+            self._lacks(name)
+            return None
         try:
             value = fn(*args)
         except self._smi.AmdSmiException:
             return None
         return None if value == "N/A" else value
+
+    def _member(self, enum: str, *names: str) -> Any:
+        """The first of `names` that amdsmi's `enum` has (releases renamed members), None if none."""
+        members = getattr(self._smi, enum, None)
+        found = next((getattr(members, name) for name in names if hasattr(members, name)), None)
+        if found is None:
+            self._lacks(f"{enum}.{'/'.join(names)}")
+        return found
+
+    def _lacks(self, what: str) -> None:
+        """Say once that the installed amdsmi lacks `what`: the readings that need it stay unread."""
+        if what not in self._lacking:
+            self._lacking.add(what)
+            log.warning("the installed amdsmi lacks this: readings that need it are unread", missing=what)
+            telemetry.count("torchhal.amdsmi.missing_api", adapter="amd", missing=what)
+
+    def _hotspot_temperature(self, handle: Any, metric: str) -> Any:
+        """amdsmi_get_temp_metric of the hotspot sensor (JUNCTION in releases before HOTSPOT)."""
+        sensor = self._member("AmdSmiTemperatureType", "HOTSPOT", "JUNCTION")
+        which = self._member("AmdSmiTemperatureMetric", metric)
+        if sensor is None or which is None:
+            return None
+        return self._value("amdsmi_get_temp_metric", handle, sensor, which)
 
     def amdsmi_device(self, index: int) -> dict[str, Any] | None:
         """Static amdsmi facts of one device; None when amdsmi is unavailable or has no such device.
@@ -104,18 +140,14 @@ class RocmProbe(LiveProbe):
         handle = self._handle(index) if self.amdsmi()["available"] else None
         if handle is None:
             return None
-        smi = self._smi
-        driver = self._value(smi.amdsmi_get_gpu_driver_info, handle) or {}
+        driver = self._value("amdsmi_get_gpu_driver_info", handle) or {}
         return {
-            "uuid": self._value(smi.amdsmi_get_gpu_device_uuid, handle),
-            "bdf": self._value(smi.amdsmi_get_gpu_device_bdf, handle),
+            "uuid": self._value("amdsmi_get_gpu_device_uuid", handle),
+            "bdf": self._value("amdsmi_get_gpu_device_bdf", handle),
             "driver_version": driver.get("driver_version"),
-            "temperature_hotspot_critical": self._value(
-                smi.amdsmi_get_temp_metric,
-                handle,
-                smi.AmdSmiTemperatureType.HOTSPOT,
-                smi.AmdSmiTemperatureMetric.CRITICAL,
-            ),
+            "temperature_hotspot_critical": self._hotspot_temperature(handle, "CRITICAL"),
+            # a bit mask of amdsmi_gpu_block_t; unsupported on a VM guest (None)
+            "ecc_enabled_blocks": self._value("amdsmi_get_gpu_ecc_enabled", handle),
         }
 
     def amdsmi_health(self, index: int) -> dict[str, Any] | None:
@@ -123,17 +155,11 @@ class RocmProbe(LiveProbe):
         handle = self._handle(index) if self.amdsmi()["available"] else None
         if handle is None:
             return None
-        smi = self._smi
-        ecc = self._value(smi.amdsmi_get_gpu_total_ecc_count, handle) or {}
-        activity = self._value(smi.amdsmi_get_gpu_activity, handle) or {}
+        ecc = self._value("amdsmi_get_gpu_total_ecc_count", handle) or {}
+        activity = self._value("amdsmi_get_gpu_activity", handle) or {}
         gfx = activity.get("gfx_activity")
         return {
-            "temperature_hotspot": self._value(
-                smi.amdsmi_get_temp_metric,
-                handle,
-                smi.AmdSmiTemperatureType.HOTSPOT,
-                smi.AmdSmiTemperatureMetric.CURRENT,
-            ),
+            "temperature_hotspot": self._hotspot_temperature(handle, "CURRENT"),
             "ecc_uncorrectable": ecc.get("uncorrectable_count"),
             "ecc_correctable": ecc.get("correctable_count"),
             "gfx_activity_pct": gfx if isinstance(gfx, (int, float)) else None,
@@ -144,17 +170,17 @@ class RocmProbe(LiveProbe):
         handle = self._handle(index) if self.amdsmi()["available"] else None
         if handle is None:
             return None
-        smi, links = self._smi, {}
+        links = {}
         for peer in range(self.device_count()):
             other = None if peer == index else self._handle(peer)
             if other is None:
                 continue
-            kind = self._value(smi.amdsmi_topo_get_link_type, handle, other) or {}
-            bandwidth = self._value(smi.amdsmi_get_minmax_bandwidth_between_processors, handle, other) or {}
+            kind = self._value("amdsmi_topo_get_link_type", handle, other) or {}
+            bandwidth = self._value("amdsmi_get_minmax_bandwidth_between_processors", handle, other) or {}
             links[str(peer)] = {
-                "type_name": _link_type_name(smi, kind.get("type")),
+                "type_name": _link_type_name(self._smi, kind.get("type")),
                 "hops": kind.get("hops"),
-                "weight": self._value(smi.amdsmi_topo_get_link_weight, handle, other),
+                "weight": self._value("amdsmi_topo_get_link_weight", handle, other),
                 "max_bandwidth_mb_s": bandwidth.get("max_bandwidth"),
             }
         return links
@@ -165,11 +191,15 @@ def _link_type_name(smi: Any, value: Any) -> str | None:
     between releases: AmdSmiLinkType in newer ones, AmdSmiIoLinkType before)."""
     if value is None:
         return None
-    enum = getattr(smi, "AmdSmiLinkType", None) or smi.AmdSmiIoLinkType
+    enum = getattr(smi, "AmdSmiLinkType", None) or getattr(smi, "AmdSmiIoLinkType", None)
     try:
-        return str(enum(int(value)).name)
+        return str(enum(int(value)).name) if enum is not None else f"UNKNOWN_{value}"
     except ValueError:
         return f"UNKNOWN_{value}"
+
+
+def _described(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
 
 def record(probe: Any, source: str) -> dict[str, Any]:

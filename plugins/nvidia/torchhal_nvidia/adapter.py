@@ -7,6 +7,7 @@ NVML readings to health, links to a topology, device names to datasheet peaks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ from torchhal.hal_core import (
     ProbeResult,
     Topology,
     telemetry,
+    torch_flags,
 )
 
 from torchhal_nvidia import topology
@@ -35,9 +37,12 @@ WARP = 32  # every NVIDIA architecture so far; used where torch does not report 
 TF32_BF16_FROM = (8, 0)  # Ampere
 FP8_FROM = (8, 9)  # Ada and Hopper: OCP e4m3/e5m2, not the fnuz variants
 TENSOR_CORES_FROM = (7, 0)  # Volta
-# ...but not the GeForce GTX 16 series (TU116, TU117): sm_75 Turing without tensor cores (NVIDIA's
-# GTX 1660 Ti launch: "Turing shaders", no RT or Tensor Cores; dedicated FP16 units instead)
-NO_TENSOR_CORES_NAMED = "GTX 16"
+# ...but not the Turing TU116 and TU117 chips: sm_75 without tensor cores (NVIDIA's GTX 1660 Ti
+# launch: "Turing shaders", no RT or Tensor Cores; dedicated FP16 units instead). The compute
+# capability cannot tell them from TU102-TU106, so their products are named: GeForce GTX 16xx
+# (TU116, TU117), GeForce MX450 and MX550, the T400/T500/T550/T600/T1000/T1200 and Quadro
+# T1000/T2000 (all TU117). Word bounds keep "Tesla T4" (TU104, tensor cores) out.
+NO_TENSOR_CORES_SM75 = re.compile(r"\b(GTX 16\d\d|MX[45]50|T(400|500|550|600|1000|1200|2000))\b")
 NVML_ECC_ENABLED = 1
 SDPA_ATTENTION_FROM = (8, 0)  # PyTorch's flash and cuDNN attention kernels need Ampere or newer
 CUDNN_ATTENTION_VERSION = 90000  # cuDNN 9: the fused attention graphs SDPA's cuDNN backend builds
@@ -84,9 +89,30 @@ class NvidiaAdapter(ProbedAdapter):
         count = self.runtime_probe.device_count()
         libraries = self.runtime_probe.libraries()
         nvml = self.runtime_probe.nvml()
+        devices = [self._capabilities(i, count, libraries, nvml) for i in range(count)]
+        # An ECC mode not read is not declared: say so, as a requirement on ECC now refuses the device
+        unread = {self._id(i): why for i in range(count) if (why := self._ecc_unread(i)) is not None}
         if not nvml["available"]:
-            log.info("NVML unavailable: no uuid, ECC or health readings", reason=nvml["reason"])
-        return [self._capabilities(i, count, libraries, nvml) for i in range(count)]
+            log.warning(
+                "NVML unavailable: no uuid, ECC mode or health readings; ECC is not declared",
+                reason=nvml["reason"],
+            )
+            telemetry.count("torchhal.nvml.unavailable", adapter=self.name)
+        elif unread:
+            log.warning("ECC mode unread: ECC is not declared for these devices", devices=unread)
+        if unread:
+            telemetry.count("torchhal.nvml.ecc_unread", len(unread), adapter=self.name)
+        return devices
+
+    def _ecc_unread(self, index: int) -> str | None:
+        """Why device `index` declares no ECC though ECC may be on; None where NVML read its ECC mode."""
+        nvml = self.runtime_probe.nvml()
+        if not nvml["available"]:
+            return f"NVML unavailable: {nvml['reason']}"
+        facts = self.runtime_probe.nvml_device(index)
+        if facts is None:
+            return "NVML knows no device of this UUID, or could not identify it"
+        return None if facts.get("ecc_mode_current") is not None else "NVML did not report the ECC mode"
 
     def _capabilities(
         self, index: int, count: int, libraries: dict[str, Any], nvml: dict[str, Any]
@@ -97,7 +123,9 @@ class NvidiaAdapter(ProbedAdapter):
         sku = sku_for(props["name"])
         peers = any(self.runtime_probe.can_access_peer(index, j) for j in range(count) if j != index)
         features = {Feature.GRAPHS, Feature.DEVICE_EVENTS}
-        tensor_cores = cc >= TENSOR_CORES_FROM and NO_TENSOR_CORES_NAMED not in props["name"]
+        tensor_cores = cc >= TENSOR_CORES_FROM and not (
+            cc == (7, 5) and NO_TENSOR_CORES_SM75.search(props["name"])
+        )
         features |= {Feature.TENSOR_CORES} if tensor_cores else set()
         features |= {Feature.FP8} if cc >= FP8_FROM else set()
         features |= {Feature.P2P} if peers else set()
@@ -139,19 +167,24 @@ class NvidiaAdapter(ProbedAdapter):
         )
 
     def health(self, index: int) -> HealthReport:
+        """NVML's readings; the messages also say why ECC is not declared where its mode went unread."""
         readings = self.runtime_probe.nvml_health(index)
+        unread = self._ecc_unread(index)
+        ecc_note = () if unread is None else (f"ECC not declared, its mode unread: {unread}",)
         if readings is None:
             nvml = self.runtime_probe.nvml()
             reason = "NVML knows no device of this UUID" if nvml["available"] else nvml["reason"]
-            return HealthReport(status=HealthStatus.UNKNOWN, messages=(f"no health readings: {reason}",))
+            messages = (f"no health readings: {reason}", *ecc_note)
+            return HealthReport(status=HealthStatus.UNKNOWN, messages=messages)
         static = self.runtime_probe.nvml_device(index) or {}
-        return HealthReport.from_readings(
+        report = HealthReport.from_readings(
             "NVML",
             temperature=("temperature", readings["temperature_c"]),
             limit=("slowdown threshold", static.get("slowdown_temperature_c")),
             ecc=("uncorrected ECC", readings["ecc_uncorrected_volatile"]),
             utilization_pct=readings["utilization_gpu_pct"],
         )
+        return report.model_copy(update={"messages": (*report.messages, *ecc_note)})
 
     def topology(self) -> Topology:
         count = self.runtime_probe.device_count()
@@ -159,20 +192,37 @@ class NvidiaAdapter(ProbedAdapter):
         per_link = self._nvlink_per_link_gbps(count)
         nvml = [self.runtime_probe.nvml_device(i) for i in range(count)]
         if all(facts is not None for facts in nvml):
-            return Topology(devices=devices, links=tuple(topology.links_from_nvml(nvml, self._id, per_link)))
-        nvml_status = self.runtime_probe.nvml()
-        unknown = [self._id(i) for i, facts in enumerate(nvml) if facts is None]
-        reason = (
-            f"NVML knows no device of the UUID of, or could not identify, {unknown}"
-            if nvml_status["available"]
-            else nvml_status["reason"]
-        )
+            links, unread = topology.links_from_nvml(nvml, self._id, per_link)
+            if not unread:
+                return Topology(devices=devices, links=tuple(links))
+            # NVML's answer for these pairs may understate them (an NVLink pair as PCIe, or unlinked):
+            # nvidia-smi reads every pair from the driver, so its matrix is preferred where it answers
+            telemetry.count("torchhal.topology.unread_links", len(unread), adapter=self.name)
+            smi = self.runtime_probe.nvidia_smi_topology()
+            if smi["topo"] is None:
+                log.warning(
+                    "NVML left these pairs' links unread and nvidia-smi did not answer: they keep "
+                    "what NVML did report (a PCIe level, or no link)",
+                    pairs=unread,
+                    nvidia_smi=smi["reason"],
+                )
+                return Topology(devices=devices, links=tuple(links))
+            reason = f"NVML left the links of these pairs unread: {unread}"
+        else:
+            nvml_status = self.runtime_probe.nvml()
+            unknown = [self._id(i) for i, facts in enumerate(nvml) if facts is None]
+            reason = (
+                f"NVML knows no device of the UUID of, or could not identify, {unknown}"
+                if nvml_status["available"]
+                else nvml_status["reason"]
+            )
+            smi = self.runtime_probe.nvidia_smi_topology()
         log.warning("topology from nvidia-smi instead of NVML", reason=reason)
         telemetry.count("torchhal.topology.fallbacks", adapter=self.name, source="nvidia-smi")
-        return Topology(devices=devices, links=tuple(self._smi_links(count, per_link)))
+        return Topology(devices=devices, links=tuple(self._smi_links(count, per_link, smi)))
 
-    def _smi_links(self, count: int, per_link: float | None) -> list[Link]:
-        smi = self.runtime_probe.nvidia_smi_topology()
+    def _smi_links(self, count: int, per_link: float | None, smi: dict[str, Any]) -> list[Link]:
+        """Links from what `nvidia-smi topo -m` printed (`smi`: the probe's nvidia_smi_topology())."""
         if smi["topo"] is None:
             log.warning("no topology: neither NVML nor nvidia-smi answered", reason=smi["reason"])
             telemetry.count("torchhal.topology.fallbacks", adapter=self.name, source="none")
@@ -226,6 +276,10 @@ class NvidiaAdapter(ProbedAdapter):
 
     def collective_backend(self) -> str:
         return "nccl"
+
+    def numerics_settings(self) -> dict[str, Any]:
+        """torch's CUDA-API switches (TF32, reduced-precision reductions, cuDNN's autotuning)."""
+        return torch_flags.backend_flags(torch_flags.CUDA_API_FLAGS, torch_flags.CUDA_API_LEGACY_FLAGS)
 
 
 def _dtypes(cc: tuple[int, int]) -> frozenset[DType]:

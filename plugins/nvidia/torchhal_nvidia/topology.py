@@ -28,10 +28,16 @@ NVML_P2P_OK = 0
 DeviceId = Callable[[int], str]
 
 
-def bus_id(text: str) -> str:
-    """A PCI bus id in NVML's form (`00000000:00:06.0`), whatever domain width it was given in."""
-    domain, bus, devfn = text.strip().split(":")
-    return f"{int(domain, 16):08X}:{bus.upper()}:{devfn.upper()}"
+def bus_id(text: str | None) -> str:
+    """A PCI bus id in NVML's form (`00000000:00:06.0`), whatever domain width it was given in;
+    ValueError naming the text where it is not one."""
+    try:
+        domain, bus, devfn = (text or "").strip().split(":")
+        return f"{int(domain, 16):08X}:{bus.upper()}:{devfn.upper()}"
+    except ValueError:
+        raise ValueError(
+            f"PCI bus id {text!r} is not domain:bus:device.function in hex (such as 00000000:00:06.0)"
+        ) from None
 
 
 def torch_bus_id(props: Mapping[str, Any]) -> str | None:
@@ -119,38 +125,68 @@ def _strength(code: str) -> int:
 
 def links_from_nvml(
     devices: Sequence[Mapping[str, Any]], device_id: DeviceId, per_link_gbps: float | None
-) -> list[Link]:
+) -> tuple[list[Link], dict[str, str]]:
     """Links from each device's NVML facts: NVLinks to GPUs by remote bus id, or through
-    NVSwitches (counted where NVML says NVLink P2P works), else the PCIe level."""
-    index = {bus_id(d["pci_bus_id"]): i for i, d in enumerate(devices)}
+    NVSwitches (counted where NVML says NVLink P2P works), else the PCIe level.
+
+    Also the pairs whose links NVML left unread, with why: an active NVLink whose far end it did
+    not report (every pair of that GPU: the link may join any of them), a switch pair without a
+    P2P answer, a pair without a common-ancestor level. Their links here are only what NVML did
+    report (a PCIe level, or none), which may understate them: the caller says so or asks nvidia-smi.
+    """
+    index: dict[str, int] = {}
+    unplaced: dict[int, str] = {}  # device -> why its NVLinks cannot be placed
+    for i, dev in enumerate(devices):
+        try:
+            index[bus_id(dev["pci_bus_id"])] = i
+        except ValueError as exc:
+            unplaced[i] = f"its pci_bus_id: {exc}"
     direct = [Counter[int]() for _ in devices]
     switch = [0 for _ in devices]
     for i, dev in enumerate(devices):
         for link in dev["nvlinks"]:
-            if not link["active"]:
+            kind = link["remote_device_type"]
+            if not link["active"] or kind == "ibmnpu":  # an NVLink to an IBM POWER CPU joins no GPU pair
                 continue
-            if link["remote_device_type"] == "switch":
+            if kind == "switch":
                 switch[i] += 1
-            elif link["remote_device_type"] == "gpu" and link["remote_pci_bus_id"]:
-                peer = index.get(bus_id(link["remote_pci_bus_id"]))
+            elif kind != "gpu":  # None (NVML did not answer) or "unknown": the far end is not known
+                unplaced.setdefault(i, f"active NVLink {link['link']} has remote device type {kind!r}")
+            else:
+                try:  # no peer: a GPU this process does not see
+                    peer = index.get(bus_id(link["remote_pci_bus_id"]))
+                except ValueError as exc:
+                    unplaced.setdefault(i, f"active NVLink {link['link']} to a GPU at remote {exc}")
+                    continue
                 if peer is not None:
                     direct[i][peer] += 1
-    links = []
+    links: list[Link] = []
+    unread: dict[str, str] = {}
     for a in range(len(devices)):
         for b in range(a + 1, len(devices)):
+            why = [f"{device_id(x)}: {unplaced[x]}" for x in (a, b) if x in unplaced]
             count = min(direct[a][b], direct[b][a])
             if direct[a][b] != direct[b][a]:
                 log.warning("NVML link counts differ by direction, keeping the smaller", a=a, b=b)
-            if switch[a] and switch[b] and _p2p_ok(devices, a, b):
-                count += min(switch[a], switch[b])
+                telemetry.count("torchhal.topology.asymmetric_links", adapter="nvidia", source="nvml")
+            p2p = _p2p_ok(devices, a, b) if switch[a] and switch[b] else False
+            if p2p is None:
+                why.append("NVLink P2P status through the NVSwitches unread")
+            count += min(switch[a], switch[b]) if p2p else 0
             link = _nvml_link(devices, a, b, count, device_id, per_link_gbps)
-            if link is not None:
+            if link is None:
+                why.append("no NVLink and no common-ancestor level")
+            else:
                 links.append(link)
-    return links
+            if why:
+                unread[f"{device_id(a)}-{device_id(b)}"] = "; ".join(why)
+    return links, unread
 
 
-def _p2p_ok(devices: Sequence[Mapping[str, Any]], a: int, b: int) -> bool:
-    return all(devices[x]["p2p_status_nvlink"].get(str(y)) == NVML_P2P_OK for x, y in ((a, b), (b, a)))
+def _p2p_ok(devices: Sequence[Mapping[str, Any]], a: int, b: int) -> bool | None:
+    """Whether NVML says NVLink P2P works both ways between a and b; None where it did not answer."""
+    status = [devices[x]["p2p_status_nvlink"].get(str(y)) for x, y in ((a, b), (b, a))]
+    return None if None in status else all(s == NVML_P2P_OK for s in status)
 
 
 def _nvml_link(
