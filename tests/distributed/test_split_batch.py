@@ -69,7 +69,7 @@ def test_modelled_step_times_balance_after_the_split():
         (4, [], "at least one rank"),
         (4, [1.0, 0.0], r"finite and > 0, got \[\(1, 0.0\)\]"),
         (4, [1.0, float("nan")], "finite and > 0"),
-        (1, [1.0, 2.0], r"global_batch must be an integer >= the number of ranks \(2\), got 1"),
+        (1, [1.0, 2.0], r"global_batch must be an integer \(not bool\) >= the number of ranks \(2\), got 1"),
         (2.5, [1.0], "got 2.5"),
     ],
 )
@@ -125,7 +125,7 @@ def test_rebalancing_by_measured_step_times_balances_two_simulated_asics():
 
 def test_rebalanced_split_refuses_bad_step_times():
     with pytest.raises(
-        InvalidArgumentError, match=r"step times must be finite and > 0 s, got \[\(1, 0.0\)\]"
+        InvalidArgumentError, match=r"step_times_s must be finite and > 0, got \[\(1, 0.0\)\]"
     ):
         rebalanced_split(8, (4, 4), (0.5, 0.0))
     with pytest.raises(InvalidArgumentError, match="2 batch sizes for 3 step times"):

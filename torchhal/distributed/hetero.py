@@ -34,6 +34,7 @@ from torchhal.hal_core import (
     UnsupportedError,
     telemetry,
 )
+from torchhal.hal_core.collective_checks import as_integer
 
 if TYPE_CHECKING:
     from torchhal.distributed.init import DistContext
@@ -56,12 +57,15 @@ def split_batch(global_batch: int, throughputs: Sequence[float]) -> tuple[int, .
     n = len(throughputs)
     if n == 0:
         raise InvalidArgumentError("split_batch: needs at least one rank's throughput, got none")
-    _check_throughputs("split_batch", throughputs)
+    _check_positive("split_batch", "throughputs", throughputs)
     throughputs = [float(t) for t in throughputs]  # a NumPy or other real number from here on
-    if not isinstance(global_batch, int) or global_batch < n:
+    batch = as_integer(global_batch)
+    if batch is None or batch < n:
         raise InvalidArgumentError(
-            f"split_batch: global_batch must be an integer >= the number of ranks ({n}), got {global_batch!r}"
+            f"split_batch: global_batch must be an integer (not bool) >= the number of ranks ({n}), got "
+            f"{global_batch!r} ({type(global_batch).__name__})"
         )
+    global_batch = batch
     total = math.fsum(throughputs)
     quota = [global_batch * t / total for t in throughputs]
     sizes = [max(1, math.floor(q)) for q in quota]
@@ -74,22 +78,22 @@ def split_batch(global_batch: int, throughputs: Sequence[float]) -> tuple[int, .
     return tuple(sizes)
 
 
-def _check_throughputs(what: str, throughputs: Sequence[float]) -> None:
-    """Rates divide batches and FLOPs: zero, negative or NaN ones give nonsense, not an error.
-    Any real number is a rate (a NumPy float32 too); a bool is not."""
+def _check_positive(what: str, field: str, values: Sequence[float]) -> None:
+    """Rates and times divide batches and FLOPs: zero, negative or NaN ones give nonsense, not an
+    error. Any real number is taken (a NumPy float32 too); a bool is not."""
     not_real = [
-        f"rank {r}: {t!r} ({type(t).__name__})"
-        for r, t in enumerate(throughputs)
-        if isinstance(t, bool) or not isinstance(t, numbers.Real)
+        f"rank {r}: {v!r} ({type(v).__name__})"
+        for r, v in enumerate(values)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real)
     ]
     if not_real:
         raise InvalidArgumentError(
-            f"{what}: throughputs must be real numbers (int, float, a NumPy float; not bool), got "
+            f"{what}: {field} must be real numbers (int, float, a NumPy float; not bool), got "
             f"{'; '.join(not_real)}"
         )
-    bad = [(r, t) for r, t in enumerate(throughputs) if not (math.isfinite(t) and t > 0)]
+    bad = [(r, v) for r, v in enumerate(values) if not (math.isfinite(v) and v > 0)]
     if bad:
-        raise InvalidArgumentError(f"{what}: throughputs must be finite and > 0, got {bad} (rank, value)")
+        raise InvalidArgumentError(f"{what}: {field} must be finite and > 0, got {bad} (rank, value)")
 
 
 def rebalanced_split(
@@ -104,11 +108,12 @@ def rebalanced_split(
         raise InvalidArgumentError(
             f"rebalanced_split: {len(batch_sizes)} batch sizes for {len(step_times_s)} step times"
         )
-    bad = [(r, t) for r, t in enumerate(step_times_s) if not (math.isfinite(t) and t > 0)]
+    bad = [(r, b) for r, b in enumerate(batch_sizes) if (size := as_integer(b)) is None or size < 1]
     if bad:
         raise InvalidArgumentError(
-            f"rebalanced_split: step times must be finite and > 0 s, got {bad} (rank, seconds)"
+            f"rebalanced_split: batch_sizes must be integers (not bool) >= 1, got {bad} (rank, value)"
         )
+    _check_positive("rebalanced_split", "step_times_s", step_times_s)
     return split_batch(global_batch, [b / t for b, t in zip(batch_sizes, step_times_s, strict=True)])
 
 
@@ -120,7 +125,7 @@ def modelled_step_times(
         raise InvalidArgumentError(
             f"modelled_step_times: {len(batch_sizes)} batch sizes for {len(throughputs)} throughputs"
         )
-    _check_throughputs("modelled_step_times", throughputs)
+    _check_positive("modelled_step_times", "throughputs", throughputs)
     return tuple(b * flop_per_sample / (t * 1e12) for b, t in zip(batch_sizes, throughputs, strict=True))
 
 
@@ -166,7 +171,10 @@ def measured_throughput(
 
 
 class HeteroGroup:
-    """This rank's share of the global batch and the weighted gradient sync across islands."""
+    """This rank's share of the global batch and the weighted gradient sync across islands.
+
+    Its island groups live until `close` (or the end of a `with` block) or until the job's
+    context shuts down; each `create` makes new ones."""
 
     def __init__(
         self, ctx: DistContext, islands: Islands, throughputs: tuple[float, ...], batch_sizes: tuple[int, ...]
@@ -203,6 +211,17 @@ class HeteroGroup:
         group = cls(ctx, islands, throughputs, sizes)
         log.info("heterogeneous group formed", rank=ctx.rank, **group.report())
         return group
+
+    def close(self) -> None:
+        """Destroy the island groups `create` made (each `create` makes new ones); every rank
+        closes after its last `sync_gradients`. Also the end of a `with` block."""
+        self.islands.destroy()
+
+    def __enter__(self) -> HeteroGroup:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def local_batch(self) -> int:

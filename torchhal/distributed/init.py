@@ -11,13 +11,15 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from torchhal.hal_core import ConfigurationError, Device, DeviceRequirements, telemetry
 from torchhal.hal_core.collectives import DEFAULT_TIMEOUT, Communicator, backend_for
-from torchhal.hal_core.process_groups import env_int
+from torchhal.hal_core.process_groups import check_create_arguments, checked_local_rank, env_int
+from torchhal.hal_core.process_groups import local_device as local_device  # thd.local_device
 
 if TYPE_CHECKING:
     from torch._C._distributed_c10d import Store
@@ -25,6 +27,33 @@ if TYPE_CHECKING:
     from torchhal.hal_core.hal import HardwareAbstractionLayer
 
 log = telemetry.get_logger("torchhal.distributed")
+
+_BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def host_identity() -> str:
+    """This machine, as `Mesh` tells hosts apart: its hostname and its kernel's boot id.
+
+    A hostname alone is not enough: containers on different nodes may share one (`docker run
+    --hostname trainer`, compose), and the mesh then took the ranks of several nodes for one
+    host and interleaved them on its inner dimension. The boot id is the running kernel's, so
+    every container of one machine reads the same one and two machines never do. Where it
+    cannot be read (not Linux), the hostname alone is used, logged and counted.
+    """
+    name = socket.gethostname()
+    try:
+        boot = _BOOT_ID.read_text().strip()
+    except OSError as exc:
+        boot, why = "", f"{type(exc).__name__}: {exc}"
+    else:
+        why = "empty"
+    if not boot:
+        log.info(
+            "host told apart by its hostname alone: no kernel boot id", host=name, path=str(_BOOT_ID), why=why
+        )
+        telemetry.count("torchhal.distributed.host_by_hostname_only")
+        return name
+    return f"{name}/{boot}"
 
 
 @dataclass(frozen=True)
@@ -39,7 +68,7 @@ class DistContext:
     hal: HardwareAbstractionLayer = field(repr=False)
     communicator: Communicator = field(repr=False)
     prefix: str | None = None
-    host: str = field(default_factory=socket.gethostname)
+    host: str = field(default_factory=host_identity)
 
     @property
     def is_main(self) -> bool:
@@ -82,9 +111,11 @@ def init(
     Rendezvous comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
     MASTER_PORT) unless `init_method` or `store` is given. `device` defaults to the device of
     index LOCAL_RANK among the devices of the adapter `hal.best_device(requirements)` belongs
-    to. `prefix` namespaces every key the process group writes in the rendezvous store, so a
-    group rebuilt after a failure (`prefix="gen2"`) never reads the keys of the one it replaces.
-    `hal` defaults to the process's default HAL, the one `torchhal.ops` dispatches through.
+    to, as `Communicator.create` chooses it (`local_device` says how: the best device where
+    LOCAL_RANK is unset, the one device where only one is visible). `prefix` namespaces every
+    key the process group writes in the rendezvous store, so a group rebuilt after a failure
+    (`prefix="gen2"`) never reads the keys of the one it replaces. `hal` defaults to the
+    process's default HAL, the one `torchhal.ops` dispatches through.
     """
     if prefix is not None and dist.is_initialized():
         # checked before the rendezvous: it waited for peers (up to the timeout) that never
@@ -94,13 +125,13 @@ def init(
             f"{dist.get_world_size()}); a prefix applies only to a group torchhal makes: call init "
             "without prefix to wrap the existing group, or destroy it first"
         )
+    # every argument is checked before the rendezvous, which waits for peers up to the timeout
+    rank, world_size = check_create_arguments(rank, world_size, timeout, "init")
+    local = checked_local_rank(local_rank if local_rank is not None else env_int("LOCAL_RANK"))
     if hal is None:
         from torchhal.ops import default_hal
 
         hal = default_hal()
-    local = local_rank if local_rank is not None else env_int("LOCAL_RANK", default=0)
-    if isinstance(local, bool) or not isinstance(local, int) or local < 0:
-        raise ConfigurationError(f"local_rank must be >= 0, got {local!r} (an integer)")
     dev = local_device(hal, local, requirements) if device is None else hal.device(device)
     if prefix is not None:
         rendezvous = DEFAULT_TIMEOUT if timeout is None else timeout
@@ -118,7 +149,7 @@ def init(
     ctx = DistContext(
         rank=comm.rank,
         world_size=comm.world_size,
-        local_rank=local,
+        local_rank=0 if local is None else local,
         device=dev,
         backend=backend_for([dev]),
         hal=hal,
@@ -127,35 +158,6 @@ def init(
     )
     log.info("distributed initialised", **ctx.report())
     return ctx
-
-
-def local_device(
-    hal: HardwareAbstractionLayer, local_rank: int, requirements: DeviceRequirements | None = None
-) -> Device:
-    """The device of index `local_rank` among the devices of the best device's adapter.
-
-    Devices whose tensors live in host memory (the CPU, simulated devices) may be shared by
-    several local ranks: the rank takes `local_rank % count`. Accelerators may not: more
-    local ranks than devices is a configuration error.
-    """
-    req = requirements or DeviceRequirements()
-    best = hal.best_device(req)
-    siblings = sorted(
-        (d for d in hal.devices() if d.adapter is best.adapter and not req.failures(d.capabilities)),
-        key=lambda d: d.index,
-    )
-    if local_rank < len(siblings):
-        chosen = siblings[local_rank]
-    elif best.torch_device.type == "cpu":
-        chosen = siblings[local_rank % len(siblings)]
-        log.info("host-memory device shared by several local ranks", device=chosen.id, local_rank=local_rank)
-    else:
-        raise ConfigurationError(
-            f"local rank {local_rank}: adapter {best.adapter.name!r} has {len(siblings)} matching "
-            f"device(s) {[d.id for d in siblings]}; start at most {len(siblings)} processes per node"
-        )
-    log.info("device chosen for local rank", device=chosen.id, local_rank=local_rank)
-    return chosen
 
 
 def _prefixed_store(
@@ -177,7 +179,7 @@ def _prefixed_store(
         w = world_size if world_size is not None else env_int("WORLD_SIZE", default=None)
         # checked before the rendezvous: a rank outside the world waited there for the whole
         # timeout (300 s by default) and then reported only a socket timeout
-        if not (isinstance(w, int) and isinstance(r, int) and w >= 1 and 0 <= r < w):
+        if w is None or r is None or w < 1 or not 0 <= r < w:
             raise ConfigurationError(
                 f"rendezvous for prefix {prefix!r}: need 0 <= rank < world_size, given as arguments or "
                 f"RANK/WORLD_SIZE as torchrun sets them; got rank {r!r}, world size {w!r} (None: not given)"

@@ -4,18 +4,25 @@
 consecutive ranks. Ranks are reordered here so that ranks of one host, and within a host of
 one fast-link island (NVLink, xGMI, Xe Link), are consecutive: the inner dimension, which
 carries the most traffic (tensor parallel, FSDP inside a node), then stays on the fastest links.
+The dimensions' process groups are made here, in that order and with the job's timeout: torch's
+DeviceMesh would sort each group's ranks, and DTensor's shard offsets would then disagree with
+the collectives (`_dimension_groups`).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from torchhal.hal_core import ConfigurationError, InvalidArgumentError, Topology, telemetry
+from torchhal.hal_core import CollectiveError, ConfigurationError, InvalidArgumentError, Topology, telemetry
+from torchhal.hal_core.collective_checks import as_integer
+from torchhal.hal_core.process_groups import world_group
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -89,39 +96,37 @@ class Mesh:
         """Build the mesh collectively on every rank. `shape` defaults to `(world_size,)`.
 
         Each rank places its own device in its own host's topology (`hal.topology()` unless
-        given); the placements are exchanged so that every rank computes the same order.
+        given); the placements are exchanged so that every rank computes the same order. Each
+        dimension's process groups are made here, their ranks in the layout's order and with the
+        job's timeout (see `_dimension_groups`), and the DeviceMesh is built from them.
         """
-        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # imports DTensor: 2 s
+        from torch.distributed.device_mesh import DeviceMesh  # imports DTensor: 2 s
 
-        shape = tuple(shape) if shape is not None else (ctx.world_size,)
-        names = tuple(names) if names is not None else _default_names(len(shape))
-        sizes_ok = all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in shape)
-        if not shape or not sizes_ok or math.prod(shape) != ctx.world_size:  # () was an IndexError
-            raise ConfigurationError(
-                f"mesh shape {shape}: needs at least one dimension, and integer sizes >= 1 that multiply "
-                f"to the world size {ctx.world_size}"
-            )
-        if (
-            len(names) != len(shape)
-            or len(set(names)) != len(names)
-            or not all(isinstance(n, str) and n for n in names)
-        ):
-            raise ConfigurationError(
-                f"mesh names {names}: need {len(shape)} distinct non-empty names (str) for shape {shape}"
-            )
+        shape = _checked_shape(shape, ctx.world_size)
+        names = _checked_names(names, shape)
         topo = topology if topology is not None else ctx.hal.topology()
         mine = placement(topo, ctx.device.id, ctx.host)
         gathered: list[Any] = [None] * ctx.world_size
         dist.all_gather_object(gathered, mine, group=ctx.communicator.group)
         placements: list[Placement] = [tuple(p) for p in gathered]
         order = order_from_placements(placements)
-        device_type = ctx.device.torch_device.type
+        layout = torch.tensor(order, dtype=torch.int64).view(shape)
+        if not _KEEPS_RANK_ORDER and not _ascending(layout):
+            log.warning(
+                "mesh laid out in rank order: this torch's new_group sorts each group's ranks (no "
+                "sort_ranks), so the topology's order would give mesh coordinates that disagree "
+                "with group ranks",
+                order=order,
+                torch=torch.__version__,
+            )
+            telemetry.count("torchhal.distributed.mesh_order_not_kept")
+            order = tuple(range(ctx.world_size))
+            layout = torch.tensor(order, dtype=torch.int64).view(shape)
         with telemetry.span("torchhal.distributed.mesh", shape=list(shape), order=list(order)):
-            if order == tuple(range(ctx.world_size)):
-                device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-            else:  # init_device_mesh only lays out ranks in order; DeviceMesh takes any layout
-                layout = torch.tensor(order, dtype=torch.int64).view(shape)
-                device_mesh = DeviceMesh(device_type, layout, mesh_dim_names=names)
+            groups = _dimension_groups(layout, names, ctx.communicator.timeout)
+            device_mesh = DeviceMesh.from_group(
+                groups, ctx.device.torch_device.type, mesh=layout, mesh_dim_names=names
+            )
         mesh = cls(device_mesh, order, placements)
         mesh._warn_if_inner_spans_islands(shape[-1])
         log.info("mesh created", shape=shape, names=names, order=order, rank=ctx.rank)
@@ -161,5 +166,79 @@ class Mesh:
                 return
 
 
-def _default_names(ndim: int) -> tuple[str, ...]:
-    return ("dp",) if ndim == 1 else tuple(f"dim{i}" for i in range(ndim))
+def _checked_shape(shape: object, world_size: int) -> tuple[int, ...]:
+    """`shape` as a tuple of ints (any integer type), or a ConfigurationError naming it."""
+    if shape is None:
+        return (world_size,)
+    given = [] if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable) else list(shape)
+    sizes = [size for size in map(as_integer, given) if size is not None and size >= 1]
+    if not sizes or len(sizes) != len(given) or math.prod(sizes) != world_size:
+        raise ConfigurationError(
+            f"mesh shape {shape!r}: needs a sequence of at least one integer size >= 1 (not bool), "
+            f"the sizes multiplying to the world size {world_size}"
+        )
+    return tuple(sizes)
+
+
+def _checked_names(names: object, shape: tuple[int, ...]) -> tuple[str, ...]:
+    """`names` as a tuple of distinct non-empty strs, one a dimension; one str is not split."""
+    if names is None:
+        return ("dp",) if len(shape) == 1 else tuple(f"dim{i}" for i in range(len(shape)))
+    given = () if isinstance(names, (str, bytes)) or not isinstance(names, Iterable) else tuple(names)
+    if (
+        not all(isinstance(n, str) and n for n in given)
+        or len(given) != len(shape)
+        or len(set(given)) != len(given)
+    ):
+        raise ConfigurationError(
+            f"mesh names {names!r}: need a sequence of {len(shape)} distinct non-empty names (str), "
+            f"one for each dimension of shape {shape}"
+        )
+    return given
+
+
+_KEEPS_RANK_ORDER = "sort_ranks" in inspect.signature(dist.new_group).parameters
+"""Whether this torch's new_group can keep a group's ranks in the order given (`sort_ranks`)."""
+
+
+def _ascending(layout: torch.Tensor) -> bool:
+    """Whether every group along every dimension of `layout` lists its ranks in ascending order."""
+    return all(bool((layout.diff(dim=d) > 0).all()) for d in range(layout.dim()))
+
+
+def _dimension_groups(
+    layout: torch.Tensor, names: tuple[str, ...], timeout: timedelta | None
+) -> list[dist.ProcessGroup]:
+    """This rank's process group along each dimension of `layout`, its ranks in layout order.
+
+    torch's DeviceMesh sorts a group's ranks and reuses the world group for a dimension over
+    every rank, so where the layout lists ranks out of ascending order a rank's mesh coordinate
+    (which DTensor and DCP take shard offsets from) differed from its rank in the group (which
+    the collectives and FSDP2's sharding use): checkpoints held permuted shards. Its groups also
+    had torch's default timeout (gloo: 30 min), not the job's. Every rank makes every group, in
+    the same order; a group over every rank in rank order is the world group itself.
+    """
+    me, world = dist.get_rank(), list(range(dist.get_world_size()))
+    mine: list[dist.ProcessGroup] = []
+    for dim, name in enumerate(names):
+        for row in layout.movedim(dim, -1).reshape(-1, layout.size(dim)).tolist():
+            try:
+                group = world_group() if row == world else _new_group(row, timeout)
+            except (RuntimeError, ValueError, NotImplementedError) as exc:
+                raise CollectiveError(
+                    f"mesh dimension {name!r}: making its process group over ranks {row} failed: {exc}"
+                ) from exc
+            if me in row:
+                mine.append(group)
+    return mine
+
+
+def _new_group(ranks: list[int], timeout: timedelta | None) -> dist.ProcessGroup:
+    """A group over `ranks` whose group rank i is `ranks[i]`; ranks in order need no sort_ranks,
+    which a torch without it never gets asked for (`_KEEPS_RANK_ORDER`)."""
+    group: dist.ProcessGroup
+    if ranks == sorted(ranks):
+        group = dist.new_group(ranks, timeout=timeout)
+    else:
+        group = dist.new_group(ranks, timeout=timeout, sort_ranks=False)
+    return group

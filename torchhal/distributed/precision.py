@@ -16,7 +16,15 @@ from typing import Any, Literal
 
 import torch
 
-from torchhal.hal_core import Device, DeviceCapabilities, DType, Feature, UnsupportedError, telemetry
+from torchhal.hal_core import (
+    Device,
+    DeviceCapabilities,
+    DType,
+    Feature,
+    InvalidArgumentError,
+    UnsupportedError,
+    telemetry,
+)
 
 log = telemetry.get_logger("torchhal.distributed.precision")
 
@@ -52,15 +60,37 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32
     strategy: str | None = None  # set by prepare()
 
+    def __post_init__(self) -> None:
+        """Refuse fields that contradict each other: `name` decides the gradient scaler and the
+        device check, `compute_dtype` what autocast and FSDP compute in, so a hand-made
+        `PrecisionPolicy("bf16", torch.float16, ...)` trained in fp16 without loss scaling."""
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise UnsupportedError(
+                f"PrecisionPolicy: strategy must be one of {STRATEGIES} or None, got {self.strategy!r}"
+            )
+        problems = []
+        if not isinstance(self.name, str) or self.name not in _FORMATS:
+            problems.append(f"name must be one of {sorted(_FORMATS)}, got {self.name!r}")
+        elif self.compute_dtype != (want := _FORMATS[self.name][1]):
+            problems.append(
+                f"compute_dtype must be {want} for name {self.name!r}, got {self.compute_dtype!r}"
+            )
+        if not (isinstance(self.reduce_dtype, torch.dtype) and self.reduce_dtype.is_floating_point):
+            problems.append(f"reduce_dtype must be a floating-point torch.dtype, got {self.reduce_dtype!r}")
+        if not _is_device_type(self.device_type):
+            problems.append(
+                f"device_type must be a torch device type such as 'cuda', got {self.device_type!r}"
+            )
+        if problems:
+            raise InvalidArgumentError(f"PrecisionPolicy: {'; '.join(problems)}")
+
     @property
     def uses_grad_scaler(self) -> bool:
         """fp16 gradients underflow without loss scaling; bf16 has fp32's exponent range."""
         return self.name == "fp16"
 
     def for_strategy(self, strategy: str) -> PrecisionPolicy:
-        if strategy not in STRATEGIES:
-            raise UnsupportedError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        return dataclasses.replace(self, strategy=strategy)
+        return dataclasses.replace(self, strategy=strategy)  # checked by __post_init__
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The forward's autocast context: none for fp32, and none under FSDP (it casts params)."""
@@ -190,6 +220,14 @@ def _policy(device: Device, name: str, reason: str) -> PrecisionPolicy:
         device_type=device.torch_device.type,
         reason=reason,
     )
+
+
+def _is_device_type(value: object) -> bool:
+    """Whether `value` is a device type torch knows ("cuda"; not "cuda:0", not "gpu")."""
+    try:
+        return isinstance(value, str) and torch.device(value).type == value
+    except RuntimeError:
+        return False
 
 
 def dtype_name(dtype: torch.dtype) -> str:

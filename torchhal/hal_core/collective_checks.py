@@ -41,7 +41,7 @@ def _not_differentiable(collective: Callable[_P, _R]) -> Callable[_P, _R]:
     return run
 
 
-def _integer(value: object) -> int | None:
+def as_integer(value: object) -> int | None:
     """`value` as an int where it is an integer (numpy's and one-element tensors too, through
     operator.index), else None. Bools are refused: they pass as 0 and 1 but are never meant as
     ranks or sizes."""

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.capabilities import DeviceCapabilities, DType
-from torchhal.hal_core.collective_checks import _REDUCE_OPS, _check_op, _integer, _not_differentiable
+from torchhal.hal_core.collective_checks import _REDUCE_OPS, _check_op, _not_differentiable, as_integer
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import (
     CollectiveError,
@@ -41,14 +41,14 @@ from torchhal.hal_core.errors import (
 )
 from torchhal.hal_core.islands import Island, Islands
 from torchhal.hal_core.process_groups import (
-    _check_create_arguments,
     _check_group_serves,
     _check_wrap_arguments,
     _group_timeout,
     _init_default_group,
     _resolve_device,
     _served_by,
-    _world,
+    check_create_arguments,
+    world_group,
 )
 
 if TYPE_CHECKING:
@@ -196,12 +196,13 @@ class Communicator:
         `init_method` nor `store` is given; `init_method="file://..."` and a `store` work too.
         With one (or with `group`), that group is wrapped after checking that its backend
         serves the device. `device` defaults to `hal.best_device()` (the device of index
-        LOCAL_RANK among that adapter's devices when LOCAL_RANK is set). `fused=False`
+        LOCAL_RANK among that adapter's devices when LOCAL_RANK is set, by `local_device`, the
+        rule `torchhal.distributed.init` follows too). `fused=False`
         composes all_gather, reduce_scatter, all_to_all and avg from simpler collectives.
         `timeout` is that of a group made here (default 300 s): a group that exists keeps the one
         it was made with, and a different one given for it is logged and counted.
         """
-        rank, world_size = _check_create_arguments(rank, world_size, timeout)
+        rank, world_size = check_create_arguments(rank, world_size, timeout)
         dev = _resolve_device(hal, device)
         backend = backend_for([dev])
         if group is None and not dist.is_initialized():
@@ -209,7 +210,7 @@ class Communicator:
             _init_default_group(dev, backend, rank, world_size, init_method, store, made_with)
             return cls(
                 hal,
-                _world(),
+                world_group(),
                 dev,
                 backend=backend,
                 timeout=made_with,
@@ -220,7 +221,7 @@ class Communicator:
         if not dist.is_initialized():
             raise ConfigurationError("group: given, but torch.distributed has no default process group")
         _check_wrap_arguments(rank, world_size, init_method, store, group)
-        pg = group if group is not None else _world()
+        pg = group if group is not None else world_group()
         if dist.get_rank(pg) < 0:
             raise ConfigurationError(
                 f"group: rank {dist.get_rank()} of the default group is not a member of the group given; "
@@ -572,7 +573,7 @@ class Communicator:
             child.destroy()
         self._children.clear()
         # the default group it made, not one made after that one was destroyed behind its back
-        takes_all = self._owns_default_group and dist.is_initialized() and _world() is self.group
+        takes_all = self._owns_default_group and dist.is_initialized() and world_group() is self.group
         if takes_all:  # destroy_process_group() destroys every group, and so every communicator
             for other in _LIVE:
                 other._destroyed = True
@@ -769,8 +770,8 @@ class Communicator:
             )
 
     def _check_rank(self, name: str, what: str, rank: object, *, peer: bool = False) -> int:
-        """`rank` as an int of this group (see `_integer` for the types taken)."""
-        value = _integer(rank)
+        """`rank` as an int of this group (see `as_integer` for the types taken)."""
+        value = as_integer(rank)
         if value is None:
             raise InvalidArgumentError(
                 f"{name}: {what} must be an integer rank, got {type(rank).__name__} {rank!r}"

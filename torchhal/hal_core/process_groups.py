@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.capabilities import DeviceRequirements
-from torchhal.hal_core.collective_checks import _integer
+from torchhal.hal_core.collective_checks import as_integer
 from torchhal.hal_core.device import Device
 from torchhal.hal_core.errors import CollectiveError, ConfigurationError
 
@@ -38,7 +38,7 @@ def _served_by(config: str, device_type: str) -> str | None:
     return backends.get(device_type, backends.get("*"))
 
 
-def _world() -> dist.ProcessGroup:
+def world_group() -> dist.ProcessGroup:
     group = dist.group.WORLD
     assert group is not None, "called only once the default process group exists"
     return group
@@ -99,11 +99,10 @@ def local_device(
 
 def checked_local_rank(value: object) -> int | None:
     """`value` (an argument, or LOCAL_RANK) as an int >= 0; None where not given."""
-    number = None if value is None else _integer(value)
+    number = None if value is None else as_integer(value)
     if value is not None and (number is None or number < 0):
         raise ConfigurationError(
-            f"local_rank must be an integer >= 0 (LOCAL_RANK as torchrun sets it), got "
-            f"{type(value).__name__} {value!r}"
+            f"local_rank must be >= 0, got {value!r} (an integer, not bool, as torchrun's LOCAL_RANK)"
         )
     return number
 
@@ -125,7 +124,7 @@ def env_int(name: str, *, default: int | None = None) -> int | None:
         raise ConfigurationError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def _check_create_arguments(
+def check_create_arguments(
     rank: object, world_size: object, timeout: object, what: str = "Communicator.create"
 ) -> tuple[int | None, int | None]:
     """Types and a positive timeout, before any group is made: world_size='2' was a TypeError
@@ -139,7 +138,7 @@ def _check_create_arguments(
 
 
 def _create_int(what: str, name: str, value: object) -> int | None:
-    number = None if value is None else _integer(value)
+    number = None if value is None else as_integer(value)
     if value is not None and number is None:
         raise ConfigurationError(f"{what}: {name} must be an int, got {type(value).__name__} {value!r}")
     return number
