@@ -7,8 +7,9 @@
 #                                           # tests (plugin with the review's fixes, real GPU, every
 #                                           # kernel file but attention's shape sweep, prepare) after
 #                                           # the autograd Function's forward/setup_context split
-#   bash benchmarks/gpu_session31.sh mesh   # two GPUs: the distributed GPU tests (a permuted Mesh
-#                                           # with FSDP2 over NCCL, checkpoints)
+#   bash benchmarks/gpu_session31.sh mesh   # two GPUs: the distributed and collective GPU tests (Mesh
+#                                           # from its own groups under FSDP2 over NCCL), then the new
+#                                           # mesh/host/device-rule tests on torch 2.11 (gloo)
 set -uo pipefail
 phase=${1:?final}
 source "$(dirname "$0")/gpu_setup.sh"
@@ -31,9 +32,14 @@ if [ "$phase" = final ]; then
 fi
 if [ "$phase" = mesh ]; then
   nvidia-smi topo -m > "$RAW/topo.txt" 2>&1
-  timeout 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/distributed/gpu 2>&1 \
+  timeout 360 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests/distributed/gpu tests/collectives 2>&1 \
     | tee "$RAW/distributed_gpu.log" | tail -8
   echo "distributed gpu tests rc=${PIPESTATUS[0]}"
+  # the new mesh, host and device rules on torch 2.11 (gloo, simulated devices: sort_ranks, from_group)
+  timeout 180 python3 -m pytest -q -p no:cacheprovider tests/distributed/test_mesh_groups.py \
+    tests/distributed/test_host_and_device_rules.py tests/distributed/test_policy_and_arguments.py 2>&1 \
+    | tee "$RAW/mesh_cpu_tests.log" | tail -4
+  echo "mesh cpu tests rc=${PIPESTATUS[0]}"
   pack; exit 0
 fi
 echo "unknown phase $phase" >&2; exit 2
