@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole test suite: set up with the dev tools, lint, type-check hal_core, run pytest (and the
+# The whole test suite: set up with the dev tools, lint, type-check torchhal, run pytest (and the
 # registry's tests once more with the Python guards).
 # Tests marked `gpu` skip (with the reason) where no NVIDIA GPU is present.
 set -euo pipefail

@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -16,6 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from torchhal.cli_ab import ab
 from torchhal.console import results_console
 from torchhal.hal_core.errors import TorchHALError
 from torchhal.hal_core.hal import HardwareAbstractionLayer
@@ -157,6 +159,7 @@ def profile(
 ) -> None:
     """Measure matmul TFLOP/s per dtype, copy bandwidth and launch latency (cached on disk)."""
     hal = HardwareAbstractionLayer()
+    started = time.time()
     with _stdout_for(as_json):
         dev = hal.best_device() if device is None else hal.device(device)  # "" is no device, not the best
         prof = hal.profile(dev, refresh=refresh)
@@ -164,7 +167,11 @@ def profile(
         typer.echo(prof.model_dump_json(indent=2))
         return
     kind = "simulated time" if prof.simulated else "measured"
-    title = Text(f"{dev.id}: {prof.device_name} ({kind}, fingerprint {prof.fingerprint})")
+    if prof.measured_at.timestamp() < started:  # measured before this command: read from the cache
+        when = prof.measured_at.isoformat(timespec="seconds")
+        cached = f"cached, measured {when}; --refresh to measure again"
+        kind = f"simulated time, {cached}" if prof.simulated else cached
+    title = Text(f"{dev.id}: {prof.device_name} ({kind}; fingerprint {prof.fingerprint})")
     table = _table(title, "measure", "through torchhal", "plain torch, same run")
     direct = prof.direct_matmul_tflops or {}
     for dtype, tflops in prof.matmul_tflops.items():
@@ -216,10 +223,15 @@ def conformance(
         exit_leaving_threads,
     )
 
-    limit = checked_time_limit(CHECK_TIME_LIMIT_S if time_limit is None else time_limit)  # before discovery
+    # before discovery, each named as the user wrote it
+    limit = checked_time_limit(CHECK_TIME_LIMIT_S if time_limit is None else time_limit, "--time-limit")
     discovery_limit = checked_time_limit(
-        CHECK_TIME_LIMIT_S if discovery_time_limit is None else discovery_time_limit
+        CHECK_TIME_LIMIT_S if discovery_time_limit is None else discovery_time_limit,
+        "--discovery-time-limit",
     )
+    # the kit needs torch: imported now, its seconds do not count against the plugins' discovery
+    import torch  # noqa: F401
+
     hal = HardwareAbstractionLayer()
     try:
         with _stdout_for(as_json):
@@ -247,14 +259,7 @@ def demo() -> None:
     run(console)
 
 
-def _register_ab() -> None:
-    """`torchhal ab SPEC`: an A/B experiment from a spec file (torchhal.evaluation)."""
-    from torchhal.evaluation.cli import ab
-
-    app.command(name="ab")(ab)
-
-
-_register_ab()
+app.command(name="ab")(ab)  # `torchhal ab SPEC`: an A/B experiment from a spec file (torchhal.evaluation)
 
 
 def main() -> None:

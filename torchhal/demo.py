@@ -9,6 +9,8 @@ markup: a reason naming "[/opt/rocm/lib]" crashed the demo with a MarkupError.
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 from rich.console import Console
 from rich.markup import escape
@@ -17,6 +19,8 @@ from rich.text import Text
 
 from torchhal.hal_core import Device, DeviceRequirements, DType, NoDeviceMatchesError
 from torchhal.hal_core.hal import HardwareAbstractionLayer
+
+CALLS = 5  # timed per op and device: a single call on a busy host varied 7x between runs
 
 
 def _demo_dtype(dev: Device) -> torch.dtype:
@@ -50,9 +54,10 @@ def run(console: Console) -> None:
     except NoDeviceMatchesError as exc:
         console.print(f"  {exc}", markup=False)
 
-    console.rule("4. Kernel selection and one call per device")
+    console.rule("4. Kernel selection and a few calls per device")
     table = Table()
-    for col in ("device", "op", "dtype", "chosen", "rejected", "time (ms)"):
+    timing = escape(f"time (ms): median of {CALLS} [min, max]")  # a header is markup
+    for col in ("device", "op", "dtype", "chosen", "rejected", timing):
         table.add_column(col)
     for dev in hal.devices():
         dtype = _demo_dtype(dev)
@@ -67,15 +72,18 @@ def run(console: Console) -> None:
         for op, (args, kwargs) in calls.items():
             sel = hal.kernels.select(op, dev, *args, **kwargs)
             timer = dev.timer()
+            times = []
             with hal.use(dev):
                 hal.kernels.call(op, dev, *args, **kwargs)  # warm-up
-                start = timer.mark()
-                hal.kernels.call(op, dev, *args, **kwargs)
-                elapsed = timer.elapsed_ms(start, timer.mark())
+                for _ in range(CALLS):
+                    start = timer.mark()
+                    hal.kernels.call(op, dev, *args, **kwargs)
+                    times.append(timer.elapsed_ms(start, timer.mark()))
             rejected = "; ".join(f"{r.candidate}: {r.reason.value}" for r in sel.rejected) or "-"
             suffix = " (simulated)" if dev.simulated else ""
             cells = (dev.id, op, str(dtype).removeprefix("torch."), sel.candidate.qualified_name, rejected)
-            table.add_row(*(Text(cell) for cell in cells), f"{elapsed:.3f}{suffix}")
+            spread = f"{statistics.median(times):.3f} [{min(times):.3f}, {max(times):.3f}]{suffix}"
+            table.add_row(*(Text(cell) for cell in cells), spread)
     console.print(table)
 
     from torchhal.evaluation.demo import demo_section  # section 5: A/B with statistics

@@ -10,6 +10,7 @@ import pytest
 from tests.core.adapters import fake_caps
 from torchhal.hal_core import (
     SCHEMA_VERSION,
+    ConfigurationError,
     DeviceCapabilities,
     DeviceRequirements,
     HealthReport,
@@ -66,7 +67,7 @@ def test_another_schema_version_is_refused_naming_field_supported_and_seen(model
 @pytest.mark.parametrize("value", [True, 1.5])
 def test_requirement_counts_are_counts_not_bools_or_fractions(value):
     """min_memory_bytes=True became 1 byte."""
-    with pytest.raises(pydantic.ValidationError, match="min_memory_bytes"):
+    with pytest.raises(ConfigurationError, match="min_memory_bytes"):
         DeviceRequirements(min_memory_bytes=value)
     assert DeviceRequirements(min_memory_bytes=16e9).min_memory_bytes == 16 * 10**9
 

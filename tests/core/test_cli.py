@@ -68,7 +68,7 @@ def test_profile_of_the_simulated_asic_is_labelled_and_cached(tmp_path):
         (
             ["conformance", "simasic", "--time-limit", "-1"],
             {},
-            "conformance: time_limit_s must be a finite number > 0, got -1.0",
+            "conformance: --time-limit must be a finite number > 0, got -1.0",
         ),
     ],
     ids=["unknown-device", "unknown-adapter", "malformed-setting", "time-limit"],

@@ -2,8 +2,9 @@
 
 Rank 0 trains on the CPU and rank 1 on a simulated ASIC when the HAL has one (the embedded
 default spec unless TORCHHAL_SIMASIC_SPEC says otherwise), as one heterogeneous job: the global
-batch is split by each device's measured matmul throughput and gradients are averaged across
-the two single-vendor islands. Without a simulated device both ranks use the CPU under DDP.
+batch is split by each device's matmul throughput (the CPU's measured, the simulated device's
+modelled) and gradients are averaged across the two single-vendor islands. Without a simulated
+device both ranks use the CPU under DDP.
 The workers are `examples/train_tiny_gpt.py`, started here with a FileStore rendezvous.
 """
 
@@ -70,10 +71,16 @@ def demo_section(
         console.print(f"  rank {r['context']['rank']} policy: {r['prepared']['precision']['reason']}")
     hetero = reports[0]["hetero"]
     if hetero is not None:
+        # a simulated device's rate is its model's, while its share of the work runs on this
+        # host: "measured" beside it read as a measured speedup
+        rates = ", ".join(
+            f"{r['context']['device']} {t:.4g} ({'modelled' if r['context']['simulated'] else 'measured'})"
+            for r, t in zip(reports, hetero["throughputs_tflops"], strict=True)
+        )
         console.print(
-            f"  batch split {hetero['batch_sizes']} from measured matmul TFLOP/s "
-            f"{[round(t, 4) for t in hetero['throughputs_tflops']]} (simulated devices report simulated "
-            f"time); islands {hetero['islands']}"
+            f"  batch split {hetero['batch_sizes']} from matmul TFLOP/s {rates}; a simulated device's "
+            f"figure is simulated time, and its work runs on this host's CPU; islands {hetero['islands']}",
+            markup=False,
         )
     return reports
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -21,6 +20,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from torchhal.cli_ab import ab
 from torchhal.console import results_console
 from torchhal.evaluation.compare import Verdict
 from torchhal.evaluation.experiment import ExperimentResult, run_experiment
@@ -38,6 +38,7 @@ EXIT_BAD_INPUT = 2
 EXIT_FAILED = 3
 
 app = typer.Typer(help="A/B experiments on the HAL.")
+app.command()(ab)  # its options live in torchhal.cli_ab: `torchhal --help` lists it without torch
 _COLORS = {
     Verdict.IMPROVED: "green",
     Verdict.REGRESSED: "red",
@@ -46,26 +47,16 @@ _COLORS = {
 }
 
 
-@app.command()
-def ab(
-    spec: Annotated[Path, typer.Argument(help="Experiment spec (.toml; .yaml with PyYAML).")],
-    gate: Annotated[
-        bool, typer.Option("--gate", help="Exit 1 on a significant regression beyond the noise threshold.")
-    ] = False,
-    gate_metric: Annotated[
-        list[str] | None, typer.Option("--gate-metric", help="Gate on these metrics only (repeatable).")
-    ] = None,
-    out: Annotated[
-        Path | None, typer.Option(help="Output directory; default ab-results/<spec name>.")
-    ] = None,
-    plots: Annotated[
-        bool | None, typer.Option("--plots/--no-plots", help="PNG plots (needs the 'plots' extra).")
-    ] = None,
-    fresh: Annotated[
-        bool, typer.Option("--fresh", help="Discard stored samples instead of resuming.")
-    ] = False,
+def run(
+    spec: Path,
+    *,
+    gate: bool,
+    gate_metric: list[str] | None,
+    out: Path | None,
+    plots: bool | None,
+    fresh: bool,
 ) -> None:
-    """Run the experiment in SPEC; write result.json, report.md and plots to OUT."""
+    """`torchhal ab`'s work, with the options of `torchhal.cli_ab.ab`."""
     console = Console(stderr=True)  # progress, notes and errors; results go to stdout (`> file`)
     results = results_console()
     unknown = sorted(set(gate_metric or ()) - set(METRICS))
@@ -134,9 +125,9 @@ def ab(
     if plots or (plots is None and plots_available()):
         written += write_plots(result, out_dir)
     elif plots is None:
-        console.print("note: no plots: matplotlib is not installed (pip install 'torchhal[plots]')")
+        console.print(escape("note: no plots: matplotlib is not installed (pip install 'torchhal[plots]')"))
     print_result(results, result)
-    results.print("wrote " + ", ".join(str(p) for p in written))
+    results.print(escape("wrote " + ", ".join(str(p) for p in written)))  # paths, not markup: out[plots]
     if gate:
         regressions = result.regressions(gate_metric or None)
         if regressions:
@@ -166,6 +157,7 @@ def print_result(console: Console, result: ExperimentResult) -> None:
         "variant",
         "median (variant / baseline)",
         "change [CI]",
+        "threshold",  # what "equivalent" and "beyond" are judged against
         "p beyond thr. (corr.)",
         "verdict",
     ):
@@ -181,6 +173,7 @@ def print_result(console: Console, result: ExperimentResult) -> None:
             escape(c.variant),
             f"{c.median_variant:.4g} / {c.median_baseline:.4g} {c.unit}",
             change,
+            c.threshold_spec,
             "-" if math.isnan(c.p_corrected) else f"{c.p_corrected:.3g}",  # NaN: no threshold to test
             f"[{color}]{c.verdict.value}[/]",
         )

@@ -37,7 +37,7 @@ def _kernel_candidates(console: Console, hal: HardwareAbstractionLayer) -> None:
     try:
         dev = hal.best_device(DeviceRequirements(allow_simulated=False))
     except NoDeviceMatchesError as exc:
-        console.print(f"  no real device for the kernel A/B: {exc}")
+        console.print(f"  no real device for the kernel A/B: {exc}", markup=False)
         return
     inputs = Inputs.generate(
         lambda i: (dev.to_device(torch.randn(256, 1024)), dev.to_device(torch.randn(1024))), INPUT_SETS

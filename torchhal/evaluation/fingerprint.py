@@ -203,11 +203,18 @@ def git_state(cwd: str | None = None) -> dict[str, Any]:
     try:
         commit = _git(["rev-parse", "HEAD"], cwd)
         dirty = bool(_git(["status", "--porcelain", "--untracked-files=no"], cwd))
-    except (OSError, subprocess.SubprocessError) as exc:
+    except subprocess.CalledProcessError as exc:  # git ran and refused: the report said it raw
+        said = (exc.stderr or "").strip().splitlines()
+        if said and "not a git repository" in said[0]:
+            reason = f"{'working directory' if cwd is None else cwd} is not in a git repository"
+        else:  # a repository without commits, say; git's message may be in the user's language
+            reason = f"{' '.join(exc.cmd)} exited with {exc.returncode}: {said[0] if said else 'no message'}"
+    except (OSError, subprocess.SubprocessError) as exc:  # no git, or one that did not answer
         reason = f"{type(exc).__name__}: {str(exc).strip() or 'git failed'}"
-        log.info("no git state for the fingerprint", reason=reason)
-        return {"commit": None, "dirty": None, "reason": reason}
-    return {"commit": commit, "dirty": dirty}
+    else:
+        return {"commit": commit, "dirty": dirty}
+    log.info("no git state for the fingerprint", reason=reason)
+    return {"commit": None, "dirty": None, "reason": reason}
 
 
 def _git(args: list[str], cwd: str | None) -> str:

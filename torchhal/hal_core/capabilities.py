@@ -13,9 +13,17 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
-from torchhal.hal_core.errors import InvalidArgumentError
+from torchhal.hal_core.errors import ConfigurationError, InvalidArgumentError
 
 if TYPE_CHECKING:
     import torch
@@ -430,6 +438,36 @@ class DeviceRequirements(_Frozen):
     min_compute_units: int = Field(default=0, ge=0)
     collective_backend: str | None = None
     allow_simulated: bool = True
+
+    if not TYPE_CHECKING:  # type checkers keep the signature the fields give
+
+        def __init__(self, **data: Any) -> None:
+            """A refusal is a ConfigurationError, as every deliberate torchhal error: pydantic's
+            ValidationError escaped (`dtypes={"bf17"}`), ending with a URL."""
+            try:
+                super().__init__(**data)
+            except ValidationError as exc:
+                raise ConfigurationError.from_validation(
+                    "invalid DeviceRequirements", exc, lambda err: f"{err['loc'][0]}={err['input']!r}"
+                ) from None
+
+    def __str__(self) -> str:
+        """The requirements in words, as NoDeviceMatchesError states them (the repr spelt out
+        every default and enum member)."""
+        parts = [
+            f"{name} {value}"
+            for name in ("device_type", "vendor", "adapter", "collective_backend")
+            if (value := getattr(self, name)) is not None
+        ]
+        for name, members in (("dtypes", self.dtypes), ("features", self.features)):
+            if members:
+                parts.append(f"{name} {', '.join(sorted(m.value for m in members))}")
+        if self.min_memory_bytes:
+            parts.append(f"at least {self.min_memory_bytes} bytes of memory")
+        if self.min_compute_units:
+            parts.append(f"at least {self.min_compute_units} compute units")
+        parts.append("simulated allowed" if self.allow_simulated else "no simulated device")
+        return "; ".join(parts)
 
     @field_validator("dtypes", mode="before")
     @classmethod

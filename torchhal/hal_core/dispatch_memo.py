@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import operator
-import os
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
@@ -135,11 +134,13 @@ SPEEDUPS_GUARD_API = 1  # torchhal_speedups.GUARD_API this torchhal's memo calls
 def _guard_type() -> Any:
     """The guard type, bound on first use with the loop over guards (`_first_admitted`): the C ones
     of the optional torchhal_speedups distribution where it imports, unless
-    TORCHHAL_PURE_PYTHON_GUARDS is set (to compare, or to test both); else the reference ones
+    TORCHHAL_PURE_PYTHON_GUARDS is on (to compare, or to test both); else the reference ones
     above, which is logged once."""
     global _GUARD
+    from torchhal.hal_core.settings import env_bool  # settings imports the registry, which imports this
+
     speedups: Any = None
-    if os.environ.get(PURE_PYTHON_GUARDS, "0") in ("", "0"):
+    if not env_bool(PURE_PYTHON_GUARDS):
         try:
             speedups = importlib.import_module("torchhal_speedups")
         except ImportError as exc:
@@ -244,7 +245,7 @@ _GUARDED_TENSORS: frozenset[type] = frozenset()  # torch.Tensor and nn.Parameter
 RECENT_LAYOUTS = 4  # layouts per op checked by guard before the arguments are keyed
 _TENSOR: type[torch.Tensor] | None = None  # torch.Tensor, bound on first dispatch (hal_core imports no torch)
 _TENSOR_GUARDS: Any = None  # torch's TensorGuards, bound on first use; False where torch has none
-PURE_PYTHON_GUARDS = "TORCHHAL_PURE_PYTHON_GUARDS"  # set (not 0): guards in Python, even with the C ones
+PURE_PYTHON_GUARDS = "TORCHHAL_PURE_PYTHON_GUARDS"  # a bool, on: guards in Python, even with the C ones
 _GUARD: Any = None  # the guard type (_Guard, or torchhal_speedups.Guard), bound on first use
 # Called by `_guard_type` with the loop over an op's recent guards that goes with the guard type
 # (the registry's, in kernels.py, keeps it as a global of its own module: a

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+    from pydantic_core import ErrorDetails
+
+# what pydantic reads as a bool, said where a value was not one
+BOOL_WORDS = " (on: 1, true, yes, on; off: 0, false, no, off)"
 
 
 class TorchHALError(Exception):
@@ -12,22 +20,47 @@ class TorchHALError(Exception):
 class ConfigurationError(TorchHALError, ValueError):
     """A setting (environment variable, argument, spec file) has an invalid value."""
 
+    @classmethod
+    def from_validation(
+        cls, what: str, exc: ValidationError, seen: Callable[[ErrorDetails], str]
+    ) -> ConfigurationError:
+        """pydantic's refusal as one line: `seen(error)` names the field and the value, pydantic's
+        message what it must be (its own text spreads over lines and ends with a URL)."""
+        problems = "; ".join(
+            f"{seen(err)}: {err['msg'].removeprefix('Value error, ')}"
+            + (BOOL_WORDS if err["type"] == "bool_parsing" else "")
+            for err in exc.errors()
+        )
+        return cls(f"{what}: {problems}")
+
+
+def _plugin_failure(plugin: str, stage: str, reason: str) -> str:
+    return f"plugin {plugin!r} failed at {stage}: {reason}"
+
 
 class PluginError(TorchHALError):
     """A plugin could not be used. Raised only in strict mode; otherwise recorded in diagnostics."""
 
     def __init__(self, plugin: str, stage: str, reason: str) -> None:
         self.plugin, self.stage, self.reason = plugin, stage, reason
-        super().__init__(f"plugin {plugin!r} failed at {stage}: {reason}")
+        super().__init__(_plugin_failure(plugin, stage, reason))
 
 
 class DeviceNotFoundError(TorchHALError, LookupError):
-    """A device id that no adapter discovered."""
+    """A device id that no adapter discovered. `failed_plugins` (plugin, stage, reason) are named
+    in the message: a plugin that failed (a bad setting of its own) is why its devices are missing."""
 
-    def __init__(self, requested: str, available: Iterable[str]) -> None:
+    def __init__(
+        self, requested: str, available: Iterable[str], failed_plugins: Iterable[tuple[str, str, str]] = ()
+    ) -> None:
         self.requested, self.available = requested, tuple(available)
+        self.failed_plugins = tuple(failed_plugins)
         listing = ", ".join(self.available) or "none"
-        super().__init__(f"no device {requested!r}; devices found: {listing}")
+        message = f"no device {requested!r}; devices found: {listing}"
+        if self.failed_plugins:
+            failures = "; ".join(_plugin_failure(*failed) for failed in self.failed_plugins)
+            message += f"; a failed plugin's devices are missing: {failures}"
+        super().__init__(message)
 
 
 class NoDeviceMatchesError(TorchHALError, LookupError):
@@ -37,7 +70,10 @@ class NoDeviceMatchesError(TorchHALError, LookupError):
         self.requirements = requirements
         self.failures = {dev: tuple(reasons) for dev, reasons in failures.items()}
         lines = [f"  {dev}: {'; '.join(reasons)}" for dev, reasons in self.failures.items()]
-        super().__init__(f"no device meets {requirements}:\n" + ("\n".join(lines) or "  (no devices found)"))
+        super().__init__(
+            f"no device meets the requirements ({requirements}):\n"
+            + ("\n".join(lines) or "  (no devices found)")
+        )
 
 
 class InvalidArgumentError(TorchHALError, ValueError):

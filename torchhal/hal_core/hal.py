@@ -29,7 +29,7 @@ from torchhal.hal_core.errors import (
     UnsupportedError,
 )
 from torchhal.hal_core.kernels import REFERENCE, KernelRegistry, Locate
-from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader
+from torchhal.hal_core.plugins import ActiveAdapter, Diagnostic, PluginLoader, Status
 from torchhal.hal_core.settings import Settings
 from torchhal.hal_core.tuning import Tuner, code_versions
 
@@ -118,6 +118,11 @@ class _Discovered:
             # namespace of their own (a simulated ASIC in host memory) are reached through `use()`.
             if dev.adapter.namespace is None:
                 self.by_torch.setdefault(dev.torch_device, dev)
+
+    def not_found(self, requested: str) -> DeviceNotFoundError:
+        """The error for a device id none of these devices has, naming the plugins that failed."""
+        failed = [(d.name, d.stage, d.reason) for d in self.diagnostics if d.status is Status.FAILED]
+        return DeviceNotFoundError(requested, self.by_id, failed)
 
 
 class HardwareAbstractionLayer:
@@ -237,7 +242,7 @@ class HardwareAbstractionLayer:
         if loaded is not None and isinstance(device_id, loaded.device):
             if not any(t.type == device_id.type for t in state.by_torch):
                 # before asking torch for a current device, which a build without it refuses raw
-                raise DeviceNotFoundError(str(device_id), state.by_id)
+                raise state.not_found(str(device_id))
             return self._native_device(_indexed(loaded, device_id))
         if isinstance(device_id, Device):
             if state.by_id.get(device_id.id) is not device_id:
@@ -256,7 +261,7 @@ class HardwareAbstractionLayer:
         if dev is None and key == "cpu:0":
             dev = state.by_id.get("cpu")
         if dev is None:
-            raise DeviceNotFoundError(device_id, state.by_id)
+            raise state.not_found(device_id)
         return dev
 
     def device_for_tensor(self, tensor: torch.Tensor) -> Device:
@@ -272,7 +277,7 @@ class HardwareAbstractionLayer:
         state = self._state or self._discovered()
         dev = state.by_torch.get(tdev)
         if dev is None:
-            raise DeviceNotFoundError(str(tdev), state.by_id)
+            raise state.not_found(str(tdev))
         return dev
 
     def dispatch(self, op: str, *args: Any) -> Any:

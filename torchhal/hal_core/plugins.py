@@ -95,7 +95,7 @@ class PluginLoader:
             trace.get_current_span().add_event("torchhal.plugin.failed", attributes)
         if diag.status is Status.FAILED:
             telemetry.count("torchhal.plugin.failures", plugin=diag.name, stage=diag.stage)
-            log.warning("plugin skipped", plugin=diag.name, stage=diag.stage, reason=diag.reason)
+            log.warning("plugin failed", plugin=diag.name, stage=diag.stage, reason=diag.reason)
             if self.settings.strict_plugins:
                 raise PluginError(diag.name, diag.stage, diag.reason)
         else:
@@ -110,7 +110,7 @@ class PluginLoader:
             importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
             key=lambda e: (e.name, _dist(e) != CORE_DISTRIBUTION, _dist(e) or ""),
         )
-        self._check_allowlist({ep.name for ep in eps})
+        self._check_allowlist({ep.name for ep in eps if _dist(ep) != CORE_DISTRIBUTION})
         loading: dict[str, str | None] = {}  # entry-point name -> distribution of the one loaded
         for ep in eps:
             dist = _dist(ep)
@@ -157,16 +157,19 @@ class PluginLoader:
                     continue
                 self.register(module, ep.name, dist, span)
 
-    def _check_allowlist(self, installed: set[str]) -> None:
+    def _check_allowlist(self, plugins: set[str]) -> None:
         """A name in TORCHHAL_PLUGINS that no installed plugin has (a typo, 'SimASIC') would leave
-        the plugin it meant unloaded without a word: each is recorded as a failure. The built-in
-        CPU adapter's name is not one: it is always there, and `cpu` alone allows no plugin."""
+        the plugin it meant unloaded without a word: each is recorded as a failure. Accepted: the
+        plugins of other distributions, which the allowlist governs, and the built-in CPU
+        adapter's name (`cpu` alone allows no plugin). The core's own entry points (the built-in
+        kernels) always load, so naming one allows nothing and is refused as a typo is."""
         allow = self.settings.plugins
         if allow is None or self.settings.disable_plugin_autoload:
             return
+        accepted = plugins | {CPUAdapter.name}
         for name in allow:
-            if name not in installed and name != CPUAdapter.name:
-                reason = f"TORCHHAL_PLUGINS names {name!r}; installed plugins: {', '.join(sorted(installed))}"
+            if name not in accepted:
+                reason = f"TORCHHAL_PLUGINS names {name!r}; it accepts: {', '.join(sorted(accepted))}"
                 self.record(Diagnostic(name, Status.FAILED, "allowlist", reason))
 
     def register(

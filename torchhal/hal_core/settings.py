@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from torchhal.hal_core import telemetry
 from torchhal.hal_core.errors import ConfigurationError
@@ -27,9 +27,6 @@ log = telemetry.get_logger("torchhal.settings")
 _warned_typos: set[str] = set()
 _warned_no_home = False
 _temp_dir: Path | None = None  # the cache directory without a home, once chosen
-
-
-_BOOL_WORDS = " (on: 1, true, yes, on; off: 0, false, no, off)"  # what pydantic reads as a bool
 
 
 def _default_cache_dir() -> Path:
@@ -169,12 +166,26 @@ class Settings(BaseModel):
         try:
             return cls.model_validate(values)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{PREFIX}{str(err['loc'][0]).upper()}={values.get(str(err['loc'][0]))!r}: {err['msg']}"
-                + (_BOOL_WORDS if err["type"] == "bool_parsing" else "")
-                for err in exc.errors()
-            )
-            raise ConfigurationError(f"invalid torchhal setting: {problems}") from None
+            raise ConfigurationError.from_validation(
+                "invalid torchhal setting",
+                exc,
+                lambda err: f"{PREFIX}{str(err['loc'][0]).upper()}={values.get(str(err['loc'][0]))!r}",
+            ) from None
+
+
+def env_bool(name: str) -> bool:
+    """A boolean TORCHHAL_ variable read outside Settings (a per-process switch), read as the
+    settings' booleans are: blank is unset (False), and a value pydantic does not read as a bool
+    is refused naming the variable ("false" turned TORCHHAL_PURE_PYTHON_GUARDS on)."""
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return False
+    try:
+        return TypeAdapter(bool).validate_python(value)
+    except ValidationError as exc:
+        raise ConfigurationError.from_validation(
+            "invalid torchhal setting", exc, lambda err: f"{name}={value!r}"
+        ) from None
 
 
 def _warn_misspelt(env: Mapping[str, str]) -> None:

@@ -312,12 +312,11 @@ class ConformanceSuite:
         return report
 
 
-def checked_time_limit(time_limit_s: float) -> float:
-    """`time_limit_s` when it is a finite number > 0; InvalidArgumentError naming it otherwise."""
+def checked_time_limit(time_limit_s: float, name: str = "time_limit_s") -> float:
+    """`time_limit_s` when it is a finite number > 0; InvalidArgumentError otherwise, naming it
+    as the caller's user wrote it (`name`: the CLI's option, not this parameter)."""
     if not is_finite_number(time_limit_s) or time_limit_s <= 0:
-        raise InvalidArgumentError(
-            f"conformance: time_limit_s must be a finite number > 0, got {time_limit_s!r}"
-        )
+        raise InvalidArgumentError(f"conformance: {name} must be a finite number > 0, got {time_limit_s!r}")
     return time_limit_s
 
 

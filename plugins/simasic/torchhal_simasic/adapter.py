@@ -95,7 +95,8 @@ class SimASICAdapter(VendorAdapter):
         spec = self.spec
         return ProbeResult(
             available=True,
-            reason=f"simulated ASIC spec {spec.name!r}, {spec.devices} device(s): time and memory modelled",
+            # the count is the loader's to say ("1 device(s); ..."): it was said twice
+            reason=f"simulated ASIC spec {spec.name!r}: time and memory modelled",
             runtime_version=__version__,
         )
 
