@@ -15,38 +15,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from tests.evaluation.test_cli import KERNELS
 from torchhal.cli import app
 
 runner = CliRunner()
-
-KERNELS = """
-[experiment]
-name = "rms_norm candidates"
-baseline = "reference"
-reference = "reference"
-metrics = ["latency", "quality"]
-repetitions = 6
-warmup = 1
-n_resamples = 500
-
-[thresholds]
-quality = { absolute = 1e-5 }
-
-[workload]
-op = "rms_norm"
-device = "cpu"
-args = [[64, 256], { shape = [256], distribution = "uniform" }]
-input_sets = 4
-items_per_call = 64
-
-[[variants]]
-name = "aten"
-kernel = "torchhal/aten"
-
-[[variants]]
-name = "reference"
-kernel = "torchhal/reference"
-"""
 
 
 @pytest.fixture(autouse=True)
