@@ -52,3 +52,21 @@ def test_flags_are_read_where_this_torch_has_them_and_legacy_ones_only_before_2_
         "cudnn.benchmark": torch.backends.cudnn.benchmark,
         "cuda.matmul.fp32_precision": torch.backends.cuda.matmul.fp32_precision,
     }
+
+
+def test_the_block_puts_the_legacy_level_back_too(restored_precisions):
+    """The legacy setter also moves torch's legacy level, which Inductor reads (flex attention's
+    precision): restoring only the per-backend flags left "high" behind after a TF32 block."""
+    torch.set_float32_matmul_precision("highest")
+    with torch_flags.float32_matmul_precision("high"):
+        assert torch.get_float32_matmul_precision() == "high"
+        assert [m.fp32_precision for m in MATMULS] == ["tf32", "tf32"]
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert [m.fp32_precision for m in MATMULS] == ["ieee", "ieee"]
+
+
+def test_an_unknown_level_is_refused_naming_it():
+    with pytest.raises(ValueError, match=r"level must be one of \['high', 'highest'\], got 'medium'"):
+        with torch_flags.float32_matmul_precision("medium"):
+            pass

@@ -110,7 +110,8 @@ class PluginLoader:
             importlib.metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP),
             key=lambda e: (e.name, _dist(e) != CORE_DISTRIBUTION, _dist(e) or ""),
         )
-        self._check_allowlist({ep.name for ep in eps if _dist(ep) != CORE_DISTRIBUTION})
+        core = {ep.name for ep in eps if _dist(ep) == CORE_DISTRIBUTION}
+        self._check_allowlist({ep.name for ep in eps} - core, core)
         loading: dict[str, str | None] = {}  # entry-point name -> distribution of the one loaded
         for ep in eps:
             dist = _dist(ep)
@@ -157,18 +158,20 @@ class PluginLoader:
                     continue
                 self.register(module, ep.name, dist, span)
 
-    def _check_allowlist(self, plugins: set[str]) -> None:
+    def _check_allowlist(self, plugins: set[str], core: set[str]) -> None:
         """A name in TORCHHAL_PLUGINS that no installed plugin has (a typo, 'SimASIC') would leave
-        the plugin it meant unloaded without a word: each is recorded as a failure. Accepted: the
-        plugins of other distributions, which the allowlist governs, and the built-in CPU
-        adapter's name (`cpu` alone allows no plugin). The core's own entry points (the built-in
-        kernels) always load, so naming one allows nothing and is refused as a typo is."""
+        the plugin it meant unloaded without a word: each is recorded as a failure, the message
+        listing the plugins of other distributions, which the allowlist governs, and the built-in
+        CPU adapter's name (`cpu` alone allows no plugin). The core's own entry points (the
+        built-in kernels) load whatever it says: naming one is accepted, and said to change nothing."""
         allow = self.settings.plugins
         if allow is None or self.settings.disable_plugin_autoload:
             return
         accepted = plugins | {CPUAdapter.name}
         for name in allow:
-            if name not in accepted:
+            if name in core:
+                log.info("TORCHHAL_PLUGINS names a part of torchhal itself, which always loads", plugin=name)
+            elif name not in accepted:
                 reason = f"TORCHHAL_PLUGINS names {name!r}; it accepts: {', '.join(sorted(accepted))}"
                 self.record(Diagnostic(name, Status.FAILED, "allowlist", reason))
 

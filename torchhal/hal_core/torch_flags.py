@@ -85,13 +85,26 @@ def general_settings() -> dict[str, Any]:
     return settings
 
 
+# what `torch.set_float32_matmul_precision(level)` sets each backend's matmul precision to
+_PER_BACKEND_LEVEL = {"highest": "ieee", "high": "tf32"}
+
+
 @contextlib.contextmanager
 def float32_matmul_precision(level: str) -> Iterator[None]:
-    """`torch.set_float32_matmul_precision(level)` for the block, then every flag it set as it
-    was. From torch 2.9 that call sets each backend's matmul precision; those are saved and put
-    back one by one, as the legacy getter raises in a process that used the per-backend API."""
+    """fp32 matmul at `level` ("highest" or "high": TF32) for the block, then torch as it was.
+
+    From torch 2.9 torch keeps the legacy level and each backend's matmul precision apart, and
+    the legacy getter raises once they disagree (a process that used the per-backend API). Where
+    the legacy level reads, the block sets it as `torch.set_float32_matmul_precision` does, then
+    puts it back and each backend's precision after it (the legacy setter also sets those; a
+    legacy level left behind moved what Inductor compiles). Where it raises, the process speaks
+    the per-backend API, and the block sets and restores only that."""
     import torch
 
+    if level not in _PER_BACKEND_LEVEL:
+        raise ValueError(
+            f"float32_matmul_precision: level must be one of {sorted(_PER_BACKEND_LEVEL)}, got {level!r}"
+        )
     if not per_backend_precision():
         before = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision(level)
@@ -106,9 +119,19 @@ def float32_matmul_precision(level: str) -> Iterator[None]:
         if hasattr(getattr(module, "matmul", None), "fp32_precision")
     ]
     saved = [(owner, owner.fp32_precision) for owner in owners]
-    torch.set_float32_matmul_precision(level)
+    try:
+        legacy: str | None = torch.get_float32_matmul_precision()
+    except RuntimeError:  # the legacy and per-backend settings disagree: the per-backend API is in use
+        legacy = None
+    if legacy is None:
+        for owner in owners:
+            owner.fp32_precision = _PER_BACKEND_LEVEL[level]
+    else:
+        torch.set_float32_matmul_precision(level)
     try:
         yield
     finally:
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy)
         for owner, value in saved:
             owner.fp32_precision = value
