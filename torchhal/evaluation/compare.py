@@ -8,8 +8,9 @@ Per comparison (all statistics from `torchhal.evaluation.stats`):
   comparisons (Holm by default). A change merely different from 0 is reported too
   (`p_value`, two-sided Mann–Whitney), but never makes a verdict on its own;
 * effect: the Hodges–Lehmann shift A − B with its distribution-free interval, the relative
-  change shift / |median B|, and for positive metrics the ratio of medians A/B with a
-  bootstrap interval (BCa, or percentile where BCa is undefined: the method is recorded);
+  change shift / |median B|, and for positive metrics the ratio of medians A/B with a BCa
+  bootstrap interval (`ratio_method` "bca"; "exact" for constant samples). BCa is defined for
+  every such pair of samples (`bootstrap_ratio_of_medians` says why), so no fallback is needed;
 * equivalence: TOST (two one-sided Welch tests) against ± the threshold;
 * achieved power: the probability that this design (sample sizes, observed spreads, alpha)
   shows a true change of twice the threshold to lie beyond the threshold (Welch's noncentral
@@ -84,7 +85,7 @@ class Comparison:
     relative_change: float | None  # shift / |median_baseline|; None when that median is 0
     ratio: float | None  # median_variant / median_baseline, positive metrics only
     ratio_interval: tuple[float, float] | None
-    ratio_method: str | None  # "bca" or "percentile"
+    ratio_method: str | None  # "bca", or "exact" for constant samples
     threshold: float  # absolute, in `unit`
     threshold_spec: str
     confidence: float
@@ -153,10 +154,7 @@ def compare(
     ratio = ratio_interval = ratio_method = None
     if metric.positive:
         boot = bootstrap_ratio_of_medians(a, b, confidence=1.0 - alpha, n_resamples=n_resamples, seed=seed)
-        ratio = boot.ratio
-        ratio_interval, ratio_method = (
-            (boot.bca, "bca") if boot.bca is not None else (boot.percentile, "percentile")
-        )
+        ratio, ratio_interval, ratio_method = boot.ratio, boot.bca, "bca"
     p_beyond = _beyond_threshold(a, b, hl.shift, thr)
     sd_a, sd_b = float(a.std(ddof=1)), float(b.std(ddof=1))
     equivalence_p = power = None

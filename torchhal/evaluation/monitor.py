@@ -3,7 +3,10 @@
 For traffic split between a control and a candidate (an inference router sending a share of
 requests to a new device, kernel or model), `LiveMonitor` keeps an always-valid confidence
 sequence for mean(candidate) − mean(control) (`stats.SequentialTest`, an mSPRT), so reading
-it after every observation does not inflate the false-positive rate. `status()` says:
+it after every observation does not inflate the false-positive rate. Its normal approximation
+needs more values in the smaller arm when the weights are unequal, the more so the more skewed
+the metric (latencies, error rates): the test waits for them and the reason says so
+(`stats.sequential.SKEWNESS_LIMIT` gives what that costs). `status()` says:
 
 * roll-back: the candidate is significantly worse (always-valid p <= alpha) and its estimated
   regression exceeds the noise threshold; or the observed split departs from the designed one
@@ -93,6 +96,11 @@ class LiveMonitor:
     ) -> None:
         if control == candidate:
             raise InvalidArgumentError(f"control and candidate must differ, both are {control!r}")
+        if not isinstance(threshold, Threshold):  # a bare 0.05 failed at the first status()
+            raise InvalidArgumentError(
+                f"threshold must be a Threshold (Threshold(relative=x) or Threshold(absolute=x)), "
+                f"got {threshold!r} ({type(threshold).__name__})"
+            )
         if len(weights) != 2:
             raise InvalidArgumentError(f"weights: one per arm (control, candidate), got {list(weights)}")
         # checked here, not at the first request or look: both arms must get traffic to be compared
@@ -104,10 +112,16 @@ class LiveMonitor:
         self._test = SequentialTest(
             higher_is_better=higher_is_better, alpha=alpha, tuning_n=tuning_n, min_samples=min_samples
         )
-        if max_samples is not None and max_samples < 2 * min_samples:
-            raise InvalidArgumentError(
-                f"max_samples must be at least 2 × min_samples = {2 * min_samples}, got {max_samples}"
-            )
+        if max_samples is not None:  # NaN compared false with every count: it never stopped
+            if isinstance(max_samples, bool) or not isinstance(max_samples, (int, np.integer)):
+                raise InvalidArgumentError(
+                    f"max_samples must be an integer (a count of observations) or None, got {max_samples!r}"
+                )
+            if max_samples < 2 * min_samples:
+                raise InvalidArgumentError(
+                    f"max_samples must be at least 2 × min_samples = {2 * min_samples}, got {max_samples}"
+                )
+            max_samples = int(max_samples)
         self.control, self.candidate = control, candidate
         self.threshold = threshold
         self.weights = tuple(float(w) for w in weights)

@@ -76,7 +76,7 @@ def assign(unit_id: str, variants: Sequence[V], weights: Sequence[float] | None 
         raise InvalidArgumentError("assign needs at least one variant, got none")
     if len(set(variants)) != len(variants):
         raise InvalidArgumentError(f"variants must be distinct, got {variants!r}")
-    w = np.ones(len(variants)) if weights is None else np.asarray(weights, dtype=np.float64)
+    w = np.ones(len(variants)) if weights is None else _checks.numbers(weights, "weights")
     if w.shape != (len(variants),):
         raise InvalidArgumentError(
             f"weights must give one number per variant ({len(variants)}), got {w.shape}"

@@ -49,6 +49,13 @@ def bootstrap_ratio_of_medians(
     counts resamples equal to the estimate as half below (scipy counts them above), since
     resampled medians tie with the estimate often. The same `seed` (an integer >= 0) gives the
     same intervals, whatever the chunks the resamples are drawn in.
+
+    BCa's transform of the levels is monotone while 1 − a·(z0 + z) > 0. Unpaired it always is:
+    a leave-one-out median takes at most three values, in counts k, 1, k, so each sample's
+    jackknife skew, and with it |a|, is largest at n = 3, where |a| = 1/(6√6) ≈ 0.068; and
+    |z0| <= 5.33 (half a resample in 10^7), |z| <= 8.3 (any confidence below 1 as a float), so
+    a·(z0 + z) < 0.93. Paired samples can break it at confidences within ~1e-12 of 1, which
+    raise rather than return a folded interval (one gave the largest resample as both ends).
     """
     a = _checks.positive_sample(a, "a", min_size=2)
     b = _checks.positive_sample(b, "b", min_size=2)
@@ -74,7 +81,14 @@ def bootstrap_ratio_of_medians(
     levels = []
     for z in (norm_ppf(tail), norm_ppf(1.0 - tail)):
         shifted = z0 + z
-        levels.append(norm_cdf(z0 + shifted / (1.0 - accel * shifted)))
+        transform = 1.0 - accel * shifted
+        if transform <= 0.0:
+            raise InvalidArgumentError(
+                f"BCa is undefined at confidence {confidence!r} for these samples: its transform "
+                f"1 − a·(z0 + z) = {transform:.3g} <= 0 (acceleration a = {accel:.3g}, bias "
+                f"correction z0 = {z0:.3g}, z = {z:.3g}); lower the confidence"
+            )
+        levels.append(norm_cdf(z0 + shifted / transform))
     bca = tuple(float(v) for v in np.quantile(ratios, levels))
     return BootstrapRatioResult(
         ratio,

@@ -66,17 +66,32 @@ class TostResult:
 
 
 def _welch_parts(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float]:
-    """(mean(a) − mean(b), its standard error, Welch–Satterthwaite df)."""
+    """(mean(a) − mean(b), its standard error, Welch–Satterthwaite df).
+
+    Computed on both samples divided by a power of two near their largest magnitude (exact), so
+    the squares neither underflow (values ~1e-300: variances of 0, and ZeroDivisionError) nor
+    overflow (~1e300: a df of NaN); the df is taken from the variances' shares, free of squares.
+    """
     # constant up to rounding, not exactly: 10 copies of 43.1 have a variance of ~1e-29, which
     # gave t = −4e13 against 10 copies of 43.2, and TOST called two constant samples equivalent
     if _checks.constant(a) and _checks.constant(b):
         raise InvalidArgumentError(
             f"Welch's t needs variance in at least one sample; both samples are constant "
-            f"(a = {a[0]!r} × {a.size}, b = {b[0]!r} × {b.size})"
+            f"(a = {float(a[0])!r} × {a.size}, b = {float(b[0])!r} × {b.size})"
         )
-    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
-    df = (va + vb) ** 2 / (va**2 / (a.size - 1) + vb**2 / (b.size - 1))
-    return float(a.mean() - b.mean()), math.sqrt(va + vb), float(df)
+    largest = float(max(np.abs(a).max(), np.abs(b).max()))
+    scale = math.ldexp(1.0, math.frexp(largest)[1] - 1)  # values within ±2: 2^1024 would overflow
+    va, vb = (a / scale).var(ddof=1) / a.size, (b / scale).var(ddof=1) / b.size
+    if va + vb == 0.0:
+        raise InvalidArgumentError(
+            f"Welch's t: the varying sample's spread is below 1e-154 of the other's magnitude "
+            f"({largest!r}), too small to square in floating point (a spans {float(np.ptp(a))!r}, "
+            f"b spans {float(np.ptp(b))!r}); rescale the values"
+        )
+    share_a, share_b = va / (va + vb), vb / (va + vb)
+    df = 1.0 / (share_a**2 / (a.size - 1) + share_b**2 / (b.size - 1))
+    difference = float((a / scale).mean() - (b / scale).mean()) * scale
+    return difference, math.sqrt(va + vb) * scale, float(df)
 
 
 def welch_t_test(a: Any, b: Any, alternative: str = "two-sided", *, confidence: float = 0.95) -> WelchResult:

@@ -10,7 +10,7 @@ import numpy as np
 
 from torchhal.evaluation.stats import _checks
 from torchhal.evaluation.stats.distributions import (
-    binom_cdf,
+    binom_tails,
     lower_critical_count,
     mann_whitney_counts,
     norm_cdf,
@@ -112,8 +112,10 @@ def quantile_ci(x: Any, q: float, confidence: float = 0.95) -> QuantileInterval:
 
     The number of values below the true quantile is Binomial(n, q), so P(x_(l) <= ξ_q <= x_(u))
     >= B(u − 1) − B(l − 1) whatever the distribution (Thompson 1936; David & Nagaraja 2003, §7.1);
-    l and u put at most (1 − confidence)/2 in each tail, so `coverage` >= confidence exactly.
-    Too few values for that raises, naming the minimum sample size.
+    l and u put at most (1 − confidence)/2 in each tail, so `coverage` >= confidence exactly. The
+    rank search and the size check read the same tails (`binom_tails`): a confidence exactly at
+    a tail gets the textbook interval (the median of 5 values at 0.9375: (x_(1), x_(5))). Too few
+    values for that raises, naming the minimum sample size and the best confidence n allows.
     """
     q = _checks.probability(q, "q")
     confidence = _checks.probability(confidence, "confidence")
@@ -122,13 +124,18 @@ def quantile_ci(x: Any, q: float, confidence: float = 0.95) -> QuantileInterval:
     x = _checks.sample(x, "x", min_size=1)
     n = x.size
     if n < needed:
+        worst = _widest_tail(n, q)
         raise InvalidArgumentError(
-            f"a {confidence:.0%} interval for the {q} quantile needs at least {needed} values, got {n}"
+            f"a confidence of {confidence!r} for the {q!r} quantile needs at least {needed} values, "
+            f"got {n}: even the widest interval, (x_(1), x_(n)), leaves {worst:.6g} in a tail, more "
+            f"than (1 − confidence)/2 = {tail:.6g}; the best confidence at n = {n} is "
+            f"{_best_confidence(worst)!r}"
         )
-    # l: the largest rank with B(l − 1) <= tail; u: the smallest with B(u − 1) >= 1 − tail.
-    lower = _first_rank(n, lambda r: binom_cdf(r - 1, n, q) > tail) - 1
-    upper = _first_rank(n, lambda r: binom_cdf(r - 1, n, q) >= 1.0 - tail)
-    coverage = binom_cdf(upper - 1, n, q) - binom_cdf(lower - 1, n, q)
+    # l: the largest rank with P(B <= l − 1) <= tail; u: the smallest with P(B > u − 1) <= tail.
+    lower = _first_rank(n, lambda r: binom_tails(r - 1, n, q)[0] > tail) - 1
+    upper = _first_rank(n, lambda r: binom_tails(r - 1, n, q)[1] <= tail)
+    assert 1 <= lower <= upper <= n, (lower, upper, n)  # n >= needed puts both extremes in the tails
+    coverage = 1.0 - binom_tails(lower - 1, n, q)[0] - binom_tails(upper - 1, n, q)[1]
     ordered = np.sort(x)
     return QuantileInterval(
         q,
@@ -139,6 +146,20 @@ def quantile_ci(x: Any, q: float, confidence: float = 0.95) -> QuantileInterval:
         (lower, upper),
         n,
     )
+
+
+def _widest_tail(n: int, q: float) -> float:
+    """The larger tail the widest interval (x_(1), x_(n)) leaves out: max((1 − q)^n, q^n)."""
+    return max(binom_tails(0, n, q)[0], binom_tails(n - 1, n, q)[1])
+
+
+def _best_confidence(worst: float) -> float:
+    """The largest float confidence whose tail (1 − c)/2, computed as `quantile_ci` computes it,
+    holds `worst`: 1 − 2·worst can round up past it near 1 (the error would name a level that fails)."""
+    best = max(0.0, 1.0 - 2.0 * worst)
+    while best > 0.0 and 0.5 * (1.0 - best) < worst:
+        best = math.nextafter(best, 0.0)
+    return best
 
 
 def _first_rank(n: int, holds: Any) -> int:
@@ -156,12 +177,17 @@ def _first_rank(n: int, holds: Any) -> int:
 def minimum_size_for_quantile_ci(q: float, confidence: float) -> int:
     """The fewest values for which the order statistics bracket the q-quantile at `confidence`.
 
-    Both tails must fit: (1 − q)^n <= tail (some value below ξ_q) and q^n <= tail (some above).
+    Both tails must fit: P(B <= 0) = (1 − q)^n <= tail (some value below ξ_q) and P(B > n − 1) =
+    q^n <= tail (some above), read from `binom_tails` as `quantile_ci`'s rank search reads them.
     """
     tail = 0.5 * (1.0 - confidence)
+
+    def enough(n: int) -> bool:
+        return _widest_tail(n, q) <= tail
+
     n = max(math.ceil(math.log(tail) / math.log1p(-q)), math.ceil(math.log(tail) / math.log(q)), 1)
-    while (1.0 - q) ** n > tail or q**n > tail:  # guard the ceiling against rounding
+    while not enough(n):  # guard the ceiling against rounding
         n += 1
-    while n > 1 and (1.0 - q) ** (n - 1) <= tail and q ** (n - 1) <= tail:
+    while n > 1 and enough(n - 1):
         n -= 1
     return n

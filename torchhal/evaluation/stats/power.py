@@ -167,6 +167,7 @@ def minimum_detectable_effect(
     a = _checks.sample(pilot_a, "pilot_a", min_size=2)
     b = _checks.sample(pilot_b, "pilot_b", min_size=2)
     n = _checks.positive_int(n, "n", minimum=2)
+    alpha = _checks.probability(alpha, "alpha")  # before the bracket's normal quantile of it
     target = _checks.probability(power, "power")
     _checks.alternative(alternative)
     if _checks.constant(a) and _checks.constant(b):  # up to rounding: its sd of 1e-15 is no spread

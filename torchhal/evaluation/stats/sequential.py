@@ -7,7 +7,11 @@ inequality P(Λ_t >= 1/α for some t) <= α: the p-value min_s 1/Λ_s is valid a
 and {θ : Λ_t(θ) < 1/α} is a confidence sequence (Howard, Ramdas, McAuliffe & Sekhon 2021),
 covering θ at all times at once with probability >= 1 − α. The variance of the difference is the
 running plug-in estimate (the Gaussian approximation of Waudby-Smith et al. 2021's asymptotic
-confidence sequences), so decisions wait until each arm has `min_samples` values.
+confidence sequences), so decisions wait until that approximation holds: each arm has
+`min_samples` values, the variance estimate as many degrees of freedom as two arms of
+`min_samples` give, and the difference of the means is nearly symmetric (`SKEWNESS_LIMIT`).
+The last two matter for unequal arms (a canary's 1:9 split): with equal arms the skew of the two
+means cancels, with unequal ones the smaller arm's skew is left in the difference.
 
 Because Ville's inequality must hold over an unbounded horizon and between looks, the test spends
 less than α over any finite experiment: its false-positive rate is <= α, not equal to it.
@@ -36,6 +40,20 @@ log = telemetry.get_logger("torchhal.evaluation.stats")
 # α = 0.01 .. 0.1 and tuning_n = 1 .. 1000 (0.035 at α = 0.05, 0.009 at α = 0.01, tuning_n = 10).
 # A smaller α wants more: at α = 0.001, tuning_n = 10 the rate is 0.0018 at 10, 0.0010 at 15.
 MIN_SAMPLES_FLOOR = 10
+
+# The largest skewness of mean(a) − mean(b) at which a look counts (`difference_skewness`). The
+# floor above was set on equal arms, whose skews cancel; with a 1:9 split the smaller arm's skew
+# makes the plug-in statistic one-tailed at small n. A/A Monte Carlo at 1:9 (units assigned at
+# random, a look after every unit, α = 0.05, tuning_n = 100), min_samples alone -> with this
+# limit and the degrees-of-freedom floor (`variance_df`): exponential 0.124 -> 0.035 and
+# lognormal(0, 1) 0.173 -> 0.015 (4,000 values in the smaller arm), Bernoulli(0.05) 0.39 -> 0.012
+# (1,000), normal 0.057 -> 0.048 (500). A limit of 0.2 (Cochran's 1977 n > 25·skewness² rule for
+# one mean) left exponential at 0.049. The cost, at 1:9, is values in the smaller arm before the
+# first look (median over runs): normal 16 rather than 10 (the degrees of freedom), exponential
+# (skewness 2) 118, Bernoulli(0.05) 540, lognormal(0, 1) 780; equal arms wait for nothing more.
+# A smaller α wants more (see above): normal data at 1:9 and α = 0.01 gave 0.013 at
+# min_samples = 10 and 0.0097 at 15.
+SKEWNESS_LIMIT = 0.15
 
 
 class Decision(str, enum.Enum):
@@ -69,7 +87,7 @@ class _RunningMoments:
     1e-14 wide, while arms of integers waited."""
 
     def __init__(self) -> None:
-        self.n, self.mean, self.m2 = 0, 0.0, 0.0
+        self.n, self.mean, self.m2, self.m3 = 0, 0.0, 0.0, 0.0  # m3: sum of cubed deviations
         self.low, self.high = math.inf, -math.inf
 
     def add(self, batch: np.ndarray) -> None:
@@ -77,14 +95,21 @@ class _RunningMoments:
             return
         self.low, self.high = min(self.low, float(batch.min())), max(self.high, float(batch.max()))
         n_b, mean_b = batch.size, float(batch.mean())
-        m2_b = float(np.sum((batch - mean_b) ** 2))
-        total = self.n + n_b
+        deviations = batch - mean_b
+        m2_b, m3_b = float(np.sum(deviations**2)), float(np.sum(deviations**3))
+        n_a, total = self.n, self.n + n_b
         delta = mean_b - self.mean
+        # Pébay (2008): the merged third moment uses m2 of both parts before they merge
+        self.m3 += (
+            m3_b
+            + delta**3 * n_a * n_b * (n_a - n_b) / total**2
+            + 3.0 * delta * (n_a * m2_b - n_b * self.m2) / total
+        )
         self.mean += delta * n_b / total
-        self.m2 += m2_b + delta * delta * self.n * n_b / total
+        self.m2 += m2_b + delta * delta * n_a * n_b / total
         self.n = total
         if _checks.constant(np.array([self.low, self.high])):  # the range so far is rounding
-            self.mean, self.m2 = self.low, 0.0
+            self.mean, self.m2, self.m3 = self.low, 0.0, 0.0
 
     @property
     def variance(self) -> float:
@@ -122,6 +147,30 @@ def mixture_look(
     return log_lr, half
 
 
+def variance_df(n_a: Any, n_b: Any) -> Any:
+    """Welch–Satterthwaite degrees of freedom of var_a/n_a + var_b/n_b for arms of equal variance:
+    2(n − 1) for equal arms, falling to n_a − 1 as the other arm grows. The plug-in variance is
+    as noisy as that few values make it, however many the larger arm holds. Elementwise."""
+    share_a, share_b = 1.0 / n_a, 1.0 / n_b
+    df = (share_a + share_b) ** 2 / (share_a**2 / (n_a - 1) + share_b**2 / (n_b - 1))
+    return np.where(n_a == n_b, 2.0 * (n_a - 1), df)  # exact where the floor was set: 1 ulp low at 50
+
+
+def difference_skewness(m2: Any, m3: Any, n_a: Any, n_b: Any) -> Any:
+    """Skewness of mean(a) − mean(b) when both arms have the shape of the pooled data.
+
+    The third cumulant of the difference is κ₃(1/n_a² − 1/n_b²) and its variance σ²(1/n_a + 1/n_b),
+    so its skewness is g·(1/n_a − 1/n_b)/sqrt(1/n_a + 1/n_b), g the skewness of the values: 0 for
+    equal arms, ≈ 0.84·g/sqrt(n_a) at 1:9. g comes from m2 and m3, both arms' sums of squared and
+    cubed deviations from their own means: the smaller arm's own g is too noisy at the sizes that
+    matter, and low exactly when it is dangerous (no large value yet). Under the A/A null the
+    arms share their shape. Elementwise.
+    """
+    total = n_a + n_b
+    skewness = (m3 / total) / (m2 / total) ** 1.5
+    return skewness * (1.0 / n_a - 1.0 / n_b) / np.sqrt(1.0 / n_a + 1.0 / n_b)
+
+
 class SequentialTest:
     """Feed batches with `update(a_batch, b_batch)`; read `interval`, `p_value` and `decision`.
 
@@ -133,6 +182,9 @@ class SequentialTest:
     boundary is tightest when each arm holds `tuning_n` values, as Howard et al. (2021) tune it. Once
     the always-valid p-value falls to alpha the decision is final; later batches still update
     the estimate and the interval. `min_samples` is at least `MIN_SAMPLES_FLOOR` (see there).
+    Unequal arms may wait longer: for the degrees of freedom of two arms of `min_samples`
+    (`variance_df`), and while the difference's skewness exceeds `SKEWNESS_LIMIT` (see there for
+    what that costs); `state.waiting` says which, and about how many values it wants.
     """
 
     def __init__(
@@ -184,6 +236,9 @@ class SequentialTest:
                 "both arms constant so far: the test has no variance to test on, and looks once either varies"
             )
             return self._waiting(difference, why)
+        not_normal = self._not_normal_yet()
+        if not_normal is not None:
+            return self._waiting(difference, not_normal)
         log_lr, half = mixture_look(
             difference, a.variance, a.n, b.variance, b.n, alpha=self.alpha, tuning_n=self.tuning_n
         )
@@ -199,6 +254,27 @@ class SequentialTest:
 
     def _too_few(self) -> str:
         return f"fewer than min_samples = {self.min_samples} values in an arm so far"
+
+    def _not_normal_yet(self) -> str | None:
+        """Why the difference's normal approximation does not hold yet at unequal arms, or None."""
+        a, b = self._a, self._b
+        smaller = min(a.n, b.n)
+        df, wanted = float(variance_df(a.n, b.n)), 2 * (self.min_samples - 1)
+        if df < wanted:
+            return (
+                f"the variance has {df:.1f} degrees of freedom at {a.n}:{b.n} values, fewer than two "
+                f"arms of min_samples = {self.min_samples} give ({wanted}): the smaller arm needs more"
+            )
+        skew = abs(float(difference_skewness(a.m2 + b.m2, a.m3 + b.m3, a.n, b.n)))
+        if skew > SKEWNESS_LIMIT:
+            # the skewness falls as 1/sqrt(n) at a fixed split
+            needed = math.ceil(smaller * (skew / SKEWNESS_LIMIT) ** 2)
+            return (
+                f"skewed data at unequal arms: mean(a) − mean(b) has skewness {skew:.3g} > "
+                f"{SKEWNESS_LIMIT} at {a.n}:{b.n} values; at this split the smaller arm needs "
+                f"about {needed} (it has {smaller})"
+            )
+        return None
 
     def _waiting(self, difference: float, why: str) -> SequentialState:
         """No look yet: the whole real line, p = 1, and why."""

@@ -121,6 +121,18 @@ def betainc(a: float, b: float, x: float, complement_x: float | None = None) -> 
     return 1.0 - complement, complement
 
 
+def _log_ratio_excess(x: float, a: float) -> float:
+    """log(x/a) − (x/a − 1). Near x = a, log1p(r) − r with r = (x − a)/a keeps the digits the
+    difference leaves; below a/2, log(x/a) directly: r rounded to −1 there (x/a below 1e-16:
+    log1p(−1), a math domain error) and lost x/a's digits before (gammainc(11, 1e-15) was 9
+    times too large). An x/a below the smallest float gives −inf: e^(a·that) underflows anyway."""
+    r = (x - a) / a
+    if x < 0.5 * a:
+        ratio = x / a
+        return (math.log(ratio) if ratio > 0.0 else -math.inf) - r
+    return math.log1p(r) - r
+
+
 def gammainc(a: float, x: float) -> tuple[float, float]:
     """(P(a, x), Q(a, x)): the regularized lower and upper incomplete gamma functions."""
     a = _positive(a, "a")
@@ -134,8 +146,8 @@ def gammainc(a: float, x: float) -> tuple[float, float]:
     if a < _STIRLING_FROM:
         log_front = -x + a * math.log(x) - math.lgamma(a)
     else:  # the same through Stirling's series, free of the cancellation between x and lgamma(a)
-        r = (x - a) / a
-        log_front = a * (math.log1p(r) - r) + 0.5 * math.log(a) - _HALF_LOG_2PI - _stirling_remainder(a)
+        log_front = a * _log_ratio_excess(x, a) + 0.5 * math.log(a) - _HALF_LOG_2PI
+        log_front -= _stirling_remainder(a)
     if x < a + 1.0:
         # Series: P(a, x) = e^-x x^a / Γ(a) · Σ x^n / (a (a+1) ... (a+n)).
         term = total = 1.0 / a
