@@ -292,6 +292,28 @@ def test_the_fingerprint_reads_the_per_backend_precision_api(restored_torch_sett
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     settings = environment_fingerprint([cpu_hal().device("cpu"), _nvidia_device()])["torch_settings"]
     assert settings["adapters"]["nvidia"]["cuda.matmul.fp32_precision"] == "tf32"
+    assert settings["float32_matmul_precision"] == "unreadable: mixed legacy and per-backend settings"
+
+
+def test_the_fingerprint_records_the_legacy_level_inductor_reads(restored_torch_settings) -> None:
+    """Inductor still reads torch's legacy fp32 matmul level (flex attention's precision); with
+    the per-backend flags put back by hand it can differ from them and change compiled code."""
+    cpu = cpu_hal().device("cpu")
+    torch.set_float32_matmul_precision("highest")
+    before = environment_fingerprint([cpu])
+    assert before["torch_settings"]["float32_matmul_precision"] == "highest"
+    matmuls = (torch.backends.cuda.matmul, torch.backends.mkldnn.matmul)
+    per_backend = [m.fp32_precision for m in matmuls]
+    torch.set_float32_matmul_precision("high")
+    for matmul, value in zip(matmuls, per_backend, strict=True):  # only the legacy level differs now
+        matmul.fp32_precision = value
+    after = environment_fingerprint([cpu])
+    assert after["torch_settings"]["float32_matmul_precision"] == "high"
+    assert after["torch_settings"]["adapters"] == before["torch_settings"]["adapters"]
+    assert after["digest"] != before["digest"]
+    torch.set_float32_matmul_precision("highest")
+    for matmul, value in zip(matmuls, per_backend, strict=True):
+        matmul.fp32_precision = value
 
 
 # 4. a spec argument's own dtype ----------------------------------------------------------------

@@ -68,8 +68,9 @@ def backend_flags(flags: Sequence[str], legacy: Sequence[str] = ()) -> dict[str,
 
 def general_settings() -> dict[str, Any]:
     """torch's switches for every device: thread counts, deterministic algorithms and fp32
-    matmul precision (the general `torch.backends.fp32_precision` from torch 2.9, each backend's
-    own through its adapter; the one legacy level before)."""
+    matmul precision: the legacy level (Inductor still reads it) and, from torch 2.9, the general
+    `torch.backends.fp32_precision` (each backend's own through its adapter). Where the legacy
+    level does not read (it and the per-backend flags disagree), that is recorded instead."""
     import torch
 
     settings: dict[str, Any] = {
@@ -80,8 +81,10 @@ def general_settings() -> dict[str, Any]:
     }
     if per_backend_precision():
         settings["fp32_precision"] = getattr(torch.backends, "fp32_precision")  # noqa: B009  # set at import, unknown to torch's stubs
-    else:
+    try:
         settings["float32_matmul_precision"] = torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch 2.9+: the legacy level and the per-backend flags disagree
+        settings["float32_matmul_precision"] = "unreadable: mixed legacy and per-backend settings"
     return settings
 
 
